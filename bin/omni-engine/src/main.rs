@@ -1,0 +1,2 @@
+//! The omni-engine binary.
+fn main() {}

@@ -1,0 +1,1 @@
+//! Tensors and ops: the CPU backend (and later CUDA).

@@ -1,0 +1,1 @@
+//! `EngineConfig` and the one registry of environment variables.

@@ -1,0 +1,1 @@
+//! Shared-memory broadcast queue (`ShmRingBuffer`, `MessageQueue`) with ZeroMQ overflow and remote readers.

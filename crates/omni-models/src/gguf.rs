@@ -1,0 +1,1 @@
+//! GGUF checkpoints as a [`crate::weights::WeightSource`].

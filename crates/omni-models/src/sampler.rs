@@ -1,0 +1,1 @@
+//! Sampling from logits: greedy, temperature, top-k, top-p, min-p, penalties, logprobs.

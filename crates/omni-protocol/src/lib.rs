@@ -1,0 +1,1 @@
+//! Every type that crosses a process boundary, versioned and checked at handshake.

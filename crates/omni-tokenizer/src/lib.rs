@@ -1,0 +1,1 @@
+//! Tokenizers (tokenizer.json or GGUF metadata), chat templates (minijinja), incremental detokenization.
