@@ -1,0 +1,211 @@
+//! A request as the scheduler tracks it (vLLM's `Request`).
+
+use omni_protocol::{
+    EngineCoreRequest, FinishReason, RequestId, SamplingParams, StopReason, TensorRef, TokenId,
+};
+
+use crate::block_pool::BlockHash;
+
+/// Where a request is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RequestStatus {
+    /// Queued, never scheduled.
+    Waiting,
+    /// In the running set.
+    Running,
+    /// Preempted: blocks freed, queued again, tokens kept.
+    Preempted,
+    /// Done.
+    Finished(FinishReason),
+}
+
+impl RequestStatus {
+    /// Whether the request has ended.
+    pub fn is_finished(self) -> bool {
+        matches!(self, RequestStatus::Finished(_))
+    }
+}
+
+/// One request's tokens and progress.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Request id.
+    pub request_id: RequestId,
+    /// Sampling parameters (stop conditions included).
+    pub sampling_params: SamplingParams,
+    /// The model's EOS token.
+    pub eos_token_id: Option<TokenId>,
+    /// Arrival, seconds since the Unix epoch.
+    pub arrival_time: f64,
+    /// Multimodal inputs (sent to the workers with the first scheduling).
+    pub tensors: Vec<TensorRef>,
+    /// Lifecycle state.
+    pub status: RequestStatus,
+    /// Tokens whose KV is in the cache (or scheduled to be, once the current step returns).
+    pub num_computed_tokens: usize,
+    /// Prompt tokens served from the prefix cache at first scheduling.
+    pub num_cached_tokens: usize,
+    /// How often this request was preempted.
+    pub num_preemptions: u32,
+    /// What matched when it stopped.
+    pub stop_reason: Option<StopReason>,
+    /// Chained hashes of the full blocks of `all_token_ids`, in order (filled lazily by the
+    /// KV cache manager).
+    pub(crate) block_hashes: Vec<BlockHash>,
+    /// Admission order: ties of `arrival_time` break by it.
+    pub(crate) seq_no: u64,
+    all_token_ids: Vec<TokenId>,
+    num_prompt_tokens: usize,
+}
+
+impl Request {
+    /// A waiting request from what the API sent.
+    pub fn new(req: EngineCoreRequest, seq_no: u64) -> Self {
+        let num_prompt_tokens = req.prompt_token_ids.len();
+        Self {
+            request_id: req.request_id,
+            sampling_params: req.sampling_params,
+            eos_token_id: req.eos_token_id,
+            arrival_time: req.arrival_time,
+            tensors: req.tensors,
+            status: RequestStatus::Waiting,
+            num_computed_tokens: 0,
+            num_cached_tokens: 0,
+            num_preemptions: 0,
+            stop_reason: None,
+            block_hashes: Vec::new(),
+            seq_no,
+            all_token_ids: req.prompt_token_ids,
+            num_prompt_tokens,
+        }
+    }
+
+    /// Prompt, then outputs.
+    pub fn all_token_ids(&self) -> &[TokenId] {
+        &self.all_token_ids
+    }
+
+    /// The prompt.
+    pub fn prompt_token_ids(&self) -> &[TokenId] {
+        &self.all_token_ids[..self.num_prompt_tokens]
+    }
+
+    /// Tokens generated so far.
+    pub fn output_token_ids(&self) -> &[TokenId] {
+        &self.all_token_ids[self.num_prompt_tokens..]
+    }
+
+    /// Prompt plus output length.
+    pub fn num_tokens(&self) -> usize {
+        self.all_token_ids.len()
+    }
+
+    /// Prompt length.
+    pub fn num_prompt_tokens(&self) -> usize {
+        self.num_prompt_tokens
+    }
+
+    /// Output length.
+    pub fn num_output_tokens(&self) -> usize {
+        self.all_token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// Appends one sampled token.
+    pub fn append_output_token(&mut self, token: TokenId) {
+        self.all_token_ids.push(token);
+    }
+
+    /// Whether this step's positions reach the end of the known tokens (so the model's sample is
+    /// the next token rather than the by-product of a partial prefill chunk).
+    pub fn is_caught_up(&self) -> bool {
+        self.num_computed_tokens >= self.all_token_ids.len()
+    }
+
+    /// Checks the stop conditions owned by the core after a token was appended: EOS (unless
+    /// `ignore_eos`), `stop_token_ids` (both only once `min_tokens` outputs exist), `max_tokens`
+    /// and `max_model_len`. A stop token wins over a length cap reached by the same token.
+    pub fn check_stop(&mut self, max_model_len: usize) -> Option<FinishReason> {
+        let params = &self.sampling_params;
+        let last = self.all_token_ids.last().copied();
+        if self.num_output_tokens() >= params.min_tokens as usize
+            && let Some(last) = last
+            && self.num_output_tokens() > 0
+        {
+            if !params.ignore_eos && Some(last) == self.eos_token_id {
+                self.stop_reason = None;
+                return Some(FinishReason::Stop);
+            }
+            if params.stop_token_ids.contains(&last) {
+                self.stop_reason = Some(StopReason::TokenId(last));
+                return Some(FinishReason::Stop);
+            }
+        }
+        let max_tokens_hit = params
+            .max_tokens
+            .is_some_and(|max| self.num_output_tokens() >= max as usize);
+        if max_tokens_hit || self.num_tokens() >= max_model_len {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(params: SamplingParams) -> Request {
+        Request::new(
+            EngineCoreRequest::new("r", vec![1, 2, 3], params, Some(0)),
+            0,
+        )
+    }
+
+    #[test]
+    fn eos_stops_unless_ignored_or_below_min_tokens() {
+        let mut r = request(SamplingParams::default());
+        r.append_output_token(0);
+        assert_eq!(r.check_stop(100), Some(FinishReason::Stop));
+        assert_eq!(r.stop_reason, None);
+
+        let mut r = request(SamplingParams {
+            ignore_eos: true,
+            ..Default::default()
+        });
+        r.append_output_token(0);
+        assert_eq!(r.check_stop(100), None);
+
+        let mut r = request(SamplingParams {
+            min_tokens: 2,
+            ..Default::default()
+        });
+        r.append_output_token(0);
+        assert_eq!(r.check_stop(100), None);
+        r.append_output_token(0);
+        assert_eq!(r.check_stop(100), Some(FinishReason::Stop));
+    }
+
+    #[test]
+    fn stop_token_sets_stop_reason() {
+        let mut r = request(SamplingParams {
+            stop_token_ids: vec![9],
+            ..Default::default()
+        });
+        r.append_output_token(9);
+        assert_eq!(r.check_stop(100), Some(FinishReason::Stop));
+        assert_eq!(r.stop_reason, Some(StopReason::TokenId(9)));
+    }
+
+    #[test]
+    fn length_caps_at_max_tokens_and_max_model_len() {
+        let mut r = request(SamplingParams::greedy(2));
+        r.append_output_token(5);
+        assert_eq!(r.check_stop(100), None);
+        r.append_output_token(5);
+        assert_eq!(r.check_stop(100), Some(FinishReason::Length));
+
+        let mut r = request(SamplingParams::default());
+        r.append_output_token(5);
+        assert_eq!(r.check_stop(4), Some(FinishReason::Length));
+    }
+}

@@ -1,0 +1,422 @@
+//! Continuous batching in vLLM v1's style: one token budget per step, spent first on the running
+//! requests (a decode token or the next prefill chunk each), then on waiting requests in arrival
+//! order while budget, `max_num_seqs` and free blocks allow. When a running request needs a block
+//! and none is free, the lowest-priority running request (latest arrival) is preempted by
+//! recompute: its blocks are freed, it goes to the front of the waiting queue and its computed
+//! tokens are forgotten (its generated tokens are kept, so it resumes where it stopped).
+
+use std::collections::{HashMap, VecDeque};
+
+use omni_protocol::{
+    CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
+    NewRequestData, RequestId, SamplingParamsError, SchedulerOutput, SchedulerStats,
+};
+
+use crate::config::{SchedulerConfig, SchedulerConfigError};
+use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager};
+use crate::request::{Request, RequestStatus};
+
+/// Why a request was refused at admission (the API maps these to HTTP 400).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AddRequestError {
+    /// A live request already has this id.
+    #[error("request id {0:?} is already in use")]
+    DuplicateRequestId(RequestId),
+    /// The prompt has no tokens.
+    #[error("request {0:?} has an empty prompt")]
+    EmptyPrompt(RequestId),
+    /// The prompt does not fit the model's context.
+    #[error("prompt of {prompt_len} tokens exceeds max_model_len {max_model_len}")]
+    PromptTooLong {
+        /// Prompt length.
+        prompt_len: usize,
+        /// Configured limit.
+        max_model_len: usize,
+    },
+    /// A sampling parameter is out of range.
+    #[error(transparent)]
+    InvalidSamplingParams(#[from] SamplingParamsError),
+}
+
+/// The scheduler: request queues, the KV cache manager, and the per-step decisions.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    /// Finished or aborted since the last `schedule()`: told to the workers then.
+    finished_req_ids: Vec<RequestId>,
+    num_preemptions: u64,
+    next_seq_no: u64,
+}
+
+impl Scheduler {
+    /// A scheduler with an empty KV cache of `config.num_blocks` blocks.
+    pub fn new(config: SchedulerConfig) -> Result<Self, SchedulerConfigError> {
+        config.validate()?;
+        let kv = KvCacheManager::new(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+        );
+        Ok(Self {
+            config,
+            kv,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            finished_req_ids: Vec::new(),
+            num_preemptions: 0,
+            next_seq_no: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The KV cache manager (block tables, prefix-cache counters).
+    pub fn kv_cache_manager(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// A live request.
+    pub fn request(&self, request_id: &str) -> Option<&Request> {
+        self.requests.get(request_id)
+    }
+
+    /// Requests in the running set.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting (preempted ones included).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether any request is live.
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// Whether finished request ids wait to be told to the workers.
+    pub fn has_finished_requests(&self) -> bool {
+        !self.finished_req_ids.is_empty()
+    }
+
+    /// Scheduler state for metrics.
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_running_reqs: self.running.len() as u32,
+            num_waiting_reqs: self.waiting.len() as u32,
+            kv_cache_usage: self.kv.usage(),
+            num_preemptions: self.num_preemptions,
+            prefix_cache_queries: self.kv.prefix_cache_queries(),
+            prefix_cache_hits: self.kv.prefix_cache_hits(),
+        }
+    }
+
+    /// Queues a new request at the back of the waiting queue.
+    pub fn add_request(&mut self, req: EngineCoreRequest) -> Result<(), AddRequestError> {
+        if self.requests.contains_key(&req.request_id) {
+            return Err(AddRequestError::DuplicateRequestId(req.request_id));
+        }
+        if req.prompt_token_ids.is_empty() {
+            return Err(AddRequestError::EmptyPrompt(req.request_id));
+        }
+        if req.prompt_token_ids.len() > self.config.max_model_len {
+            return Err(AddRequestError::PromptTooLong {
+                prompt_len: req.prompt_token_ids.len(),
+                max_model_len: self.config.max_model_len,
+            });
+        }
+        req.sampling_params.validate()?;
+        let request = Request::new(req, self.next_seq_no);
+        self.next_seq_no += 1;
+        self.waiting.push_back(request.request_id.clone());
+        self.requests.insert(request.request_id.clone(), request);
+        Ok(())
+    }
+
+    /// Removes requests at once, freeing their blocks. Unknown or finished ids are ignored.
+    /// Returns the ids that were live.
+    pub fn abort_requests<'a>(&mut self, ids: impl IntoIterator<Item = &'a str>) -> Vec<RequestId> {
+        let mut aborted = Vec::new();
+        for id in ids {
+            if self.requests.remove(id).is_some() {
+                self.waiting.retain(|w| w != id);
+                self.running.retain(|r| r != id);
+                self.kv.free(id);
+                self.finished_req_ids.push(id.to_owned());
+                aborted.push(id.to_owned());
+            }
+        }
+        aborted
+    }
+
+    /// Ends every live request with `reason` (e.g. [`FinishReason::Error`] when a worker died),
+    /// returning one final output for each.
+    pub fn finish_all_requests(&mut self, reason: FinishReason) -> Vec<EngineCoreOutput> {
+        let mut ids: Vec<RequestId> = self.running.drain(..).collect();
+        ids.extend(self.waiting.drain(..));
+        let mut outputs = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(req) = self.requests.remove(&id) {
+                self.kv.free(&id);
+                self.finished_req_ids.push(id.clone());
+                outputs.push(EngineCoreOutput {
+                    request_id: id,
+                    new_token_ids: Vec::new(),
+                    new_logprobs: Vec::new(),
+                    finish_reason: Some(reason),
+                    stop_reason: None,
+                    num_cached_tokens: req.num_cached_tokens as u32,
+                });
+            }
+        }
+        outputs
+    }
+
+    /// Index in `running[from..]` of the lowest-priority request (latest arrival).
+    fn preemption_victim(&self, from: usize) -> usize {
+        let mut victim = from;
+        for j in from..self.running.len() {
+            let (Some(a), Some(b)) = (
+                self.requests.get(&self.running[j]),
+                self.requests.get(&self.running[victim]),
+            ) else {
+                continue;
+            };
+            let later = a
+                .arrival_time
+                .total_cmp(&b.arrival_time)
+                .then(a.seq_no.cmp(&b.seq_no))
+                .is_gt();
+            if later {
+                victim = j;
+            }
+        }
+        victim
+    }
+
+    fn preempt(&mut self, running_index: usize) -> RequestId {
+        let id = self.running.remove(running_index);
+        self.kv.free(&id);
+        if let Some(req) = self.requests.get_mut(&id) {
+            req.status = RequestStatus::Preempted;
+            req.num_computed_tokens = 0;
+            req.num_preemptions += 1;
+        }
+        self.num_preemptions += 1;
+        self.waiting.push_front(id.clone());
+        id
+    }
+
+    /// Decides this step's batch and advances each scheduled request's `num_computed_tokens` as
+    /// if the step will succeed.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut out = SchedulerOutput::default();
+        let mut scheduled: Vec<(RequestId, usize)> = Vec::new();
+
+        // 1. Running requests, in order.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i].clone();
+            let Some(req) = self.requests.get(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            let new_blocks = loop {
+                let Some(req) = self.requests.get(&id) else {
+                    break None;
+                };
+                if let Some(blocks) =
+                    self.kv
+                        .allocate_slots(req, num_new, &ComputedBlocks::default())
+                {
+                    break Some(blocks);
+                }
+                let victim = self.preemption_victim(i);
+                out.preempted_req_ids.push(self.preempt(victim));
+                if victim == i {
+                    break None;
+                }
+            };
+            let Some(new_blocks) = new_blocks else {
+                // The request preempted itself: nothing after it has higher priority.
+                break;
+            };
+            let Some(req) = self.requests.get(&id) else {
+                break;
+            };
+            let start = req.num_computed_tokens;
+            out.scheduled_cached_reqs.push(CachedRequestData {
+                req_id: id.clone(),
+                resumed_from_preemption: false,
+                new_token_ids: req.all_token_ids()[start..start + num_new].to_vec(),
+                new_block_ids: new_blocks,
+                num_computed_tokens: start as u32,
+            });
+            scheduled.push((id, num_new));
+            budget -= num_new;
+            i += 1;
+        }
+
+        // 2. Waiting requests, first come first served, unless this step had to preempt.
+        while out.preempted_req_ids.is_empty()
+            && budget > 0
+            && self.running.len() < self.config.max_num_seqs
+        {
+            let Some(id) = self.waiting.front().cloned() else {
+                break;
+            };
+            let Some(req) = self.requests.get_mut(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let computed = self.kv.get_computed_blocks(req);
+            let remaining = req.num_tokens() - computed.num_tokens;
+            if !self.config.enable_chunked_prefill && remaining > budget {
+                break;
+            }
+            let num_new = remaining.min(budget);
+            let Some(new_blocks) = self.kv.allocate_slots(req, num_new, &computed) else {
+                break;
+            };
+            self.waiting.pop_front();
+            self.running.push(id.clone());
+            let resumed = req.status == RequestStatus::Preempted;
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = computed.num_tokens;
+            let start = computed.num_tokens;
+            if resumed {
+                out.scheduled_cached_reqs.push(CachedRequestData {
+                    req_id: id.clone(),
+                    resumed_from_preemption: true,
+                    new_token_ids: req.all_token_ids()[start..start + num_new].to_vec(),
+                    new_block_ids: new_blocks,
+                    num_computed_tokens: start as u32,
+                });
+            } else {
+                req.num_cached_tokens = computed.num_tokens;
+                out.scheduled_new_reqs.push(NewRequestData {
+                    req_id: id.clone(),
+                    prompt_token_ids: req.prompt_token_ids().to_vec(),
+                    sampling_params: req.sampling_params.clone(),
+                    eos_token_id: req.eos_token_id,
+                    block_ids: new_blocks,
+                    num_computed_tokens: start as u32,
+                    tensors: req.tensors.clone(),
+                });
+            }
+            scheduled.push((id, num_new));
+            budget -= num_new;
+        }
+
+        // 3. Advance as if the step succeeds; the next schedule() builds on it.
+        for (id, n) in scheduled {
+            if let Some(req) = self.requests.get_mut(&id) {
+                req.num_computed_tokens += n;
+            }
+            out.total_num_scheduled_tokens += n as u32;
+            out.num_scheduled_tokens.insert(id, n as u32);
+        }
+        out.finished_req_ids = std::mem::take(&mut self.finished_req_ids);
+        out
+    }
+
+    /// Applies one step's model output: registers newly computed full blocks in the prefix cache,
+    /// appends sampled tokens, checks stop conditions and frees finished requests. Returns one
+    /// output per request that got tokens or finished, in batch order.
+    pub fn update_from_output(
+        &mut self,
+        scheduler_output: &SchedulerOutput,
+        model_output: &ModelRunnerOutput,
+    ) -> Vec<EngineCoreOutput> {
+        let index: HashMap<&str, usize> = model_output
+            .req_ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (id.as_str(), i))
+            .collect();
+        let batch = scheduler_output
+            .scheduled_new_reqs
+            .iter()
+            .map(|r| &r.req_id)
+            .chain(
+                scheduler_output
+                    .scheduled_cached_reqs
+                    .iter()
+                    .map(|r| &r.req_id),
+            );
+
+        let mut outputs = Vec::new();
+        let mut finished = Vec::new();
+        for id in batch {
+            let Some(req) = self.requests.get_mut(id) else {
+                continue; // aborted during the step
+            };
+            if req.status != RequestStatus::Running {
+                continue;
+            }
+            self.kv.cache_blocks(req);
+            if !req.is_caught_up() {
+                continue; // a partial prefill chunk samples nothing
+            }
+            let Some(&i) = index.get(id.as_str()) else {
+                continue;
+            };
+            let sampled = model_output
+                .sampled_token_ids
+                .get(i)
+                .map_or(&[][..], Vec::as_slice);
+            let mut new_token_ids = Vec::new();
+            let mut finish_reason = None;
+            for &token in sampled {
+                req.append_output_token(token);
+                new_token_ids.push(token);
+                finish_reason = req.check_stop(self.config.max_model_len);
+                if finish_reason.is_some() {
+                    break;
+                }
+            }
+            if new_token_ids.is_empty() {
+                continue;
+            }
+            let new_logprobs = model_output
+                .logprobs
+                .get(i)
+                .map(|l| l.iter().take(new_token_ids.len()).cloned().collect())
+                .unwrap_or_default();
+            if let Some(reason) = finish_reason {
+                req.status = RequestStatus::Finished(reason);
+                finished.push(id.clone());
+            }
+            outputs.push(EngineCoreOutput {
+                request_id: id.clone(),
+                new_token_ids,
+                new_logprobs,
+                finish_reason,
+                stop_reason: req.stop_reason.clone(),
+                num_cached_tokens: req.num_cached_tokens as u32,
+            });
+        }
+        for id in finished {
+            self.requests.remove(&id);
+            self.running.retain(|r| *r != id);
+            self.kv.free(&id);
+            self.finished_req_ids.push(id);
+        }
+        outputs
+    }
+}

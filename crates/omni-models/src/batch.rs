@@ -1,0 +1,125 @@
+//! What one forward step computes: [`ForwardBatch`], built from per-sequence chunks with
+//! [`ForwardBatch::from_chunks`].
+
+use omni_backend::attention::AttentionMetadata;
+
+use crate::error::ModelError;
+
+/// The new tokens of one sequence in a step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// Token ids to run (a whole prompt, a prompt chunk, or one decode token).
+    pub tokens: &'a [u32],
+    /// Tokens of this sequence already in the KV cache (the first new token's position).
+    pub start_pos: usize,
+    /// The sequence's block table (must cover `start_pos + tokens.len()` tokens).
+    pub block_table: &'a [u32],
+}
+
+/// One forward step over a flat batch of tokens from several sequences.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ForwardBatch {
+    /// `[num_tokens]` token ids, sequences one after another.
+    pub input_ids: Vec<u32>,
+    /// `[num_tokens]` absolute positions (for RoPE).
+    pub positions: Vec<usize>,
+    /// Where K/V go and how to read context back (vLLM names).
+    pub attn: AttentionMetadata,
+    /// Token rows whose logits to return; `None` = the last token of each sequence.
+    pub logits_indices: Option<Vec<usize>>,
+}
+
+impl ForwardBatch {
+    /// A batch from per-sequence chunks, with slots computed from each block table.
+    pub fn from_chunks(chunks: &[SeqChunk<'_>], block_size: usize) -> Result<Self, ModelError> {
+        if block_size == 0 {
+            return Err(ModelError::Batch("block_size is 0".into()));
+        }
+        let mut b = ForwardBatch::default();
+        b.attn.query_start_loc.push(0);
+        for (s, c) in chunks.iter().enumerate() {
+            let end = c.start_pos + c.tokens.len();
+            if c.block_table.len() * block_size < end {
+                return Err(ModelError::Batch(format!(
+                    "sequence {s}: {} blocks of {block_size} cannot hold {end} tokens",
+                    c.block_table.len()
+                )));
+            }
+            for (i, &tok) in c.tokens.iter().enumerate() {
+                let pos = c.start_pos + i;
+                b.input_ids.push(tok);
+                b.positions.push(pos);
+                let slot = c.block_table[pos / block_size] as usize * block_size + pos % block_size;
+                b.attn.slot_mapping.push(slot as i64);
+            }
+            b.attn.block_tables.push(c.block_table.to_vec());
+            b.attn.seq_lens.push(end);
+            b.attn.query_start_loc.push(b.input_ids.len());
+        }
+        Ok(b)
+    }
+
+    /// Asks for the logits of every token, not only the last of each sequence.
+    pub fn with_all_logits(mut self) -> Self {
+        self.logits_indices = Some((0..self.input_ids.len()).collect());
+        self
+    }
+
+    /// The token rows whose logits [`crate::CausalLm::forward`] returns, in order.
+    pub fn output_rows(&self) -> Vec<usize> {
+        match &self.logits_indices {
+            Some(ix) => ix.clone(),
+            None => self
+                .attn
+                .query_start_loc
+                .windows(2)
+                .filter(|w| w[1] > w[0])
+                .map(|w| w[1] - 1)
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_get_slots_from_their_block_tables() {
+        let b = ForwardBatch::from_chunks(
+            &[
+                SeqChunk {
+                    tokens: &[1, 2, 3],
+                    start_pos: 0,
+                    block_table: &[7],
+                },
+                SeqChunk {
+                    tokens: &[9],
+                    start_pos: 5,
+                    block_table: &[2, 4],
+                },
+            ],
+            4,
+        )
+        .unwrap();
+        assert_eq!(b.attn.slot_mapping, vec![28, 29, 30, 17]);
+        assert_eq!(b.attn.seq_lens, vec![3, 6]);
+        assert_eq!(b.attn.query_start_loc, vec![0, 3, 4]);
+        assert_eq!(b.positions, vec![0, 1, 2, 5]);
+        assert_eq!(b.output_rows(), vec![2, 3]);
+    }
+
+    #[test]
+    fn too_small_block_table_is_an_error() {
+        let r = ForwardBatch::from_chunks(
+            &[SeqChunk {
+                tokens: &[1, 2, 3],
+                start_pos: 2,
+                block_table: &[0],
+            }],
+            4,
+        );
+        assert!(r.is_err());
+    }
+}

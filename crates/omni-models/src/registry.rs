@@ -1,0 +1,185 @@
+//! Architectures keyed by the HF `architectures` string, and the entry points that build a model
+//! from a checkpoint directory or from a config alone (dummy weights).
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::decoder::{DecoderModel, DecoderSpec, TpContext};
+use crate::dummy::DummyWeights;
+use crate::error::ModelError;
+use crate::hf_dir::SafetensorsDir;
+use crate::weights::WeightSource;
+use crate::{CausalLm, KvCacheSpec, llama, qwen3, qwen3_moe};
+
+/// One registered architecture.
+#[derive(Debug, Clone, Copy)]
+pub struct Architecture {
+    /// The HF `architectures[0]` string.
+    pub name: &'static str,
+    /// Parses `config.json` into the decoder spec.
+    pub spec: fn(&Value) -> Result<DecoderSpec, ModelError>,
+}
+
+/// Every supported architecture.
+pub const ARCHITECTURES: &[Architecture] = &[
+    Architecture {
+        name: llama::ARCHITECTURE,
+        spec: llama::spec_from_json,
+    },
+    Architecture {
+        name: qwen3::ARCHITECTURE,
+        spec: qwen3::spec_from_json,
+    },
+    Architecture {
+        name: qwen3_moe::ARCHITECTURE,
+        spec: qwen3_moe::spec_from_json,
+    },
+];
+
+/// Where weights come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadFormat {
+    /// The directory's safetensors files.
+    Safetensors,
+    /// Deterministic random weights from `config.json` alone (`--load-format dummy`).
+    Dummy {
+        /// Seed; every rank must use the same one.
+        seed: u64,
+    },
+}
+
+/// The registered architecture named by `config.json`'s `architectures[0]`.
+pub fn architecture(config: &Value) -> Result<&'static Architecture, ModelError> {
+    let name = config
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .ok_or_else(|| ModelError::Config("no `architectures` list".into()))?;
+    ARCHITECTURES
+        .iter()
+        .find(|a| a.name == name)
+        .ok_or_else(|| ModelError::UnknownArchitecture {
+            name: name.into(),
+            supported: ARCHITECTURES
+                .iter()
+                .map(|a| a.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+/// The decoder spec of a `config.json` value.
+pub fn decoder_spec(config: &Value) -> Result<DecoderSpec, ModelError> {
+    (architecture(config)?.spec)(config)
+}
+
+/// Reads and parses `<dir>/config.json`.
+pub fn read_config(dir: &Path) -> Result<Value, ModelError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// Builds rank `tp.rank`'s model from a config and a weight source.
+pub fn build_model(
+    config: &Value,
+    weights: &dyn WeightSource,
+    tp: TpContext,
+) -> Result<Box<dyn CausalLm>, ModelError> {
+    let spec = decoder_spec(config)?;
+    Ok(Box::new(DecoderModel::load(spec, weights, tp)?))
+}
+
+/// Random weights with every tensor the config's checkpoint would hold.
+pub fn dummy_weights(config: &Value, seed: u64) -> Result<DummyWeights, ModelError> {
+    Ok(DummyWeights::new(
+        decoder_spec(config)?.weight_shapes(),
+        seed,
+    ))
+}
+
+/// Builds rank `tp.rank`'s model from a HF directory (`config.json` plus safetensors, or only
+/// `config.json` with [`LoadFormat::Dummy`]).
+pub fn load_model_dir(
+    dir: &Path,
+    format: LoadFormat,
+    tp: TpContext,
+) -> Result<Box<dyn CausalLm>, ModelError> {
+    let config = read_config(dir)?;
+    match format {
+        LoadFormat::Safetensors => build_model(&config, &SafetensorsDir::open(dir)?, tp),
+        LoadFormat::Dummy { seed } => build_model(&config, &dummy_weights(&config, seed)?, tp),
+    }
+}
+
+/// The KV cache rank `tp_rank` of `tp_size` needs for this config (no weights read).
+pub fn kv_cache_spec(
+    config: &Value,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<KvCacheSpec, ModelError> {
+    decoder_spec(config)?.kv_cache_spec(tp_rank, tp_size)
+}
+
+/// Bytes of K and V (f32) that one block of `block_size` tokens takes in one layer on one rank.
+pub fn kv_cache_bytes_per_block_per_layer(
+    config: &Value,
+    block_size: usize,
+    tp_rank: usize,
+    tp_size: usize,
+) -> Result<usize, ModelError> {
+    Ok(kv_cache_spec(config, tp_rank, tp_size)?.bytes_per_block_per_layer(block_size))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn smollm2() -> Value {
+        serde_json::json!({"architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
+            "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+            "rope_theta": 100000, "tie_word_embeddings": true})
+    }
+
+    #[test]
+    fn unknown_architecture_lists_supported_ones() {
+        let c = serde_json::json!({"architectures": ["GPT2LMHeadModel"]});
+        let e = decoder_spec(&c).unwrap_err().to_string();
+        assert!(
+            e.contains("GPT2LMHeadModel") && e.contains("Qwen3MoeForCausalLM"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kv_bytes_per_block_follow_local_kv_heads() {
+        let c = smollm2();
+        // 3 KV heads x 64 dims x 16 tokens x (K + V) x 4 bytes.
+        assert_eq!(
+            kv_cache_bytes_per_block_per_layer(&c, 16, 0, 1).unwrap(),
+            3 * 64 * 16 * 2 * 4
+        );
+        // 9 heads do not split over 2 ranks.
+        assert!(kv_cache_bytes_per_block_per_layer(&c, 16, 0, 2).is_err());
+        assert_eq!(
+            kv_cache_bytes_per_block_per_layer(&c, 16, 2, 3).unwrap(),
+            64 * 16 * 2 * 4
+        );
+    }
+
+    #[test]
+    fn dummy_weights_cover_every_tensor_the_model_loads() {
+        let mut c = smollm2();
+        c["num_hidden_layers"] = 1.into();
+        c["vocab_size"] = 64.into();
+        let w = dummy_weights(&c, 0).unwrap();
+        let m = build_model(&c, &w, TpContext::single()).unwrap();
+        assert_eq!(m.kv_cache_spec().num_kv_heads, 3);
+    }
+}

@@ -1,0 +1,100 @@
+//! What the engine core sends back to the API process.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{RequestId, TensorRef, TokenId, TokenLogprobs};
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum FinishReason {
+    /// EOS, a stop token, or a stop string.
+    Stop,
+    /// `max_tokens` or `max_model_len` reached.
+    Length,
+    /// Aborted by the client or the server.
+    Abort,
+    /// The engine failed while the request was live.
+    Error,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string (and vLLM's metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+impl std::fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What matched when a request stopped with [`FinishReason::Stop`] (vLLM's `stop_reason`; `None`
+/// there means EOS).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StopReason {
+    /// A token of `stop_token_ids`.
+    TokenId(TokenId),
+    /// A string of `stop`.
+    String(String),
+}
+
+/// New tokens of one request since the previous output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineCoreOutput {
+    /// Request id.
+    pub request_id: RequestId,
+    /// Tokens appended this step (usually one).
+    pub new_token_ids: Vec<TokenId>,
+    /// Log-probabilities of `new_token_ids`, when requested.
+    pub new_logprobs: Vec<TokenLogprobs>,
+    /// Set on the request's last output.
+    pub finish_reason: Option<FinishReason>,
+    /// What matched, for [`FinishReason::Stop`] other than EOS.
+    pub stop_reason: Option<StopReason>,
+    /// Prompt tokens served from the prefix cache.
+    pub num_cached_tokens: u32,
+}
+
+impl EngineCoreOutput {
+    /// Whether this is the request's last output.
+    pub fn finished(&self) -> bool {
+        self.finish_reason.is_some()
+    }
+}
+
+/// Scheduler state for metrics (vLLM's `SchedulerStats`); counters are cumulative.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerStats {
+    /// Requests in the running set (`vllm:num_requests_running`).
+    pub num_running_reqs: u32,
+    /// Requests waiting, preempted ones included (`vllm:num_requests_waiting`).
+    pub num_waiting_reqs: u32,
+    /// Fraction of KV blocks in use, 0..=1 (`vllm:kv_cache_usage_perc`).
+    pub kv_cache_usage: f32,
+    /// Preemptions so far (`vllm:num_preemptions`).
+    pub num_preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache so far (`vllm:prefix_cache_queries`).
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found (`vllm:prefix_cache_hits`).
+    pub prefix_cache_hits: u64,
+}
+
+/// One message from the engine core to the API process: the outputs of one step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineCoreOutputs {
+    /// Per-request outputs.
+    pub outputs: Vec<EngineCoreOutput>,
+    /// Scheduler state after the step.
+    pub scheduler_stats: Option<SchedulerStats>,
+    /// When the step finished, seconds since the Unix epoch.
+    pub timestamp: f64,
+    /// Per-request tensors (e.g. Thinker hidden states for the next stage), out-of-band.
+    pub tensors: Vec<TensorRef>,
+}

@@ -1,0 +1,119 @@
+//! Engine core <-> worker messages: typed commands down, typed responses up.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{DType, RequestId, SchedulerOutput, TensorRef, TokenId};
+
+/// Where the weights come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LoadFormat {
+    /// Pick from the files found at `model`.
+    Auto,
+    /// HF safetensors files.
+    Safetensors,
+    /// A GGUF file.
+    Gguf,
+    /// Random weights of the right shapes (benchmarks, tests).
+    Dummy,
+}
+
+/// Everything a worker needs to load its shard of the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadModelSpec {
+    /// A local path (directory or file).
+    pub model: String,
+    /// Weight format.
+    pub load_format: LoadFormat,
+    /// Compute dtype; `None` takes the checkpoint's.
+    pub dtype: Option<DType>,
+    /// Longest sequence (prompt + output) the engine will schedule.
+    pub max_model_len: u32,
+    /// Tokens per KV block, so the worker can report `kv_bytes_per_block`.
+    pub block_size: u32,
+    /// Fraction of device memory the worker may use in total.
+    pub gpu_memory_utilization: f32,
+    /// Tensor-parallel world size (the worker's rank is its process identity).
+    pub tensor_parallel_size: u32,
+    /// Seed of the worker's global sampling stream and of dummy weights.
+    pub seed: u64,
+}
+
+/// A command broadcast from the engine core to every worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum WorkerCommand {
+    /// Load weights; answered with [`WorkerResponse::ModelLoaded`].
+    LoadModel(LoadModelSpec),
+    /// Allocate the KV cache; answered with [`WorkerResponse::Ready`].
+    InitCache {
+        /// Number of KV blocks (the same on every rank).
+        num_blocks: u32,
+        /// Tokens per block.
+        block_size: u32,
+    },
+    /// Run one step; the output rank answers with [`WorkerResponse::ModelRunnerOutput`].
+    ExecuteModel(SchedulerOutput),
+    /// Liveness probe; answered with [`WorkerResponse::Ready`].
+    Health,
+    /// Exit cleanly; no answer.
+    Shutdown,
+}
+
+/// One token and its log-probability.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Logprob {
+    /// The token.
+    pub token_id: TokenId,
+    /// Its natural-log probability.
+    pub logprob: f32,
+}
+
+/// Log-probabilities for one sampled position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The sampled token and its log-probability.
+    pub sampled: Logprob,
+    /// 1-based rank of the sampled token among the whole vocabulary (1 = most likely).
+    pub rank: u32,
+    /// The most likely tokens, most likely first (as many as `SamplingParams::logprobs`).
+    pub top: Vec<Logprob>,
+}
+
+/// What one step produced (vLLM's `ModelRunnerOutput`). `sampled_token_ids[i]` and `logprobs[i]`
+/// belong to `req_ids[i]`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelRunnerOutput {
+    /// Every request of the batch.
+    pub req_ids: Vec<RequestId>,
+    /// Tokens sampled per request: one, or none for a partial prefill chunk.
+    pub sampled_token_ids: Vec<Vec<TokenId>>,
+    /// One entry per sampled token when the request asked for logprobs, else empty.
+    pub logprobs: Vec<Vec<TokenLogprobs>>,
+    /// Hidden states and other per-request tensors (omni stages), as out-of-band buffers.
+    pub tensors: Vec<TensorRef>,
+}
+
+/// A worker's answer to a [`WorkerCommand`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum WorkerResponse {
+    /// Started (handshake), cache allocated, or healthy.
+    Ready {
+        /// The answering worker.
+        rank: u32,
+    },
+    /// Weights are loaded and memory was profiled.
+    ModelLoaded {
+        /// KV cache bytes one block takes on this rank (all layers, K and V).
+        kv_bytes_per_block: u64,
+        /// Device bytes left for the KV cache on this rank.
+        available_memory_bytes: u64,
+    },
+    /// The result of [`WorkerCommand::ExecuteModel`].
+    ModelRunnerOutput(ModelRunnerOutput),
+    /// A command failed; the engine core treats the worker as dead.
+    Error {
+        /// The failing worker.
+        rank: u32,
+        /// What went wrong.
+        message: String,
+    },
+}

@@ -1,0 +1,192 @@
+//! Every message type survives a bincode 2 round trip, as the IPC layer encodes it.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+
+use omni_protocol::{
+    CachedRequestData, DType, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
+    EngineCoreRequest, FinishReason, LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput,
+    NewRequestData, SamplingParams, SchedulerOutput, SchedulerStats, StopReason, TensorRef,
+    TokenLogprobs, WorkerCommand, WorkerResponse,
+};
+use serde::{Serialize, de::DeserializeOwned};
+
+fn roundtrip<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(value: &T) {
+    let config = bincode::config::standard();
+    let bytes = bincode::serde::encode_to_vec(value, config).unwrap();
+    let (decoded, read): (T, usize) = bincode::serde::decode_from_slice(&bytes, config).unwrap();
+    assert_eq!(read, bytes.len(), "decoder must consume the whole message");
+    assert_eq!(&decoded, value);
+}
+
+fn full_sampling_params() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.7,
+        top_p: 0.9,
+        top_k: Some(40),
+        min_p: 0.05,
+        seed: Some(1234),
+        presence_penalty: 0.5,
+        frequency_penalty: -0.25,
+        repetition_penalty: 1.1,
+        max_tokens: Some(128),
+        min_tokens: 2,
+        stop: vec!["\n\n".into(), "</s>".into()],
+        stop_token_ids: vec![7, 9],
+        ignore_eos: true,
+        logprobs: Some(5),
+    }
+}
+
+fn tensor(index: u32) -> TensorRef {
+    TensorRef {
+        name: "thinker.hidden_states.24".into(),
+        request_id: Some("req-1".into()),
+        dtype: DType::Bf16,
+        shape: vec![17, 2048],
+        buffer_index: index,
+    }
+}
+
+fn scheduler_output() -> SchedulerOutput {
+    SchedulerOutput {
+        scheduled_new_reqs: vec![NewRequestData {
+            req_id: "req-1".into(),
+            prompt_token_ids: vec![1, 2, 3, 4, 5],
+            sampling_params: full_sampling_params(),
+            eos_token_id: Some(2),
+            block_ids: vec![0, 3],
+            num_computed_tokens: 0,
+            tensors: vec![tensor(1)],
+        }],
+        scheduled_cached_reqs: vec![CachedRequestData {
+            req_id: "req-0".into(),
+            resumed_from_preemption: true,
+            new_token_ids: vec![42],
+            new_block_ids: vec![5, 6, 7],
+            num_computed_tokens: 33,
+        }],
+        num_scheduled_tokens: HashMap::from([("req-1".into(), 5), ("req-0".into(), 1)]),
+        total_num_scheduled_tokens: 6,
+        finished_req_ids: vec!["req-9".into()],
+        preempted_req_ids: vec!["req-8".into()],
+        free_encoder_mm_hashes: vec!["abc".into()],
+        tensors: vec![tensor(2)],
+    }
+}
+
+#[test]
+fn sampling_params_roundtrip_with_every_field_set() {
+    roundtrip(&full_sampling_params());
+    roundtrip(&SamplingParams::default());
+}
+
+#[test]
+fn engine_core_inputs_roundtrip() {
+    let mut req =
+        EngineCoreRequest::new("req-1", vec![10, 20, 30], full_sampling_params(), Some(2));
+    req.tensors.push(tensor(1));
+    roundtrip(&req);
+    roundtrip(&EngineCoreInput::Add(req));
+    roundtrip(&EngineCoreInput::Abort(vec!["a".into(), "b".into()]));
+    roundtrip(&EngineCoreInput::Shutdown);
+}
+
+#[test]
+fn scheduler_output_roundtrips_inside_execute_model() {
+    let out = scheduler_output();
+    roundtrip(&out);
+    roundtrip(&WorkerCommand::ExecuteModel(out));
+    roundtrip(&WorkerCommand::ExecuteModel(SchedulerOutput::default()));
+}
+
+#[test]
+fn every_worker_command_roundtrips() {
+    roundtrip(&WorkerCommand::LoadModel(LoadModelSpec {
+        model: "/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
+        load_format: LoadFormat::Gguf,
+        dtype: Some(DType::F32),
+        max_model_len: 8192,
+        block_size: 16,
+        gpu_memory_utilization: 0.9,
+        tensor_parallel_size: 2,
+        seed: 0,
+    }));
+    roundtrip(&WorkerCommand::InitCache {
+        num_blocks: 4096,
+        block_size: 16,
+    });
+    roundtrip(&WorkerCommand::Health);
+    roundtrip(&WorkerCommand::Shutdown);
+}
+
+#[test]
+fn every_worker_response_roundtrips() {
+    roundtrip(&WorkerResponse::Ready { rank: 3 });
+    roundtrip(&WorkerResponse::ModelLoaded {
+        kv_bytes_per_block: 1 << 20,
+        available_memory_bytes: 80 << 30,
+    });
+    let lp = |token_id, logprob| Logprob { token_id, logprob };
+    roundtrip(&WorkerResponse::ModelRunnerOutput(ModelRunnerOutput {
+        req_ids: vec!["req-0".into(), "req-1".into()],
+        sampled_token_ids: vec![vec![42], vec![]],
+        logprobs: vec![
+            vec![TokenLogprobs {
+                sampled: lp(42, -0.1),
+                rank: 1,
+                top: vec![lp(42, -0.1), lp(7, -2.5)],
+            }],
+            vec![],
+        ],
+        tensors: vec![tensor(1)],
+    }));
+    roundtrip(&WorkerResponse::Error {
+        rank: 1,
+        message: "CUDA out of memory".into(),
+    });
+}
+
+#[test]
+fn engine_core_outputs_roundtrip() {
+    let outputs = EngineCoreOutputs {
+        outputs: vec![
+            EngineCoreOutput {
+                request_id: "req-0".into(),
+                new_token_ids: vec![5],
+                new_logprobs: vec![],
+                finish_reason: Some(FinishReason::Stop),
+                stop_reason: Some(StopReason::TokenId(5)),
+                num_cached_tokens: 16,
+            },
+            EngineCoreOutput {
+                request_id: "req-1".into(),
+                new_token_ids: vec![],
+                new_logprobs: vec![],
+                finish_reason: Some(FinishReason::Abort),
+                stop_reason: Some(StopReason::String("END".into())),
+                num_cached_tokens: 0,
+            },
+        ],
+        scheduler_stats: Some(SchedulerStats {
+            num_running_reqs: 3,
+            num_waiting_reqs: 1,
+            kv_cache_usage: 0.25,
+            num_preemptions: 2,
+            prefix_cache_queries: 100,
+            prefix_cache_hits: 48,
+        }),
+        timestamp: 1.7e9,
+        tensors: vec![],
+    };
+    roundtrip(&outputs);
+}
+
+#[test]
+fn tensor_ref_reports_buffer_size() {
+    let t = tensor(1);
+    assert_eq!(t.num_elements(), 17 * 2048);
+    assert_eq!(t.num_bytes(), 17 * 2048 * 2);
+    assert_eq!(FinishReason::Length.to_string(), "length");
+}
