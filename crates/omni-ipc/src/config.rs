@@ -1,0 +1,60 @@
+//! Queue configuration. The binary fills it from `EngineConfig` (where
+//! `VLLM_MQ_MAX_CHUNK_BYTES_MB` is read once, through envy); this crate reads no environment.
+
+use std::time::Duration;
+
+/// Sizes and timings of one broadcast queue.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MessageQueueConfig {
+    /// Bytes of one ring slot. A message whose encoding is larger goes over ZeroMQ.
+    /// Default 16 MiB (vLLM's `VLLM_MQ_MAX_CHUNK_BYTES_MB`).
+    pub max_chunk_bytes: usize,
+    /// Number of ring slots: how far the writer may run ahead of the slowest reader.
+    pub max_chunks: usize,
+    /// How long a waiting reader or writer busy-spins before it parks on a futex.
+    pub spin: Duration,
+    /// While blocked, log a warning this often.
+    pub warn_interval: Duration,
+    /// Give up an enqueue after this long (`None`: wait for ever, still warning and still
+    /// failing at once when a lagging reader's process is dead).
+    pub enqueue_timeout: Option<Duration>,
+    /// Largest message accepted from the network (remote readers / overflow frames).
+    pub max_message_bytes: usize,
+}
+
+impl Default for MessageQueueConfig {
+    fn default() -> Self {
+        Self {
+            max_chunk_bytes: 16 << 20,
+            max_chunks: 10,
+            spin: Duration::from_micros(200),
+            warn_interval: Duration::from_secs(60),
+            enqueue_timeout: None,
+            max_message_bytes: 8 << 30,
+        }
+    }
+}
+
+impl MessageQueueConfig {
+    /// Checks the values; every problem is reported, not just the first.
+    pub fn validate(&self) -> Result<(), crate::IpcError> {
+        let mut problems = Vec::new();
+        if self.max_chunk_bytes < 4096 {
+            problems.push(format!(
+                "max_chunk_bytes must be at least 4096, got {}",
+                self.max_chunk_bytes
+            ));
+        }
+        if self.max_chunks == 0 {
+            problems.push("max_chunks must be at least 1".to_string());
+        }
+        if self.max_message_bytes < self.max_chunk_bytes {
+            problems.push("max_message_bytes must be at least max_chunk_bytes".to_string());
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(crate::IpcError::Config(problems.join("; ")))
+        }
+    }
+}

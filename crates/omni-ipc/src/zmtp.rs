@@ -1,0 +1,571 @@
+//! A minimal ZeroMQ (ZMTP/3.0, NULL mechanism) DEALER/ROUTER transport over Unix-domain and
+//! TCP stream sockets, written for this queue.
+//!
+//! Why our own instead of a ZeroMQ library (see ARCHITECTURE.md for the measurements):
+//! * **Bounded frames before allocation.** A frame's length is checked against
+//!   `max_message_bytes` *before* any buffer is reserved; the pure-Rust `zeromq` crate reserves
+//!   whatever length a peer claims, so one hostile 8-byte length aborts the process.
+//! * **No intermediate copies.** Frames are written with `writev` straight from the ring slot
+//!   or the caller's buffers, and read straight into a buffer of the exact size; `zeromq` 0.7
+//!   copies every frame into an encode buffer and through a 64 KiB read buffer (measured ~1 GB/s
+//!   for 32 MiB messages against ~19 GB/s memcpy).
+//! * **No async runtime** in every worker process just to move bytes in order.
+//!
+//! The wire format is ZMTP/3.0 (greeting, NULL handshake with `READY{Socket-Type, Identity}`,
+//! frames with MORE/LONG flags), so a libzmq DEALER can interoperate with the writer. Local
+//! readers use an abstract Unix socket (nothing on the filesystem to clean up after a crash);
+//! remote readers use TCP bound to an explicit address.
+
+use std::io::{IoSlice, Read, Write};
+use std::time::{Duration, Instant};
+
+use crate::IpcError;
+
+const SIG_HEAD: u8 = 0xFF;
+const SIG_TAIL: u8 = 0x7F;
+const FLAG_MORE: u8 = 0x01;
+const FLAG_LONG: u8 = 0x02;
+const FLAG_COMMAND: u8 = 0x04;
+/// Largest command (handshake) frame we accept.
+const MAX_COMMAND: usize = 4096;
+/// Kernel socket buffers: large enough that one big frame moves in few syscalls.
+const SOCKET_BUFFER: libc::c_int = 4 << 20;
+
+/// A connected ZMTP stream (Unix or TCP).
+#[derive(Debug)]
+pub enum Stream {
+    /// Same-host reader, abstract Unix socket.
+    Unix(std::os::unix::net::UnixStream),
+    /// Remote reader, TCP.
+    Tcp(std::net::TcpStream),
+}
+
+fn zerr(op: &'static str, e: impl std::fmt::Display) -> IpcError {
+    IpcError::Zmq {
+        op,
+        message: e.to_string(),
+    }
+}
+
+impl Stream {
+    fn io(&mut self) -> &mut dyn ReadWrite {
+        match self {
+            Stream::Unix(s) => s,
+            Stream::Tcp(s) => s,
+        }
+    }
+
+    /// Another handle to the same socket (for a thread that reads acks / watches for EOF).
+    pub fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+        })
+    }
+
+    /// Sets the read timeout (None: block).
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Tcp(s) => s.set_read_timeout(t),
+        }
+    }
+
+    fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+
+    /// Enlarges kernel buffers and (TCP) disables Nagle.
+    pub fn tune(&self) {
+        let fd = self.raw_fd();
+        for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+            // SAFETY: valid fd, a c_int option value of the right size.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    &SOCKET_BUFFER as *const libc::c_int as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                );
+            }
+        }
+        if let Stream::Tcp(s) = self {
+            let _ = s.set_nodelay(true);
+        }
+    }
+
+    /// Shuts both directions down (wakes a thread blocked reading it).
+    pub fn shutdown(&self) {
+        let _ = match self {
+            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    /// ZMTP greeting + NULL handshake. `socket_type` is ours ("ROUTER" / "DEALER"), `identity`
+    /// what a DEALER announces. Returns the peer's `Identity` property.
+    pub fn handshake(
+        &mut self,
+        socket_type: &str,
+        identity: &[u8],
+        deadline: Instant,
+    ) -> Result<Vec<u8>, IpcError> {
+        let mut greeting = [0u8; 64];
+        greeting[0] = SIG_HEAD;
+        greeting[9] = SIG_TAIL;
+        greeting[10] = 3; // version 3.0
+        greeting[11] = 0;
+        greeting[12..16].copy_from_slice(b"NULL");
+        greeting[32] = u8::from(socket_type == "ROUTER"); // as-server
+        self.set_read_timeout(Some(remaining(deadline)?))
+            .map_err(|e| zerr("handshake", e))?;
+        self.io()
+            .write_all(&greeting)
+            .map_err(|e| zerr("handshake write", e))?;
+        let mut peer = [0u8; 64];
+        self.io()
+            .read_exact(&mut peer)
+            .map_err(|e| zerr("handshake read", e))?;
+        if peer[0] != SIG_HEAD
+            || peer[9] != SIG_TAIL
+            || peer[10] < 3
+            || &peer[12..16] != b"NULL"
+            || peer[16..32].iter().any(|&b| b != 0)
+        {
+            return Err(IpcError::MalformedFrame(
+                "peer is not a ZMTP/3 NULL-mechanism socket".into(),
+            ));
+        }
+        // READY command: name, then properties (name-len u8, name, value-len u32 BE, value).
+        let mut body = Vec::with_capacity(64);
+        body.push(5);
+        body.extend_from_slice(b"READY");
+        for (k, v) in [
+            (&b"Socket-Type"[..], socket_type.as_bytes()),
+            (&b"Identity"[..], identity),
+        ] {
+            body.push(k.len() as u8);
+            body.extend_from_slice(k);
+            body.extend_from_slice(&(v.len() as u32).to_be_bytes());
+            body.extend_from_slice(v);
+        }
+        let mut hdr = Vec::with_capacity(9);
+        push_frame_header(&mut hdr, body.len(), FLAG_COMMAND);
+        self.io()
+            .write_all(&hdr)
+            .map_err(|e| zerr("handshake write", e))?;
+        self.io()
+            .write_all(&body)
+            .map_err(|e| zerr("handshake write", e))?;
+        let (flags, len) = self.read_frame_header(MAX_COMMAND)?;
+        if flags & FLAG_COMMAND == 0 {
+            return Err(IpcError::MalformedFrame("expected READY command".into()));
+        }
+        let mut cmd = vec![0u8; len];
+        self.io()
+            .read_exact(&mut cmd)
+            .map_err(|e| zerr("handshake read", e))?;
+        let props = parse_ready(&cmd)?;
+        let peer_type = props
+            .iter()
+            .find(|(k, _)| k.as_slice() == b"Socket-Type")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        let want: &[u8] = if socket_type == "ROUTER" {
+            b"DEALER"
+        } else {
+            b"ROUTER"
+        };
+        if peer_type != want {
+            return Err(IpcError::MalformedFrame(format!(
+                "peer socket type {:?}",
+                String::from_utf8_lossy(&peer_type)
+            )));
+        }
+        Ok(props
+            .into_iter()
+            .find(|(k, _)| k.as_slice() == b"Identity")
+            .map(|(_, v)| v)
+            .unwrap_or_default())
+    }
+
+    fn read_frame_header(&mut self, bound: usize) -> Result<(u8, usize), IpcError> {
+        let mut b = [0u8; 1];
+        self.io().read_exact(&mut b).map_err(read_err)?;
+        self.read_frame_len(b[0], bound)
+    }
+
+    fn read_frame_len(&mut self, flags: u8, bound: usize) -> Result<(u8, usize), IpcError> {
+        if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
+            return Err(IpcError::MalformedFrame(format!(
+                "reserved frame flag bits set: {flags:#x}"
+            )));
+        }
+        let len = if flags & FLAG_LONG != 0 {
+            let mut l = [0u8; 8];
+            self.io().read_exact(&mut l).map_err(read_err)?;
+            u64::from_be_bytes(l)
+        } else {
+            let mut l = [0u8; 1];
+            self.io().read_exact(&mut l).map_err(read_err)?;
+            u64::from(l[0])
+        };
+        // The bound is checked before anything is allocated for the frame.
+        if len > bound as u64 {
+            return Err(IpcError::MalformedFrame(format!(
+                "frame of {len} bytes exceeds the bound of {bound}"
+            )));
+        }
+        Ok((flags, len as usize))
+    }
+
+    /// Sends one multipart message, writing every frame straight from its slice.
+    pub fn send(&mut self, frames: &[&[u8]]) -> Result<(), IpcError> {
+        let mut headers = Vec::with_capacity(frames.len() * 9);
+        let mut offsets = Vec::with_capacity(frames.len());
+        for (i, f) in frames.iter().enumerate() {
+            offsets.push(headers.len());
+            push_frame_header(
+                &mut headers,
+                f.len(),
+                if i + 1 < frames.len() { FLAG_MORE } else { 0 },
+            );
+        }
+        offsets.push(headers.len());
+        let mut slices = Vec::with_capacity(frames.len() * 2);
+        for (i, f) in frames.iter().enumerate() {
+            slices.push(IoSlice::new(&headers[offsets[i]..offsets[i + 1]]));
+            if !f.is_empty() {
+                slices.push(IoSlice::new(f));
+            }
+        }
+        let mut bufs: &mut [IoSlice<'_>] = &mut slices;
+        while !bufs.is_empty() {
+            match self.io().write_vectored(bufs) {
+                Ok(0) => return Err(zerr("send", "peer closed the connection")),
+                Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(zerr("send", e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives one multipart message. Waits at most until `deadline` for its first byte
+    /// (`Ok(None)` on timeout); once a message has started, reads it whole. `max_bytes` bounds
+    /// the total, `max_frames` the frame count.
+    pub fn recv(
+        &mut self,
+        deadline: Option<Instant>,
+        max_bytes: usize,
+        max_frames: usize,
+    ) -> Result<Option<Vec<bytes::Bytes>>, IpcError> {
+        let wait = match deadline {
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(t) if !t.is_zero() => Some(t),
+                _ => Some(Duration::from_millis(1)),
+            },
+            None => None,
+        };
+        self.set_read_timeout(wait).map_err(|e| zerr("recv", e))?;
+        let mut first = [0u8; 1];
+        match self.io().read(&mut first) {
+            Ok(0) => {
+                return Err(IpcError::Zmq {
+                    op: "recv",
+                    message: "connection closed by the writer".into(),
+                });
+            }
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => return Err(zerr("recv", e)),
+        }
+        // A message has started: read the rest without a deadline (the writer is mid-write;
+        // if it dies the socket closes and the read fails).
+        self.set_read_timeout(None).map_err(|e| zerr("recv", e))?;
+        let mut frames = Vec::new();
+        let mut total = 0usize;
+        let mut flags = first[0];
+        loop {
+            if flags & FLAG_COMMAND != 0 {
+                return Err(IpcError::MalformedFrame("unexpected command frame".into()));
+            }
+            let (_, len) = self.read_frame_len(flags, max_bytes - total)?;
+            total += len;
+            let mut buf = Vec::with_capacity(len);
+            // `take` + `read_to_end` reads straight into the reserved capacity.
+            let got = self
+                .io()
+                .take(len as u64)
+                .read_to_end(&mut buf)
+                .map_err(|e| zerr("recv", e))?;
+            if got != len {
+                return Err(IpcError::Zmq {
+                    op: "recv",
+                    message: "connection closed mid-message".into(),
+                });
+            }
+            frames.push(bytes::Bytes::from(buf));
+            if flags & FLAG_MORE == 0 {
+                return Ok(Some(frames));
+            }
+            if frames.len() >= max_frames {
+                return Err(IpcError::MalformedFrame(format!(
+                    "more than {max_frames} frames"
+                )));
+            }
+            let mut b = [0u8; 1];
+            self.io().read_exact(&mut b).map_err(read_err)?;
+            flags = b[0];
+        }
+    }
+}
+
+trait ReadWrite: Read + Write {}
+impl<T: Read + Write> ReadWrite for T {}
+
+fn read_err(e: std::io::Error) -> IpcError {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        IpcError::Zmq {
+            op: "recv",
+            message: "connection closed by the peer".into(),
+        }
+    } else {
+        zerr("recv", e)
+    }
+}
+
+fn remaining(deadline: Instant) -> Result<Duration, IpcError> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .ok_or(IpcError::Timeout(Duration::ZERO))
+}
+
+fn push_frame_header(out: &mut Vec<u8>, len: usize, flags: u8) {
+    if len > 255 {
+        out.push(flags | FLAG_LONG);
+        out.extend_from_slice(&(len as u64).to_be_bytes());
+    } else {
+        out.push(flags);
+        out.push(len as u8);
+    }
+}
+
+type Props = Vec<(Vec<u8>, Vec<u8>)>;
+
+fn parse_ready(cmd: &[u8]) -> Result<Props, IpcError> {
+    let bad = || IpcError::MalformedFrame("bad READY command".into());
+    let name_len = *cmd.first().ok_or_else(bad)? as usize;
+    if cmd.get(1..1 + name_len) != Some(b"READY".as_slice()) {
+        return Err(bad());
+    }
+    let mut off = 1 + name_len;
+    let mut props = Vec::new();
+    while off < cmd.len() {
+        let kl = *cmd.get(off).ok_or_else(bad)? as usize;
+        let k = cmd.get(off + 1..off + 1 + kl).ok_or_else(bad)?.to_vec();
+        off += 1 + kl;
+        let vl = u32::from_be_bytes(
+            cmd.get(off..off + 4)
+                .ok_or_else(bad)?
+                .try_into()
+                .map_err(|_| bad())?,
+        ) as usize;
+        let v = cmd.get(off + 4..off + 4 + vl).ok_or_else(bad)?.to_vec();
+        off += 4 + vl;
+        props.push((k, v));
+    }
+    Ok(props)
+}
+
+/// The listening side (the queue's writer).
+#[derive(Debug)]
+pub enum Listener {
+    /// Abstract Unix socket for same-host readers.
+    Unix(std::os::unix::net::UnixListener),
+    /// TCP for remote readers.
+    Tcp(std::net::TcpListener),
+}
+
+impl Listener {
+    /// Binds an abstract Unix socket `name` (no filesystem entry).
+    pub fn bind_abstract(name: &str) -> Result<Self, IpcError> {
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| zerr("bind", e))?;
+        let l = std::os::unix::net::UnixListener::bind_addr(&addr).map_err(|e| zerr("bind", e))?;
+        l.set_nonblocking(true).map_err(|e| zerr("bind", e))?;
+        Ok(Listener::Unix(l))
+    }
+
+    /// Binds TCP on `addr:port`; an address that is not this host's is a clear error.
+    pub fn bind_tcp(addr: std::net::IpAddr, port: u16) -> Result<Self, IpcError> {
+        let l = std::net::TcpListener::bind((addr, port)).map_err(|source| {
+            if source.raw_os_error() == Some(libc::EADDRNOTAVAIL) {
+                IpcError::NonLocalBind { addr, source }
+            } else {
+                zerr("bind", source)
+            }
+        })?;
+        l.set_nonblocking(true).map_err(|e| zerr("bind", e))?;
+        Ok(Listener::Tcp(l))
+    }
+
+    /// The endpoint readers connect to: `ipc://@name` or `tcp://ip:port`.
+    pub fn endpoint(&self, name: &str) -> Result<String, IpcError> {
+        Ok(match self {
+            Listener::Unix(_) => format!("ipc://@{name}"),
+            Listener::Tcp(l) => {
+                let a = l.local_addr().map_err(|e| zerr("bind", e))?;
+                format!("tcp://{a}")
+            }
+        })
+    }
+
+    /// Accepts one connection if one is pending.
+    pub fn try_accept(&self) -> Result<Option<Stream>, IpcError> {
+        let r = match self {
+            Listener::Unix(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nonblocking(false);
+                Stream::Unix(s)
+            }),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nonblocking(false);
+                Stream::Tcp(s)
+            }),
+        };
+        match r {
+            Ok(s) => {
+                s.tune();
+                Ok(Some(s))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(zerr("accept", e)),
+        }
+    }
+}
+
+/// Connects to an endpoint produced by [`Listener::endpoint`].
+pub fn connect(endpoint: &str, deadline: Instant) -> Result<Stream, IpcError> {
+    loop {
+        let attempt = if let Some(name) = endpoint.strip_prefix("ipc://@") {
+            use std::os::linux::net::SocketAddrExt;
+            std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+                .and_then(|a| std::os::unix::net::UnixStream::connect_addr(&a))
+                .map(Stream::Unix)
+        } else if let Some(addr) = endpoint.strip_prefix("tcp://") {
+            std::net::TcpStream::connect(addr).map(Stream::Tcp)
+        } else {
+            return Err(IpcError::Config(format!("unknown endpoint {endpoint:?}")));
+        };
+        match attempt {
+            Ok(s) => {
+                s.tune();
+                return Ok(s);
+            }
+            Err(e)
+                if Instant::now() < deadline
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                    ) =>
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(zerr("connect", e)),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (Stream, Stream) {
+        let name = format!("omni.test.{}", crate::shm::new_instance_id());
+        let l = Listener::bind_abstract(&name).unwrap();
+        let ep = l.endpoint(&name).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let t = std::thread::spawn(move || {
+            let mut c = connect(&ep, deadline).unwrap();
+            assert_eq!(c.handshake("DEALER", b"L0", deadline).unwrap(), b"");
+            c
+        });
+        let mut s = loop {
+            if let Some(s) = l.try_accept().unwrap() {
+                break s;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        assert_eq!(s.handshake("ROUTER", b"", deadline).unwrap(), b"L0");
+        (s, t.join().unwrap())
+    }
+
+    #[test]
+    fn multipart_messages_arrive_whole_and_in_order() {
+        let (mut w, mut r) = pair();
+        let big = vec![9u8; 300_000];
+        let t = std::thread::spawn(move || {
+            w.send(&[b"a", &[], &big]).unwrap();
+            w.send(&[b"second"]).unwrap();
+            w
+        });
+        let m = r.recv(None, 1 << 20, 8).unwrap().unwrap();
+        assert_eq!(m.len(), 3);
+        assert_eq!(&m[0][..], b"a");
+        assert!(m[1].is_empty());
+        assert_eq!(m[2].len(), 300_000);
+        assert_eq!(
+            &r.recv(None, 1 << 20, 8).unwrap().unwrap()[0][..],
+            b"second"
+        );
+        drop(t.join().unwrap());
+    }
+
+    #[test]
+    fn frame_over_the_bound_is_rejected_before_allocation() {
+        let (mut w, mut r) = pair();
+        // A hostile length of 2^60 bytes: rejected from the 9-byte header alone.
+        let mut hostile = vec![FLAG_LONG];
+        hostile.extend_from_slice(&(1u64 << 60).to_be_bytes());
+        w.io().write_all(&hostile).unwrap();
+        let err = r.recv(None, 1 << 20, 8).unwrap_err();
+        assert!(matches!(err, IpcError::MalformedFrame(_)), "{err}");
+    }
+
+    #[test]
+    fn recv_times_out_without_data() {
+        let (_w, mut r) = pair();
+        let t0 = Instant::now();
+        assert!(
+            r.recv(Some(Instant::now() + Duration::from_millis(50)), 1024, 4)
+                .unwrap()
+                .is_none()
+        );
+        assert!(t0.elapsed() >= Duration::from_millis(40));
+    }
+
+    #[test]
+    fn binding_a_non_local_address_is_a_clear_error() {
+        // TEST-NET-3: never assigned to a host.
+        let err = Listener::bind_tcp("203.0.113.7".parse().unwrap(), 0).unwrap_err();
+        assert!(matches!(err, IpcError::NonLocalBind { .. }), "{err}");
+        assert!(err.to_string().contains("not an address of this host"));
+    }
+}
