@@ -1,2 +1,60 @@
-//! The omni-engine binary.
-fn main() {}
+//! The omni-engine binary. One executable for every process role: the subcommand picks it
+//! (`serve`, `worker`, `generate`, `bench ...`).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+mod bench_cmd;
+mod generate_cmd;
+mod worker_cmd;
+
+/// omni-engine: an LLM and omni-model serving engine.
+#[derive(Debug, Parser)]
+#[command(name = "omni-engine", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Benchmarks: `bench ipc` (the broadcast queue), `bench serve` (an OpenAI server).
+    Bench(BenchArgs),
+    /// Offline inference: generate continuations for prompts (vLLM's `LLM.generate`).
+    Generate(generate_cmd::Args),
+    /// A tensor-parallel worker process (spawned by the engine core, not by hand).
+    #[command(hide = true)]
+    Worker(worker_cmd::Args),
+}
+
+#[derive(Debug, Args)]
+struct BenchArgs {
+    #[command(subcommand)]
+    which: bench_cmd::BenchCommand,
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn main() -> anyhow::Result<()> {
+    init_logging();
+    let cli = Cli::parse_from(generate_cmd::normalize_args(std::env::args()));
+    match cli.command {
+        Command::Bench(b) => bench_cmd::run(b.which),
+        Command::Generate(a) => generate_cmd::run(a),
+        Command::Worker(a) => worker_cmd::run(a),
+    }
+}
+
+/// This executable's path, for spawning child processes of other roles.
+pub fn current_exe() -> anyhow::Result<PathBuf> {
+    std::env::current_exe().context("locating the omni-engine executable")
+}

@@ -1,14 +1,16 @@
 //! EngineCore, Scheduler, KV cache manager: the engine's brain, with no device code.
 //!
-//! Layer L2: depends only on `omni-protocol`. No GPU code and no IPC code live here: the
-//! [`Executor`] trait is the seam to whatever runs the model, and the process loop that receives
-//! [`omni_protocol::EngineCoreInput`]s and sends [`omni_protocol::EngineCoreOutputs`] lives in
-//! the binary.
+//! Layer L2: depends on `omni-protocol` and `omni-ipc`; no model or GPU code lives here. The
+//! [`Executor`] trait is the seam to whatever runs the model: [`UniprocExecutor`] drives an
+//! in-process [`LocalWorker`], [`MultiprocExecutor`] spawns one worker process per rank
+//! and talks to them over `omni-ipc`. [`EngineLoop`] runs the busy loop on its own thread;
+//! [`EngineClient`] is the handle servers and offline inference use.
 //!
 //! - [`BlockPool`]: KV blocks with reference counts, an LRU free queue and the prefix-cache map.
 //! - [`KvCacheManager`]: per-request block tables, prefix caching by chained block hash.
 //! - [`Scheduler`]: continuous batching with chunked prefill and preemption by recompute.
 //! - [`EngineCore`]: `add_request`, `abort`, `step`.
+//! - [`engine_loop`]: the busy-loop thread and its client handle.
 //!
 //! ```
 //! use omni_core::{EngineCore, EngineError, Executor, SchedulerConfig};
@@ -41,6 +43,7 @@
 mod block_pool;
 mod config;
 mod engine_core;
+pub mod engine_loop;
 mod executor;
 mod kv_cache_manager;
 mod request;
@@ -49,7 +52,12 @@ mod scheduler;
 pub use block_pool::{BlockAllocError, BlockHash, BlockPool, hash_block_tokens};
 pub use config::{SchedulerConfig, SchedulerConfigError};
 pub use engine_core::EngineCore;
-pub use executor::{EngineError, Executor};
+pub use engine_loop::{EngineClient, EngineLoop, RequestError, RequestOutput, RequestStream};
+pub use executor::{
+    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineError, Executor, ExecutorStartError, LocalWorker,
+    MultiprocConfig, MultiprocExecutor, StartupSpec, UniprocExecutor, WorkerHandshake, WorkerHello,
+    plan_num_blocks,
+};
 pub use kv_cache_manager::{ComputedBlocks, KvCacheManager};
 pub use request::{Request, RequestStatus};
 pub use scheduler::{AddRequestError, Scheduler};

@@ -228,7 +228,7 @@ impl MessageQueue {
                             if !self.peers.contains_key(&id)
                                 && self.expected().any(|e| e == id) =>
                         {
-                            let remote = matches!(s, Stream::Tcp(_));
+                            let remote = s.is_tcp();
                             if remote != matches!(id, ReaderId::Remote(_)) {
                                 tracing::warn!(%id, "reader connected over the wrong transport; dropped");
                                 continue;
@@ -386,17 +386,22 @@ impl MessageQueue {
                 // SAFETY: begin_write gave the writer exclusive use of the slot (every reader
                 // released it, see ring.rs), and the slot is max_chunk_bytes >= len long.
                 unsafe { codec::write_inline(ring.slot_ptr(slot), header, buffers) };
+                flags.publish(slot);
+                ring.notify_readers(false);
             } else {
                 // SAFETY: as above; the marker is 16 bytes, slots are at least 4096.
                 unsafe { codec::write_overflow_marker(ring.slot_ptr(slot)) };
+                // Publish the marker first: a reader takes the frames off its socket only after
+                // it sees the marker, and a large message does not fit the socket's buffer, so
+                // sending before publishing would block both sides.
+                flags.publish(slot);
+                ring.notify_readers(false);
                 send_all(
                     &mut self.peers,
                     |id| matches!(id, ReaderId::Local(_)),
                     &frames,
                 )?;
             }
-            flags.publish(slot);
-            ring.notify_readers(false);
         }
         if self.spec.n_remote_readers > 0 {
             send_all(
@@ -424,12 +429,8 @@ impl MessageQueue {
         };
         let ring_ok = || !need_ring || self.ring.as_ref().is_none_or(|r| r.flags().all_read(slot));
         let ready = || ring_ok() && remote_ok();
-        let spin_until = started + cfg.spin;
-        while Instant::now() < spin_until {
-            if ready() {
-                return Ok(());
-            }
-            std::hint::spin_loop();
+        if spin_wait(started + cfg.spin, ready) {
+            return Ok(());
         }
         let mut next_warn = cfg.warn_interval;
         loop {
@@ -528,9 +529,13 @@ impl MessageQueue {
             return Ok(());
         };
         let deadline = Instant::now() + timeout;
+        let spin_until = Instant::now() + self.spec.config.spin;
         let n = ring.max_chunks() as u64;
         for seq in self.seq.saturating_sub(n)..self.seq {
             let slot = (seq % n) as usize;
+            if spin_wait(spin_until, || ring.flags().all_read(slot)) {
+                continue;
+            }
             while !ring.flags().all_read(slot) {
                 if Instant::now() >= deadline {
                     return Err(IpcError::Timeout(timeout));
@@ -540,6 +545,25 @@ impl MessageQueue {
         }
         Ok(())
     }
+}
+
+/// Waits for `ready()` until `until` without sleeping: a few pure spins (the hot path, where the
+/// other side is already running on another core), then `sched_yield` between checks so that,
+/// when there are more runnable processes than cores, the one we wait for gets the CPU.
+fn spin_wait(until: Instant, ready: impl Fn() -> bool) -> bool {
+    for _ in 0..128 {
+        if ready() {
+            return true;
+        }
+        std::hint::spin_loop();
+    }
+    while Instant::now() < until {
+        if ready() {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    ready()
 }
 
 fn send_all(
@@ -912,12 +936,7 @@ impl MessageQueueReader {
         };
         let slot = (self.cursor % ring.max_chunks() as u64) as usize;
         let readable = || ring.flags().readable(slot, r);
-        if !readable() {
-            let spin_until = Instant::now() + self.config.spin;
-            while !readable() && Instant::now() < spin_until {
-                std::hint::spin_loop();
-            }
-        }
+        spin_wait(Instant::now() + self.config.spin, readable);
         while !readable() {
             self.check_alive()?;
             if ring.header().closed.load(Ordering::SeqCst) != 0 && !readable() {

@@ -1,0 +1,241 @@
+//! `omni-engine bench serve`: an OpenAI-API load generator that measures TTFT, TPOT, ITL and
+//! end-to-end latency over streamed requests and prints vLLM's `Serving Benchmark Result` block.
+//! It speaks only the public OpenAI API, so the same command benchmarks omni-engine and vLLM.
+//!
+//! ```no_run
+//! use clap::Parser;
+//! #[derive(Parser)]
+//! struct Cli {
+//!     #[command(flatten)]
+//!     serve: omni_bench::serve::ServeBenchArgs,
+//! }
+//! let args = Cli::parse_from(["bench", "--base-url", "http://127.0.0.1:8000", "--num-prompts", "8"]);
+//! let result = omni_bench::serve::run(args.serve).unwrap();
+//! println!("{} ok", result.completed);
+//! ```
+
+mod client;
+pub mod dataset;
+pub mod stats;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use omni_tokenizer::Tokenizer;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::Semaphore;
+
+pub use dataset::SampleRequest;
+pub use stats::{RequestOutcome, ServeBenchResult, Summary};
+
+/// Which prompts to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DatasetName {
+    /// Random prompts of `--random-input-len` tokens.
+    Random,
+    /// ShareGPT conversations from `--dataset-path`.
+    Sharegpt,
+}
+
+/// Options of `bench serve` (names as in `vllm bench serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeBenchArgs {
+    /// Server base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub base_url: String,
+    /// API path: /v1/completions or /v1/chat/completions.
+    #[arg(long, default_value = "/v1/completions")]
+    pub endpoint: String,
+    /// Model name to request (default: the first of /v1/models).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Dataset.
+    #[arg(long, alias = "dataset-name", value_enum, default_value = "random")]
+    pub dataset: DatasetName,
+    /// ShareGPT JSON file.
+    #[arg(long)]
+    pub dataset_path: Option<PathBuf>,
+    /// Number of requests.
+    #[arg(long, default_value_t = 1000)]
+    pub num_prompts: usize,
+    /// Most requests in flight at once.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Requests per second (Poisson arrivals); `inf` sends all at once.
+    #[arg(long, default_value_t = f64::INFINITY)]
+    pub request_rate: f64,
+    /// Random dataset: prompt tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub random_input_len: usize,
+    /// Random dataset: output tokens.
+    #[arg(long, default_value_t = 128)]
+    pub random_output_len: usize,
+    /// Random dataset: lengths vary in [len*(1-r), len*(1+r)].
+    #[arg(long, default_value_t = 0.0)]
+    pub random_range_ratio: f64,
+    /// Random dataset: tokens of a prefix shared by every prompt.
+    #[arg(long, default_value_t = 0)]
+    pub random_prefix_len: usize,
+    /// Send `ignore_eos: true` so every request generates its full output length.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Seed of the dataset and the arrival process.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the figures as JSON to this file.
+    #[arg(long)]
+    pub save_result: Option<PathBuf>,
+    /// Tokenizer (HF directory or GGUF file) to build prompts of exact token lengths.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Sections to print: any of ttft,tpot,itl,e2el.
+    #[arg(long, default_value = "ttft,tpot,itl", value_delimiter = ',')]
+    pub percentile_metrics: Vec<String>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub disable_tqdm: bool,
+}
+
+/// Why the benchmark could not run (failed requests are counted, not errors).
+#[derive(Debug, thiserror::Error)]
+pub enum ServeBenchError {
+    /// Bad option values.
+    #[error("invalid arguments: {0}")]
+    Args(String),
+    /// The dataset could not be read.
+    #[error("dataset {path}: {reason}")]
+    Dataset {
+        /// File.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The tokenizer failed.
+    #[error(transparent)]
+    Tokenizer(#[from] omni_tokenizer::Error),
+    /// The server could not be asked for its model.
+    #[error("querying {url}: {reason}")]
+    Server {
+        /// URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// Local I/O (runtime, result file).
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Runs the benchmark, prints the result block, and returns the figures.
+pub fn run(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run_async(args))
+}
+
+fn load_tokenizer(path: &std::path::Path) -> Result<Tokenizer, ServeBenchError> {
+    if path.is_dir() {
+        Ok(Tokenizer::from_hf_dir(path)?)
+    } else {
+        Ok(Tokenizer::from_gguf_path(path)?)
+    }
+}
+
+async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchError> {
+    if args.request_rate.is_nan() || args.request_rate <= 0.0 {
+        return Err(ServeBenchError::Args("--request-rate must be > 0".into()));
+    }
+    if args.max_concurrency == Some(0) {
+        return Err(ServeBenchError::Args(
+            "--max-concurrency must be >= 1".into(),
+        ));
+    }
+    let tokenizer = args.tokenizer.as_deref().map(load_tokenizer).transpose()?;
+    let samples = match args.dataset {
+        DatasetName::Random => dataset::random(
+            tokenizer.as_ref(),
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_len,
+            args.seed,
+        )?,
+        DatasetName::Sharegpt => {
+            let path = args.dataset_path.as_deref().ok_or_else(|| {
+                ServeBenchError::Args("--dataset sharegpt needs --dataset-path".into())
+            })?;
+            dataset::sharegpt(path, tokenizer.as_ref(), args.num_prompts, args.seed)?
+        }
+    };
+    let http = reqwest::Client::new();
+    let base = args.base_url.trim_end_matches('/').to_string();
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => client::first_model(&http, &base).await?,
+    };
+    let url = format!("{base}{}", args.endpoint);
+    let chat = args.endpoint.contains("chat");
+
+    let progress = if args.disable_tqdm {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(samples.len() as u64)
+    };
+    progress.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let limit = Arc::new(Semaphore::new(
+        args.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
+    ));
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(samples.len());
+    for sample in samples {
+        if args.request_rate.is_finite() {
+            // Poisson process: exponential gaps with mean 1 / rate.
+            let u: f64 = rng.random_range(f64::EPSILON..1.0);
+            tokio::time::sleep(Duration::from_secs_f64(-u.ln() / args.request_rate)).await;
+        }
+        let body = client::request_body(&model, &sample, chat, args.ignore_eos);
+        let (http, url, limit, progress) =
+            (http.clone(), url.clone(), limit.clone(), progress.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = limit.acquire_owned().await;
+            let outcome = client::send(&http, &url, &body, sample.prompt_len).await;
+            progress.inc(1);
+            outcome
+        }));
+    }
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        outcomes.push(t.await.unwrap_or_else(|e| RequestOutcome {
+            error: Some(format!("request task failed: {e}")),
+            ..RequestOutcome::default()
+        }));
+    }
+    let duration = start.elapsed().as_secs_f64();
+    progress.finish_and_clear();
+
+    let result =
+        ServeBenchResult::compute(&outcomes, duration, args.max_concurrency, args.request_rate);
+    for e in &result.errors {
+        eprintln!("request failed: {e}");
+    }
+    print!("{}", result.format_block(&args.percentile_metrics));
+    if let Some(path) = &args.save_result {
+        let mut json = serde_json::to_value(&result).unwrap_or_default();
+        json["model"] = serde_json::json!(model);
+        json["endpoint"] = serde_json::json!(args.endpoint);
+        json["base_url"] = serde_json::json!(args.base_url);
+        json["num_prompts"] = serde_json::json!(args.num_prompts);
+        let text = serde_json::to_string_pretty(&json).unwrap_or_default();
+        std::fs::write(path, text)?;
+    }
+    Ok(result)
+}

@@ -1,0 +1,407 @@
+//! `omni-engine generate`: offline batch inference (vLLM's `LLM.generate`). Starts the engine
+//! (one worker process per tensor-parallel rank, or the model in-process with
+//! `--executor uni`), submits every prompt at once through the engine loop, and prints the
+//! continuations (`--json`: `[{"prompt_token_ids":[..],"token_ids":[..],"text":".."}]`).
+//! Throughput (prefill and decode tok/s) goes to stderr.
+//!
+//! ```text
+//! omni-engine generate --prompt "What is the capital of France?" --chat --temperature 0
+//! omni-engine generate --model path/to/hf-dir -tp 2 --prompt-token-ids 1,2,3 --json
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use omni_core::{
+    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineCore, EngineLoop, Executor, MultiprocConfig,
+    MultiprocExecutor, SchedulerConfig, StartupSpec, UniprocExecutor,
+};
+use omni_protocol::{EngineCoreRequest, LoadFormat, LoadModelSpec, SamplingParams};
+use omni_tokenizer::Tokenizer;
+
+/// Where the weights come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LoadFormatArg {
+    /// From the files found at `--model`.
+    Auto,
+    /// HF safetensors files.
+    Safetensors,
+    /// A GGUF file.
+    Gguf,
+    /// Random weights of the model's shapes.
+    Dummy,
+}
+
+/// Which executor runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExecutorArg {
+    /// One worker process per rank (`MultiprocExecutor`).
+    Mp,
+    /// The model in this process (`UniprocExecutor`, tensor-parallel size 1).
+    Uni,
+}
+
+/// `omni-engine generate` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Model: a HF checkpoint directory or a `.gguf` file. Default: the built-in
+    /// SmolLM2-135M-Instruct GGUF (fetched into ~/.cache/omni-engine/models on first use).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Weight format.
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// Tensor-parallel size: worker processes (also `-tp`).
+    #[arg(
+        long = "tensor-parallel-size",
+        visible_alias = "tp",
+        default_value_t = 1
+    )]
+    pub tensor_parallel_size: u32,
+    /// Executor.
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Mp)]
+    pub executor: ExecutorArg,
+    /// A text prompt (repeatable).
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// Render each text prompt as one user message through the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// A prompt as comma-separated token ids (repeatable), e.g. `1,2,3`.
+    #[arg(long)]
+    pub prompt_token_ids: Vec<String>,
+    /// Repeat every prompt this many times (benchmarking batches).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    /// Most tokens to generate per prompt.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u32,
+    /// Fewest tokens to generate before EOS may stop.
+    #[arg(long, default_value_t = 0)]
+    pub min_tokens: u32,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Nucleus sampling.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Top-k sampling (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Min-p sampling.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Per-request sampling seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Keep generating after EOS.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Longest sequence (prompt + output).
+    #[arg(long, default_value_t = 2048)]
+    pub max_model_len: u32,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// KV cache bytes per rank, e.g. `256MiB`, `1GiB`, `1000000`.
+    #[arg(long, default_value = "256MiB", value_parser = parse_bytes)]
+    pub kv_cache_memory: u64,
+    /// Use exactly this many KV blocks instead of the byte budget.
+    #[arg(long)]
+    pub num_gpu_blocks_override: Option<u32>,
+    /// Most requests in a batch.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Seed of the workers' global sampling stream and of dummy weights.
+    #[arg(long, default_value_t = 0)]
+    pub engine_seed: u64,
+}
+
+/// Rewrites vLLM's `-tp N` (a multi-letter short flag clap cannot express) into
+/// `--tensor-parallel-size N`. Call on argv before parsing.
+pub fn normalize_args(args: impl IntoIterator<Item = String>) -> Vec<String> {
+    args.into_iter()
+        .map(|a| match a.as_str() {
+            "-tp" => "--tensor-parallel-size".to_string(),
+            _ => match a.strip_prefix("-tp=") {
+                Some(v) => format!("--tensor-parallel-size={v}"),
+                None => a,
+            },
+        })
+        .collect()
+}
+
+/// `256MiB`, `1GiB`, `64KiB`, `100MB`, or a plain byte count.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("not a size: {s:?}"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        other => return Err(format!("unknown size unit {other:?}")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size too large: {s:?}"))
+}
+
+fn load_tokenizer(model: &Path) -> anyhow::Result<Tokenizer> {
+    Ok(if model.is_dir() {
+        Tokenizer::from_hf_dir(model)?
+    } else {
+        Tokenizer::from_gguf_path(model)?
+    })
+}
+
+/// One finished prompt.
+#[derive(Debug, serde::Serialize)]
+struct Generation {
+    prompt_token_ids: Vec<u32>,
+    token_ids: Vec<u32>,
+    text: String,
+}
+
+/// Runs offline inference and prints the results.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => omni_gguf::default_model::locate_or_fetch()
+            .context("locating the default model (run scripts/fetch-default-model.sh)")?,
+    };
+    let tokenizer = load_tokenizer(&model);
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    if !args.prompt.is_empty() {
+        let tok = tokenizer
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("text prompts need the tokenizer: {e}"))?;
+        for p in &args.prompt {
+            prompts.push(if args.chat {
+                tok.encode_chat(&serde_json::json!([{"role": "user", "content": p}]), true)?
+            } else {
+                tok.encode(p, true)?
+            });
+        }
+    }
+    for ids in &args.prompt_token_ids {
+        let parsed: Result<Vec<u32>, _> = ids
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| s.trim().parse::<u32>())
+            .collect();
+        prompts.push(parsed.with_context(|| format!("--prompt-token-ids {ids:?}"))?);
+    }
+    if prompts.is_empty() {
+        bail!("give at least one --prompt or --prompt-token-ids");
+    }
+    let prompts: Vec<Vec<u32>> = prompts
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(p.clone(), args.repeat.max(1)))
+        .collect();
+    let eos = tokenizer
+        .as_ref()
+        .ok()
+        .and_then(|t| t.eos_token_ids().first().copied());
+
+    let load = LoadModelSpec {
+        model: model.display().to_string(),
+        load_format: match args.load_format {
+            LoadFormatArg::Auto => LoadFormat::Auto,
+            LoadFormatArg::Safetensors => LoadFormat::Safetensors,
+            LoadFormatArg::Gguf => LoadFormat::Gguf,
+            LoadFormatArg::Dummy => LoadFormat::Dummy,
+        },
+        dtype: None,
+        max_model_len: args.max_model_len,
+        block_size: args.block_size,
+        gpu_memory_utilization: 0.9,
+        tensor_parallel_size: args.tensor_parallel_size,
+        seed: args.engine_seed,
+    };
+    let startup = StartupSpec {
+        load,
+        kv_cache_memory_bytes: if args.kv_cache_memory == 0 {
+            DEFAULT_KV_CACHE_MEMORY_BYTES
+        } else {
+            args.kv_cache_memory
+        },
+        num_blocks_override: args.num_gpu_blocks_override,
+    };
+    let t_load = Instant::now();
+    // The executor is created on this (the main) thread: workers die with the thread that
+    // spawned them (PR_SET_PDEATHSIG).
+    let (executor, num_blocks): (Box<dyn Executor + Send>, u32) = match args.executor {
+        ExecutorArg::Mp => {
+            let exe = std::env::current_exe().context("locating this binary")?;
+            let ex = MultiprocExecutor::start(MultiprocConfig::new(
+                exe,
+                args.tensor_parallel_size,
+                startup,
+            ))?;
+            let n = ex.num_blocks();
+            (Box::new(ex), n)
+        }
+        ExecutorArg::Uni => {
+            if args.tensor_parallel_size != 1 {
+                bail!("--executor uni runs one rank; use --executor mp for tensor parallelism");
+            }
+            let worker = omni_worker::Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
+            let ex = UniprocExecutor::start(worker, &startup)?;
+            let n = ex.num_blocks();
+            (Box::new(ex), n)
+        }
+    };
+    eprintln!(
+        "engine ready in {:.2?}: {} ({} rank(s), {num_blocks} KV blocks of {})",
+        t_load.elapsed(),
+        model.display(),
+        args.tensor_parallel_size,
+        args.block_size
+    );
+    let sched = SchedulerConfig {
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        max_model_len: args.max_model_len as usize,
+        block_size: args.block_size as usize,
+        num_blocks: num_blocks as usize,
+        enable_prefix_caching: !args.no_prefix_caching,
+        enable_chunked_prefill: true,
+    };
+    let engine = EngineLoop::spawn(EngineCore::new(sched, executor)?);
+    let client = engine.client();
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: (args.top_k > 0).then_some(args.top_k),
+        min_p: args.min_p,
+        seed: args.seed,
+        max_tokens: Some(args.max_tokens),
+        min_tokens: args.min_tokens,
+        ignore_eos: args.ignore_eos,
+        ..SamplingParams::default()
+    };
+    let t0 = Instant::now();
+    let mut streams = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        let req = EngineCoreRequest::new(format!("gen-{i}"), p.clone(), params.clone(), eos);
+        streams.push(client.add_request(req)?);
+    }
+    let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut done = vec![false; prompts.len()];
+    let mut first_token_at = t0;
+    // Round-robin over the streams so the time of each first token is seen when it arrives.
+    while done.iter().any(|d| !d) {
+        let mut progressed = false;
+        for (i, stream) in streams.iter_mut().enumerate() {
+            while !done[i] {
+                match stream.try_next() {
+                    Poll::Pending => break,
+                    Poll::Ready(None) => done[i] = true,
+                    Poll::Ready(Some(item)) => {
+                        progressed = true;
+                        let out = item.map_err(|e| anyhow::anyhow!("request {i} failed: {e}"))?;
+                        if outputs[i].is_empty() && !out.new_token_ids.is_empty() {
+                            first_token_at = first_token_at.max(Instant::now());
+                        }
+                        outputs[i].extend(out.new_token_ids);
+                    }
+                }
+            }
+        }
+        if !progressed {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+    let total = t0.elapsed();
+    let stats = client.stats();
+    engine.shutdown();
+
+    let prefill_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let gen_tokens: usize = outputs.iter().map(Vec::len).sum();
+    let prefill_s = (first_token_at - t0).as_secs_f64();
+    let decode_s = (total.as_secs_f64() - prefill_s).max(1e-9);
+    eprintln!(
+        "{} requests: prefill {prefill_tokens} tokens in {prefill_s:.3}s ({:.1} tok/s); \
+         decode {} tokens in {decode_s:.3}s ({:.1} tok/s); total {:.3}s; \
+         prefix cache hits {}/{}; preemptions {}",
+        prompts.len(),
+        prefill_tokens as f64 / prefill_s.max(1e-9),
+        gen_tokens.saturating_sub(prompts.len()),
+        gen_tokens.saturating_sub(prompts.len()) as f64 / decode_s,
+        total.as_secs_f64(),
+        stats.prefix_cache_hits,
+        stats.prefix_cache_queries,
+        stats.num_preemptions,
+    );
+
+    let gens: Vec<Generation> = prompts
+        .into_iter()
+        .zip(outputs)
+        .map(|(prompt_token_ids, token_ids)| {
+            let text = tokenizer
+                .as_ref()
+                .ok()
+                .and_then(|t| t.decode(&token_ids, true).ok())
+                .unwrap_or_default();
+            Generation {
+                prompt_token_ids,
+                token_ids,
+                text,
+            }
+        })
+        .collect();
+    if args.json {
+        println!("{}", serde_json::to_string(&gens)?);
+    } else {
+        for (i, g) in gens.iter().enumerate() {
+            println!("[{i}] prompt: {:?}", g.prompt_token_ids);
+            println!("[{i}] output: {:?}", g.text);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_and_decimal_units() {
+        assert_eq!(parse_bytes("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert_eq!(parse_bytes("2MB"), Ok(2_000_000));
+        assert!(parse_bytes("12XB").is_err());
+    }
+
+    #[test]
+    fn dash_tp_becomes_the_long_flag() {
+        let a = normalize_args(["x", "-tp", "2", "-tp=3"].map(String::from));
+        assert_eq!(
+            a,
+            [
+                "x",
+                "--tensor-parallel-size",
+                "2",
+                "--tensor-parallel-size=3"
+            ]
+        );
+    }
+}

@@ -1,0 +1,155 @@
+//! The seam between the engine core and whatever runs the model (vLLM's `Executor`).
+//!
+//! - [`UniprocExecutor`]: one [`LocalWorker`] in this process (tests, single-rank runs).
+//! - [`MultiprocExecutor`]: one worker process per rank; broadcasts
+//!   [`omni_protocol::WorkerCommand::ExecuteModel`] to every worker and reads the output rank's
+//!   [`omni_protocol::WorkerResponse::ModelRunnerOutput`].
+//!
+//! Both start the same way ([`plan_num_blocks`]): `LoadModel` on every rank, which reports the KV
+//! bytes of one block; the number of blocks follows from a byte budget (or an explicit
+//! override); then `InitCache`.
+
+mod multiproc;
+mod uniproc;
+
+pub use multiproc::{MultiprocConfig, MultiprocExecutor, WorkerHandshake, WorkerHello};
+pub use uniproc::UniprocExecutor;
+
+use omni_protocol::{ModelRunnerOutput, SchedulerOutput, WorkerCommand, WorkerResponse};
+
+/// Why the engine cannot go on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// A worker died, answered with an error, or stopped answering. Every live request fails.
+    #[error("engine dead: worker {rank} failed: {cause}")]
+    EngineDead {
+        /// The failing worker's rank.
+        rank: u32,
+        /// What happened (exit status, the worker's error message, a timeout).
+        cause: String,
+    },
+}
+
+/// Runs one step of the model for a scheduled batch.
+pub trait Executor {
+    /// Computes the batch and returns the sampled tokens. The output must list every request of
+    /// the batch (with no token for a partial prefill chunk). An empty batch only delivers
+    /// `finished_req_ids` and returns an empty output.
+    fn execute_model(
+        &mut self,
+        scheduler_output: &SchedulerOutput,
+    ) -> Result<ModelRunnerOutput, EngineError>;
+
+    /// Checks that every worker is alive.
+    fn check_health(&mut self) -> Result<(), EngineError> {
+        Ok(())
+    }
+
+    /// Stops the workers. Called once, when the engine core shuts down.
+    fn shutdown(&mut self) {}
+}
+
+impl<E: Executor + ?Sized> Executor for Box<E> {
+    fn execute_model(
+        &mut self,
+        scheduler_output: &SchedulerOutput,
+    ) -> Result<ModelRunnerOutput, EngineError> {
+        (**self).execute_model(scheduler_output)
+    }
+
+    fn check_health(&mut self) -> Result<(), EngineError> {
+        (**self).check_health()
+    }
+
+    fn shutdown(&mut self) {
+        (**self).shutdown()
+    }
+}
+
+/// A worker that runs in this process, driven by [`UniprocExecutor`] (`omni_worker::Worker`
+/// implements it; the trait keeps model code out of this crate).
+pub trait LocalWorker: Send {
+    /// Answers one command; `None` for [`WorkerCommand::Shutdown`].
+    fn handle(&mut self, cmd: &WorkerCommand) -> Option<WorkerResponse>;
+
+    /// Runs one step; the same as `handle(&WorkerCommand::ExecuteModel(so.clone()))` without
+    /// the copy.
+    fn execute_model(&mut self, so: &SchedulerOutput) -> WorkerResponse {
+        self.handle(&WorkerCommand::ExecuteModel(so.clone()))
+            .unwrap_or(WorkerResponse::Error {
+                rank: 0,
+                message: "no answer to ExecuteModel".into(),
+            })
+    }
+}
+
+/// Why an executor could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorStartError {
+    /// A worker failed or died during start-up.
+    #[error(transparent)]
+    Worker(#[from] EngineError),
+    /// The KV cache budget cannot hold a single block.
+    #[error(
+        "KV cache budget of {budget_bytes} bytes is smaller than one block ({kv_bytes_per_block} \
+         bytes); raise --kv-cache-memory"
+    )]
+    KvBudgetTooSmall {
+        /// The budget.
+        budget_bytes: u64,
+        /// Bytes of one block on the largest rank.
+        kv_bytes_per_block: u64,
+    },
+    /// Spawning or connecting to the workers failed.
+    #[error("starting workers: {0}")]
+    Spawn(String),
+}
+
+/// How many KV blocks to allocate: `override_blocks` if given, else as many blocks of
+/// `kv_bytes_per_block` as fit in `budget_bytes`.
+pub fn plan_num_blocks(
+    kv_bytes_per_block: u64,
+    budget_bytes: u64,
+    override_blocks: Option<u32>,
+) -> Result<u32, ExecutorStartError> {
+    if let Some(n) = override_blocks {
+        return Ok(n);
+    }
+    let n = budget_bytes / kv_bytes_per_block.max(1);
+    if n == 0 {
+        return Err(ExecutorStartError::KvBudgetTooSmall {
+            budget_bytes,
+            kv_bytes_per_block,
+        });
+    }
+    Ok(n.min(u32::MAX as u64) as u32)
+}
+
+/// The KV cache sizing and model of an executor start-up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartupSpec {
+    /// What every worker loads.
+    pub load: omni_protocol::LoadModelSpec,
+    /// Bytes of KV cache per rank (CPU default: 256 MiB).
+    pub kv_cache_memory_bytes: u64,
+    /// Use exactly this many blocks instead of the budget.
+    pub num_blocks_override: Option<u32>,
+}
+
+/// Default per-rank KV cache budget on the CPU backend.
+pub const DEFAULT_KV_CACHE_MEMORY_BYTES: u64 = 256 << 20;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn num_blocks_follow_budget_or_override() {
+        assert_eq!(plan_num_blocks(1000, 10_500, None).unwrap(), 10);
+        assert_eq!(plan_num_blocks(1000, 10_500, Some(3)).unwrap(), 3);
+        assert!(matches!(
+            plan_num_blocks(1000, 999, None),
+            Err(ExecutorStartError::KvBudgetTooSmall { .. })
+        ));
+    }
+}

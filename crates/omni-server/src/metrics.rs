@@ -1,0 +1,287 @@
+//! `/metrics`: Prometheus exposition with vLLM's metric names and `model_name` label, so the
+//! Gateway API inference extension and existing Grafana dashboards work unchanged.
+//!
+//! Counters render with the `_total` suffix on samples (`vllm:prompt_tokens_total`), as vLLM's
+//! exposition does. Gauges and the engine's cumulative counters (preemptions, prefix cache) are
+//! refreshed from [`EngineClient::stats`] at scrape time; per-request latencies are observed by
+//! the server as outputs arrive (it sees the request arrive and every token leave).
+
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::engine::EngineClient;
+
+type Labels = Vec<(String, String)>;
+
+/// vLLM's `vllm:time_to_first_token_seconds` buckets.
+pub const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's `vllm:inter_token_latency_seconds` buckets.
+pub const ITL_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+/// vLLM's request-latency buckets (e2e, queue, prefill, decode).
+pub const REQUEST_LATENCY_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// Cumulative engine counters already exported, to turn totals into increments.
+#[derive(Debug, Default)]
+struct Exported {
+    preemptions: u64,
+    prefix_queries: u64,
+    prefix_hits: u64,
+}
+
+/// Every metric the server exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    model: Labels,
+    running: Family<Labels, Gauge>,
+    waiting: Family<Labels, Gauge>,
+    kv_usage: Family<Labels, Gauge<f64, AtomicU64>>,
+    cache_config: Family<Labels, Gauge>,
+    prompt_tokens: Family<Labels, Counter>,
+    generation_tokens: Family<Labels, Counter>,
+    request_success: Family<Labels, Counter>,
+    preemptions: Family<Labels, Counter>,
+    prefix_queries: Family<Labels, Counter>,
+    prefix_hits: Family<Labels, Counter>,
+    ttft: HistogramFamily,
+    itl: HistogramFamily,
+    e2e: HistogramFamily,
+    queue: HistogramFamily,
+    exported: Mutex<Exported>,
+}
+
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+fn ttft_histogram() -> Histogram {
+    Histogram::new(TTFT_BUCKETS)
+}
+
+fn itl_histogram() -> Histogram {
+    Histogram::new(ITL_BUCKETS)
+}
+
+fn request_latency_histogram() -> Histogram {
+    Histogram::new(REQUEST_LATENCY_BUCKETS)
+}
+
+impl Metrics {
+    /// Registers every metric for `model_name`.
+    pub fn new(model_name: &str) -> Self {
+        let mut registry = Registry::default();
+        let model = vec![("model_name".to_string(), model_name.to_string())];
+        let running = Family::<Labels, Gauge>::default();
+        let waiting = Family::<Labels, Gauge>::default();
+        let kv_usage = Family::<Labels, Gauge<f64, AtomicU64>>::default();
+        let cache_config = Family::<Labels, Gauge>::default();
+        let prompt_tokens = Family::<Labels, Counter>::default();
+        let generation_tokens = Family::<Labels, Counter>::default();
+        let request_success = Family::<Labels, Counter>::default();
+        let preemptions = Family::<Labels, Counter>::default();
+        let prefix_queries = Family::<Labels, Counter>::default();
+        let prefix_hits = Family::<Labels, Counter>::default();
+        let ttft = HistogramFamily::new_with_constructor(ttft_histogram);
+        let itl = HistogramFamily::new_with_constructor(itl_histogram);
+        let e2e = HistogramFamily::new_with_constructor(request_latency_histogram);
+        let queue = HistogramFamily::new_with_constructor(request_latency_histogram);
+        let r = &mut registry;
+        r.register(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches",
+            running.clone(),
+        );
+        r.register(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed",
+            waiting.clone(),
+        );
+        r.register(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage",
+            kv_usage.clone(),
+        );
+        r.register(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            cache_config.clone(),
+        );
+        r.register(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed",
+            prompt_tokens.clone(),
+        );
+        r.register(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed",
+            generation_tokens.clone(),
+        );
+        r.register(
+            "vllm:request_success",
+            "Count of successfully processed requests",
+            request_success.clone(),
+        );
+        r.register(
+            "vllm:num_preemptions",
+            "Cumulative number of preemptions from the engine",
+            preemptions.clone(),
+        );
+        r.register(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens",
+            prefix_queries.clone(),
+        );
+        r.register(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens",
+            prefix_hits.clone(),
+        );
+        r.register(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds",
+            ttft.clone(),
+        );
+        r.register(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds",
+            itl.clone(),
+        );
+        r.register(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds",
+            e2e.clone(),
+        );
+        r.register(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request",
+            queue.clone(),
+        );
+        // Touch the unlabelled-by-request series so they render as 0 before the first request.
+        for c in [
+            &prompt_tokens,
+            &generation_tokens,
+            &preemptions,
+            &prefix_queries,
+            &prefix_hits,
+        ] {
+            let _ = c.get_or_create(&model);
+        }
+        for h in [&ttft, &itl, &e2e, &queue] {
+            let _ = h.get_or_create(&model);
+        }
+        Self {
+            registry,
+            model,
+            running,
+            waiting,
+            kv_usage,
+            cache_config,
+            prompt_tokens,
+            generation_tokens,
+            request_success,
+            preemptions,
+            prefix_queries,
+            prefix_hits,
+            ttft,
+            itl,
+            e2e,
+            queue,
+            exported: Mutex::new(Exported::default()),
+        }
+    }
+
+    /// A request was admitted with this many prompt tokens.
+    pub fn observe_prompt(&self, tokens: usize) {
+        self.prompt_tokens
+            .get_or_create(&self.model)
+            .inc_by(tokens as u64);
+    }
+
+    /// `tokens` output tokens arrived; the first of a request with its TTFT, later ones with
+    /// the gap since the previous output (inter-token latency).
+    pub fn observe_tokens(&self, tokens: usize, ttft: Option<f64>, itl: Option<f64>) {
+        self.generation_tokens
+            .get_or_create(&self.model)
+            .inc_by(tokens as u64);
+        if let Some(t) = ttft {
+            self.ttft.get_or_create(&self.model).observe(t);
+        }
+        if let Some(t) = itl {
+            self.itl.get_or_create(&self.model).observe(t);
+        }
+    }
+
+    /// A request finished after `e2e` seconds.
+    pub fn observe_finished(&self, finished_reason: &str, e2e: f64) {
+        let mut labels = self.model.clone();
+        labels.push(("finished_reason".into(), finished_reason.into()));
+        self.request_success.get_or_create(&labels).inc();
+        self.e2e.get_or_create(&self.model).observe(e2e);
+    }
+
+    /// A request waited `seconds` before it was scheduled (when the engine reports it).
+    pub fn observe_queue_time(&self, seconds: f64) {
+        self.queue.get_or_create(&self.model).observe(seconds);
+    }
+
+    /// Refreshes engine-side values and renders the exposition text.
+    pub fn render(&self, engine: &dyn EngineClient) -> String {
+        let stats = engine.stats();
+        let m = &self.model;
+        self.running
+            .get_or_create(m)
+            .set(i64::from(stats.num_running_reqs));
+        self.waiting
+            .get_or_create(m)
+            .set(i64::from(stats.num_waiting_reqs));
+        self.kv_usage
+            .get_or_create(m)
+            .set(f64::from(stats.kv_cache_usage));
+        let cache = engine.cache_info();
+        let mut labels = m.clone();
+        labels.push(("block_size".into(), cache.block_size.to_string()));
+        labels.push(("num_gpu_blocks".into(), cache.num_gpu_blocks.to_string()));
+        self.cache_config.get_or_create(&labels).set(1);
+        if let Ok(mut ex) = self.exported.lock() {
+            let inc = |c: &Family<Labels, Counter>, last: &mut u64, now: u64| {
+                if now > *last {
+                    c.get_or_create(m).inc_by(now - *last);
+                    *last = now;
+                }
+            };
+            inc(
+                &self.preemptions,
+                &mut ex.preemptions,
+                stats.num_preemptions,
+            );
+            inc(
+                &self.prefix_queries,
+                &mut ex.prefix_queries,
+                stats.prefix_cache_queries,
+            );
+            inc(
+                &self.prefix_hits,
+                &mut ex.prefix_hits,
+                stats.prefix_cache_hits,
+            );
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,156 @@
+//! OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`), as accepted here. Unknown
+//! fields are ignored, as OpenAI and vLLM do; wrong types are a 400.
+
+use serde::Deserialize;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+impl StopSpec {
+    /// As a list.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopSpec::One(s) => vec![s],
+            StopSpec::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and `"usage": null` on the others).
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonParams {
+    /// Model name; must be one of the served names when given.
+    pub model: Option<String>,
+    /// Legacy name of the completion-length limit.
+    pub max_tokens: Option<u32>,
+    /// Softmax temperature.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling.
+    pub top_p: Option<f32>,
+    /// Top-k; `-1` or `0` disables.
+    pub top_k: Option<i64>,
+    /// Min-p.
+    pub min_p: Option<f32>,
+    /// Per-request seed.
+    pub seed: Option<i64>,
+    /// Stop strings.
+    pub stop: Option<StopSpec>,
+    /// Stop token ids.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Choices per prompt.
+    pub n: Option<u32>,
+    /// Stream with server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// Frequency penalty.
+    pub frequency_penalty: Option<f32>,
+    /// Repetition penalty.
+    pub repetition_penalty: Option<f32>,
+    /// Keep generating past EOS.
+    pub ignore_eos: Option<bool>,
+    /// Fewest tokens before a stop.
+    pub min_tokens: Option<u32>,
+    /// Keep the matched stop string in the output.
+    pub include_stop_str_in_output: Option<bool>,
+    /// Drop special tokens from the text (default true).
+    pub skip_special_tokens: Option<bool>,
+}
+
+/// A chat message's `content`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts (only `{"type":"text"}` is supported).
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// `text`, `image_url`, `input_audio`, ...
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a text part.
+    pub text: Option<String>,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`, ...
+    pub role: String,
+    /// Content (may be null for assistant tool calls).
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    /// Optional participant name.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Shared sampling and streaming fields.
+    #[serde(flatten)]
+    pub common: CommonParams,
+    /// Newer name of `max_tokens`.
+    pub max_completion_tokens: Option<u32>,
+    /// Return log-probabilities of the sampled tokens.
+    pub logprobs: Option<bool>,
+    /// How many alternatives per position (needs `logprobs: true`).
+    pub top_logprobs: Option<u32>,
+    /// Output modalities: `["text"]`, or `["text","audio"]` for models with an audio stage.
+    pub modalities: Option<Vec<String>>,
+    /// End the prompt with the assistant header (default true).
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// `prompt` of `/v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptSpec {
+    /// One text prompt.
+    Text(String),
+    /// Several text prompts.
+    Texts(Vec<String>),
+    /// One prompt of token ids.
+    Tokens(Vec<u32>),
+    /// Several prompts of token ids.
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt(s).
+    pub prompt: PromptSpec,
+    /// Shared sampling and streaming fields.
+    #[serde(flatten)]
+    pub common: CommonParams,
+    /// Number of alternatives per position to return (0..=20).
+    pub logprobs: Option<u32>,
+    /// Put the prompt text before the completion.
+    pub echo: Option<bool>,
+}

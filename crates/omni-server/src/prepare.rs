@@ -1,0 +1,365 @@
+//! Request validation and tokenization: an OpenAI body becomes a [`Prepared`] set of engine
+//! requests (one per prompt and choice) or an [`ApiError`] (400/404). Pure functions of the body,
+//! the config and the tokenizer, so they run on a blocking thread.
+
+use omni_protocol::{SamplingParams, TokenId};
+use omni_tokenizer::Tokenizer;
+use serde_json::{Value, json};
+
+use crate::config::ServerConfig;
+use crate::error::ApiError;
+use crate::openai::{
+    ChatCompletionRequest, CommonParams, CompletionRequest, MessageContent, PromptSpec,
+};
+
+/// Which endpoint a request came from (decides the response shapes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+}
+
+/// One tokenized prompt.
+#[derive(Debug, Clone)]
+pub struct PreparedPrompt {
+    /// Token ids (chat template applied).
+    pub ids: Vec<TokenId>,
+    /// Sampling parameters for this prompt's choices (max_tokens resolved).
+    pub params: SamplingParams,
+    /// Prompt text to put before the completion (`echo`).
+    pub echo: Option<String>,
+}
+
+/// A validated request.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// Endpoint.
+    pub endpoint: Endpoint,
+    /// Model name to report.
+    pub model: String,
+    /// Prompts, in order; choice `p * n + j` is the `j`th sample of prompt `p`.
+    pub prompts: Vec<PreparedPrompt>,
+    /// Choices per prompt.
+    pub n: u32,
+    /// Stream the answer.
+    pub stream: bool,
+    /// Send a usage chunk at the end of the stream.
+    pub include_usage: bool,
+    /// `Some(k)`: return each sampled token's logprob and `k` alternatives.
+    pub logprobs: Option<u32>,
+    /// Drop special tokens from text.
+    pub skip_special_tokens: bool,
+    /// Keep matched stop strings in the text.
+    pub include_stop_str_in_output: bool,
+}
+
+/// Largest number of alternatives per position.
+const MAX_LOGPROBS: u32 = 20;
+/// Largest number of engine requests (prompts x n) one HTTP request may fan out to.
+const MAX_CHOICES: usize = 1024;
+
+fn check_model(config: &ServerConfig, model: &Option<String>) -> Result<String, ApiError> {
+    match model {
+        Some(m) if !config.serves(m) => Err(ApiError::model_not_found(m)),
+        _ => Ok(config.model_name().to_string()),
+    }
+}
+
+/// Sampling parameters common to both endpoints, without `max_tokens` (resolved per prompt).
+fn base_params(
+    c: &CommonParams,
+    max_tokens: Option<u32>,
+    logprobs: Option<u32>,
+    tokenizer: &Tokenizer,
+) -> Result<SamplingParams, ApiError> {
+    let d = SamplingParams::default();
+    let top_k = match c.top_k {
+        None | Some(-1) | Some(0) => None,
+        Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
+        Some(k) => {
+            return Err(ApiError::bad_param(
+                "top_k",
+                format!("top_k must be -1 (disabled) or at least 1, got {k}"),
+            ));
+        }
+    };
+    let ignore_eos = c.ignore_eos.unwrap_or(false);
+    let mut stop_token_ids = c.stop_token_ids.clone().unwrap_or_default();
+    let vocab = tokenizer.vocab_size();
+    if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_param(
+            "stop_token_ids",
+            format!("stop token id {bad} is outside the vocabulary (size {vocab})"),
+        ));
+    }
+    if !ignore_eos {
+        // EOS ids beyond the primary one (generation_config.json's list, GGUF's EOT).
+        stop_token_ids.extend(tokenizer.eos_token_ids().iter().skip(1));
+    }
+    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    let params = SamplingParams {
+        temperature: c.temperature.unwrap_or(d.temperature),
+        top_p: c.top_p.unwrap_or(d.top_p),
+        top_k,
+        min_p: c.min_p.unwrap_or(d.min_p),
+        seed: c.seed.map(|s| s as u64),
+        presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
+        repetition_penalty: c.repetition_penalty.unwrap_or(d.repetition_penalty),
+        max_tokens,
+        min_tokens: c.min_tokens.unwrap_or(0),
+        stop,
+        stop_token_ids,
+        ignore_eos,
+        logprobs,
+    };
+    params.validate()?;
+    Ok(params)
+}
+
+fn check_common(config: &ServerConfig, c: &CommonParams) -> Result<(), ApiError> {
+    let n = c.n.unwrap_or(1);
+    if n == 0 || n > config.max_n {
+        return Err(ApiError::bad_param(
+            "n",
+            format!("n must be between 1 and {}, got {n}", config.max_n),
+        ));
+    }
+    if c.stream_options.is_some() && !c.stream.unwrap_or(false) {
+        return Err(ApiError::bad_param(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
+    Ok(())
+}
+
+/// Resolves `max_tokens` against the context length for one prompt.
+fn fit_prompt(
+    config: &ServerConfig,
+    prompt_len: usize,
+    max_tokens: Option<u32>,
+    base: &SamplingParams,
+) -> Result<SamplingParams, ApiError> {
+    if prompt_len == 0 {
+        return Err(ApiError::bad_param("prompt", "the prompt is empty"));
+    }
+    let max_len = u64::from(config.max_model_len);
+    let requested = u64::from(max_tokens.unwrap_or(0));
+    if prompt_len as u64 >= max_len || prompt_len as u64 + requested > max_len {
+        return Err(ApiError::bad_param(
+            "messages",
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, you requested \
+                 {} tokens ({prompt_len} in the messages, {requested} in the completion). Please \
+                 reduce the length of the messages or completion.",
+                prompt_len as u64 + requested
+            ),
+        ));
+    }
+    let mut params = base.clone();
+    params.max_tokens = Some(max_tokens.unwrap_or((max_len - prompt_len as u64) as u32));
+    Ok(params)
+}
+
+/// Validates and tokenizes a chat request.
+pub fn prepare_chat(
+    config: &ServerConfig,
+    tokenizer: &Tokenizer,
+    req: ChatCompletionRequest,
+) -> Result<Prepared, ApiError> {
+    let model = check_model(config, &req.common.model)?;
+    check_common(config, &req.common)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "messages must not be empty",
+        ));
+    }
+    for m in req.modalities.iter().flatten() {
+        match m.as_str() {
+            "text" => {}
+            "audio" if config.audio_output => {}
+            "audio" => {
+                return Err(ApiError::bad_param(
+                    "modalities",
+                    format!("model `{model}` has no audio output stage; use modalities [\"text\"]"),
+                ));
+            }
+            other => {
+                return Err(ApiError::bad_param(
+                    "modalities",
+                    format!("unknown modality `{other}`; expected \"text\" or \"audio\""),
+                ));
+            }
+        }
+    }
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (_, Some(k)) if k > MAX_LOGPROBS => {
+            return Err(ApiError::bad_param(
+                "top_logprobs",
+                format!("top_logprobs must be between 0 and {MAX_LOGPROBS}, got {k}"),
+            ));
+        }
+        (false, Some(k)) if k > 0 => {
+            return Err(ApiError::bad_param(
+                "top_logprobs",
+                "top_logprobs requires logprobs to be true",
+            ));
+        }
+        (true, k) => Some(k.unwrap_or(0)),
+        (false, _) => None,
+    };
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let content = match &m.content {
+            None => Value::Null,
+            Some(MessageContent::Text(t)) => Value::String(t.clone()),
+            Some(MessageContent::Parts(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => texts.push(t.as_str()),
+                        ("text", None) => {
+                            return Err(ApiError::bad_param(
+                                format!("messages[{i}].content"),
+                                "a text content part needs a `text` string",
+                            ));
+                        }
+                        (other, _) => {
+                            return Err(ApiError::bad_param(
+                                format!("messages[{i}].content"),
+                                format!("content part type `{other}` is not supported"),
+                            ));
+                        }
+                    }
+                }
+                Value::String(texts.join("\n"))
+            }
+        };
+        let mut msg = json!({ "role": m.role, "content": content });
+        if let Some(name) = &m.name {
+            msg["name"] = Value::String(name.clone());
+        }
+        messages.push(msg);
+    }
+    let ids = tokenizer
+        .encode_chat(&messages, req.add_generation_prompt.unwrap_or(true))
+        .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
+    let base = base_params(&req.common, max_tokens, logprobs, tokenizer)?;
+    let params = fit_prompt(config, ids.len(), max_tokens, &base)?;
+    Ok(Prepared {
+        endpoint: Endpoint::Chat,
+        model,
+        prompts: vec![PreparedPrompt {
+            ids,
+            params,
+            echo: None,
+        }],
+        n: req.common.n.unwrap_or(1),
+        stream: req.common.stream.unwrap_or(false),
+        include_usage: include_usage(&req.common),
+        logprobs,
+        skip_special_tokens: req.common.skip_special_tokens.unwrap_or(true),
+        include_stop_str_in_output: req.common.include_stop_str_in_output.unwrap_or(false),
+    })
+}
+
+fn include_usage(c: &CommonParams) -> bool {
+    c.stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false)
+}
+
+/// Validates and tokenizes a completions request.
+pub fn prepare_completion(
+    config: &ServerConfig,
+    tokenizer: &Tokenizer,
+    req: CompletionRequest,
+) -> Result<Prepared, ApiError> {
+    let model = check_model(config, &req.common.model)?;
+    check_common(config, &req.common)?;
+    if let Some(k) = req.logprobs
+        && k > MAX_LOGPROBS
+    {
+        return Err(ApiError::bad_param(
+            "logprobs",
+            format!("logprobs must be between 0 and {MAX_LOGPROBS}, got {k}"),
+        ));
+    }
+    let echo = req.echo.unwrap_or(false);
+    let vocab = tokenizer.vocab_size();
+    let encode = |text: &str| {
+        tokenizer
+            .encode(text, true)
+            .map_err(|e| ApiError::bad_param("prompt", e.to_string()))
+    };
+    let check_ids = |ids: Vec<u32>| -> Result<(Vec<u32>, Option<String>), ApiError> {
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad_param(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+        let text = if echo {
+            Some(
+                tokenizer
+                    .decode(&ids, true)
+                    .map_err(|e| ApiError::bad_param("prompt", e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        Ok((ids, text))
+    };
+    let raw: Vec<(Vec<u32>, Option<String>)> = match req.prompt {
+        PromptSpec::Text(t) => vec![(encode(&t)?, echo.then_some(t))],
+        PromptSpec::Texts(ts) => ts
+            .into_iter()
+            .map(|t| Ok((encode(&t)?, echo.then_some(t))))
+            .collect::<Result<_, ApiError>>()?,
+        PromptSpec::Tokens(ids) => vec![check_ids(ids)?],
+        PromptSpec::TokenBatches(batches) => batches
+            .into_iter()
+            .map(check_ids)
+            .collect::<Result<_, ApiError>>()?,
+    };
+    if raw.is_empty() {
+        return Err(ApiError::bad_param("prompt", "the prompt list is empty"));
+    }
+    let n = req.common.n.unwrap_or(1) as usize;
+    if raw.len().saturating_mul(n) > MAX_CHOICES {
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!("at most {MAX_CHOICES} choices (prompts x n) per request"),
+        ));
+    }
+    let max_tokens = req.common.max_tokens;
+    let base = base_params(&req.common, max_tokens, req.logprobs, tokenizer)?;
+    let prompts = raw
+        .into_iter()
+        .map(|(ids, echo)| {
+            let params =
+                fit_prompt(config, ids.len(), max_tokens, &base).map_err(|e| ApiError {
+                    param: Some("prompt".into()),
+                    ..e
+                })?;
+            Ok(PreparedPrompt { ids, params, echo })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok(Prepared {
+        endpoint: Endpoint::Completion,
+        model,
+        prompts,
+        n: req.common.n.unwrap_or(1),
+        stream: req.common.stream.unwrap_or(false),
+        include_usage: include_usage(&req.common),
+        logprobs: req.logprobs,
+        skip_special_tokens: req.common.skip_special_tokens.unwrap_or(true),
+        include_stop_str_in_output: req.common.include_stop_str_in_output.unwrap_or(false),
+    })
+}

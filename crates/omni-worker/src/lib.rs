@@ -1,0 +1,65 @@
+//! The worker process: [`Worker`] (one tensor-parallel rank's command handler), its
+//! [`ModelRunner`] (per-request state, KV cache, batching, sampling) and [`ShmAllReduce`] (the
+//! tensor-parallel all-reduce between worker processes over shared memory).
+//!
+//! Layer L3: links the models (L2) and talks to the engine core only over `omni-ipc`: it reads
+//! [`omni_protocol::WorkerCommand`]s from the engine's broadcast queue and writes
+//! [`omni_protocol::WorkerResponse`]s to its own response queue ([`run_worker_process`]). The same
+//! [`Worker`] also runs in-process behind `omni_core::UniprocExecutor`.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use omni_protocol::{LoadFormat, LoadModelSpec, WorkerCommand};
+//! use omni_worker::Worker;
+//!
+//! let mut worker = Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
+//! let spec = LoadModelSpec { model: "path/to/SmolLM2-135M".into(), load_format: LoadFormat::Auto,
+//!     dtype: None, max_model_len: 2048, block_size: 16, gpu_memory_utilization: 0.9,
+//!     tensor_parallel_size: 1, seed: 0 };
+//! let loaded = worker.handle(&WorkerCommand::LoadModel(spec));
+//! let ready = worker.handle(&WorkerCommand::InitCache { num_blocks: 256, block_size: 16 });
+//! ```
+
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod model_runner;
+pub mod process;
+pub mod shm_all_reduce;
+pub mod worker;
+
+pub use model_runner::ModelRunner;
+pub use process::{WorkerProcessError, run_worker_process};
+pub use shm_all_reduce::{ShmAllReduce, ShmAllReduceError};
+pub use worker::{Worker, load_model};
+
+/// Why a worker command failed (sent to the engine core as [`omni_protocol::WorkerResponse::Error`]).
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// A command that needs the model came before `LoadModel`.
+    #[error("no model loaded")]
+    NotLoaded,
+    /// The model could not be loaded as asked.
+    #[error("load model: {0}")]
+    Load(String),
+    /// Building or running the model failed.
+    #[error(transparent)]
+    Model(#[from] omni_models::ModelError),
+    /// Reading weights failed.
+    #[error(transparent)]
+    Weight(#[from] omni_models::weights::WeightError),
+    /// Sampling failed.
+    #[error(transparent)]
+    Sampler(#[from] omni_models::sampler::SamplerError),
+    /// The KV cache is missing or misconfigured.
+    #[error("kv cache: {0}")]
+    Cache(String),
+    /// A scheduled request is unknown to this worker.
+    #[error("unknown request {0:?}")]
+    UnknownRequest(String),
+    /// The scheduler output is inconsistent with this worker's state.
+    #[error("batch: {0}")]
+    Batch(String),
+    /// The all-reduce segment could not be opened.
+    #[error(transparent)]
+    AllReduce(#[from] ShmAllReduceError),
+}

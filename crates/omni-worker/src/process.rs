@@ -1,0 +1,153 @@
+//! The worker process's main: handshake on stdin/stdout, then serve commands from the broadcast
+//! queue until `Shutdown`, a cancelled queue, or the parent's death.
+//!
+//! 1. Read ONE JSON line from stdin: [`WorkerHandshake`] (the resolved config, the broadcast
+//!    queue's handle, this worker's rank).
+//! 2. `PR_SET_PDEATHSIG(SIGKILL)`, then check the parent is still the one that wrote the
+//!    handshake; name the process `omni-worker-<rank>` (`PR_SET_NAME`).
+//! 3. Attach to the broadcast queue as local reader `rank`; create the response queue
+//!    (`omni.<instance>.resp<rank>`, one local reader: the executor).
+//! 4. Answer ONE JSON line on stdout: [`WorkerHello`] with the response queue's handle.
+//! 5. A thread keeps reading stdin: EOF means the parent is gone (or shutting down): remove our
+//!    own segment and exit at once.
+//! 6. Serve: dequeue a [`WorkerCommand`], let the [`Worker`] answer, enqueue the answer.
+
+use std::io::{BufRead, Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use omni_backend::comm::AllReduce;
+use omni_core::{WorkerHandshake, WorkerHello};
+use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec, ReaderId};
+use omni_protocol::{PROTOCOL_VERSION, WorkerCommand};
+
+use crate::{ShmAllReduce, ShmAllReduceError, Worker};
+
+/// Why a worker process stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerProcessError {
+    /// Reading the handshake or writing the hello failed.
+    #[error("handshake: {0}")]
+    Handshake(String),
+    /// The parent died before we could arm the death signal.
+    #[error("parent process {0} is gone")]
+    ParentGone(u32),
+    /// A queue operation failed.
+    #[error(transparent)]
+    Ipc(#[from] IpcError),
+    /// The all-reduce segment could not be opened.
+    #[error(transparent)]
+    AllReduce(#[from] ShmAllReduceError),
+}
+
+fn handshake_err(e: impl std::fmt::Display) -> WorkerProcessError {
+    WorkerProcessError::Handshake(e.to_string())
+}
+
+/// Sets `PR_SET_PDEATHSIG(SIGKILL)` and the process name (`comm`, at most 15 bytes).
+fn arm_process(name: &str) {
+    // SAFETY: prctl(PR_SET_PDEATHSIG, sig) takes an integer signal number and no pointers.
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    if rc != 0 {
+        tracing::warn!(
+            "PR_SET_PDEATHSIG failed: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let mut buf = [0u8; 16];
+    let n = name.len().min(15);
+    buf[..n].copy_from_slice(&name.as_bytes()[..n]);
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes from the pointer;
+    // `buf` is 16 bytes, zero-filled after the name, and outlives the call.
+    let rc = unsafe { libc::prctl(libc::PR_SET_NAME, buf.as_ptr() as libc::c_ulong, 0, 0, 0) };
+    if rc != 0 {
+        tracing::warn!("PR_SET_NAME failed: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// Runs the worker process on this process's stdin and stdout. Returns when told to shut down;
+/// exits the process directly when the parent goes away.
+pub fn run_worker_process() -> Result<(), WorkerProcessError> {
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    stdin.lock().read_line(&mut line).map_err(handshake_err)?;
+    if line.is_empty() {
+        return Err(handshake_err("stdin closed before the handshake"));
+    }
+    let hs: WorkerHandshake = serde_json::from_str(&line).map_err(handshake_err)?;
+    omni_protocol::check_protocol_version(hs.protocol_version).map_err(handshake_err)?;
+    let rank = hs.rank as usize;
+    let world = hs.world_size as usize;
+    arm_process(&format!("omni-worker-{rank}"));
+    if std::os::unix::process::parent_id() != hs.parent_pid {
+        return Err(WorkerProcessError::ParentGone(hs.parent_pid));
+    }
+
+    let mut commands = MessageQueueReader::attach(&hs.broadcast, ReaderId::Local(rank))?;
+    let channel = format!("resp{rank}");
+    let mut responses = MessageQueue::create(QueueSpec::local(
+        &hs.instance,
+        &channel,
+        1,
+        hs.response_queue.clone(),
+    ))?;
+    let hello = WorkerHello {
+        protocol_version: PROTOCOL_VERSION,
+        rank: hs.rank,
+        pid: std::process::id(),
+        response: responses.handle(),
+    };
+    let mut out = std::io::stdout().lock();
+    let text = serde_json::to_string(&hello).map_err(handshake_err)?;
+    writeln!(out, "{text}")
+        .and_then(|()| out.flush())
+        .map_err(handshake_err)?;
+    drop(out);
+
+    // EOF on stdin: the parent died or is shutting us down. Remove our segment (our destructors
+    // will not run) and exit at once.
+    let own_segment = omni_ipc::shm::segment_name(&hs.instance, &channel);
+    let watcher = std::thread::Builder::new()
+        .name("stdin-watch".into())
+        .spawn(move || {
+            let mut sink = [0u8; 256];
+            let mut input = std::io::stdin().lock();
+            while matches!(input.read(&mut sink), Ok(n) if n > 0) {}
+            let _ = std::fs::remove_file(format!("{}/{own_segment}", omni_ipc::shm::SHM_DIR));
+            std::process::exit(0);
+        });
+    if let Err(e) = watcher {
+        tracing::warn!("no stdin watcher thread: {e}");
+    }
+
+    commands.wait_until_ready(hs.ready_timeout)?;
+    responses.wait_until_ready(hs.ready_timeout)?;
+
+    let all_reduce: Arc<dyn AllReduce> = match (&hs.all_reduce_segment, world) {
+        (Some(name), w) if w > 1 => Arc::new(ShmAllReduce::open(name, rank, world)?),
+        _ => Arc::new(omni_backend::comm::IdentityAllReduce),
+    };
+    let mut worker = Worker::new(hs.rank, all_reduce);
+    tracing::debug!(rank, world, "worker ready");
+    loop {
+        let msg = match commands.dequeue(Some(Duration::from_secs(1))) {
+            Ok(m) => m,
+            Err(IpcError::Timeout(_)) => continue,
+            Err(IpcError::Cancelled | IpcError::Closed) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let cmd: WorkerCommand = msg.header()?;
+        match worker.handle(&cmd) {
+            Some(resp) => responses.enqueue(&resp, &[])?,
+            None => return Ok(()),
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! [`Worker`]: one rank's command handler. It owns the [`ModelRunner`] and answers every
+//! [`WorkerCommand`]; the process around it ([`crate::process`]) only moves messages.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use omni_backend::comm::AllReduce;
+use omni_models::gguf::GgufWeights;
+use omni_models::registry::{self, LoadFormat as RegistryFormat};
+use omni_models::{CausalLm, TpContext};
+use omni_protocol::{LoadFormat, LoadModelSpec, SchedulerOutput, WorkerCommand, WorkerResponse};
+
+use crate::WorkerError;
+use crate::model_runner::ModelRunner;
+
+/// One tensor-parallel rank: loads its shard, holds its KV cache, runs steps.
+///
+/// Every rank computes the whole step (the all-reduce keeps them in lockstep and they sample the
+/// same tokens from the same seed), but only the output rank 0 answers
+/// [`WorkerCommand::ExecuteModel`] with the [`ModelRunnerOutput`]; other ranks answer with a small
+/// [`WorkerResponse::Ready`] acknowledgement. The executor reads every rank's answer, so a rank
+/// that fails is noticed at once and no response queue ever fills up.
+#[derive(Debug)]
+pub struct Worker {
+    rank: u32,
+    all_reduce: Arc<dyn AllReduce>,
+    runner: Option<ModelRunner>,
+}
+
+impl Worker {
+    /// Rank `rank`, joined to its peers by `all_reduce` (an identity for one rank).
+    pub fn new(rank: u32, all_reduce: Arc<dyn AllReduce>) -> Self {
+        Self {
+            rank,
+            all_reduce,
+            runner: None,
+        }
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The model runner, once the model is loaded.
+    pub fn runner(&self) -> Option<&ModelRunner> {
+        self.runner.as_ref()
+    }
+
+    /// Answers one command; `None` for [`WorkerCommand::Shutdown`] (which has no answer).
+    pub fn handle(&mut self, cmd: &WorkerCommand) -> Option<WorkerResponse> {
+        let result = match cmd {
+            WorkerCommand::LoadModel(spec) => self.load_model(spec),
+            WorkerCommand::InitCache {
+                num_blocks,
+                block_size,
+            } => self
+                .runner_mut()
+                .and_then(|r| r.init_cache(*num_blocks as usize, *block_size as usize))
+                .map(|()| WorkerResponse::Ready { rank: self.rank }),
+            WorkerCommand::ExecuteModel(so) => return Some(self.execute_model(so)),
+            WorkerCommand::Health => Ok(WorkerResponse::Ready { rank: self.rank }),
+            WorkerCommand::Shutdown => return None,
+        };
+        Some(result.unwrap_or_else(|e| self.error(e)))
+    }
+
+    /// Runs one step (see the type's docs for what each rank answers).
+    pub fn execute_model(&mut self, so: &SchedulerOutput) -> WorkerResponse {
+        let rank = self.rank;
+        match self.runner_mut().and_then(|r| r.execute_model(so)) {
+            Ok(out) if rank == 0 => WorkerResponse::ModelRunnerOutput(out),
+            Ok(_) => WorkerResponse::Ready { rank },
+            Err(e) => self.error(e),
+        }
+    }
+
+    fn error(&self, e: WorkerError) -> WorkerResponse {
+        tracing::error!(rank = self.rank, "worker command failed: {e}");
+        WorkerResponse::Error {
+            rank: self.rank,
+            message: e.to_string(),
+        }
+    }
+
+    fn runner_mut(&mut self) -> Result<&mut ModelRunner, WorkerError> {
+        self.runner.as_mut().ok_or(WorkerError::NotLoaded)
+    }
+
+    fn load_model(&mut self, spec: &LoadModelSpec) -> Result<WorkerResponse, WorkerError> {
+        let world = spec.tensor_parallel_size.max(1) as usize;
+        if world != self.all_reduce.world_size() {
+            return Err(WorkerError::Load(format!(
+                "tensor_parallel_size {world} but the all-reduce group has {} ranks",
+                self.all_reduce.world_size()
+            )));
+        }
+        let tp = TpContext::new(self.rank as usize, world, self.all_reduce.clone());
+        let model = load_model(spec, tp)?;
+        let runner = ModelRunner::new(model, spec.seed);
+        let kv_bytes_per_block = runner.kv_bytes_per_block(spec.block_size as usize);
+        self.runner = Some(runner);
+        Ok(WorkerResponse::ModelLoaded {
+            kv_bytes_per_block,
+            available_memory_bytes: mem_available_bytes(),
+        })
+    }
+}
+
+impl omni_core::LocalWorker for Worker {
+    fn handle(&mut self, cmd: &WorkerCommand) -> Option<WorkerResponse> {
+        Worker::handle(self, cmd)
+    }
+
+    fn execute_model(&mut self, so: &SchedulerOutput) -> WorkerResponse {
+        Worker::execute_model(self, so)
+    }
+}
+
+/// Builds rank `tp.rank`'s model from a HF directory (safetensors or dummy weights) or a GGUF
+/// file (its weights, or dummy weights of its shapes).
+pub fn load_model(spec: &LoadModelSpec, tp: TpContext) -> Result<Box<dyn CausalLm>, WorkerError> {
+    let path = Path::new(&spec.model);
+    let is_gguf = path.is_file()
+        && path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let dummy = RegistryFormat::Dummy { seed: spec.seed };
+    let model = match (spec.load_format, is_gguf) {
+        (LoadFormat::Gguf, false) => {
+            return Err(WorkerError::Load(format!(
+                "{} is not a .gguf file",
+                spec.model
+            )));
+        }
+        (LoadFormat::Safetensors, true) => {
+            return Err(WorkerError::Load(format!(
+                "{} is a GGUF file, not a safetensors directory",
+                spec.model
+            )));
+        }
+        (LoadFormat::Auto | LoadFormat::Gguf, true) => {
+            let weights = GgufWeights::open(path)?;
+            let config = weights.hf_config()?;
+            registry::build_model(&config, &weights, tp)?
+        }
+        (LoadFormat::Dummy, true) => {
+            let config = GgufWeights::open(path)?.hf_config()?;
+            registry::build_model(&config, &registry::dummy_weights(&config, spec.seed)?, tp)?
+        }
+        (LoadFormat::Auto | LoadFormat::Safetensors, false) => {
+            registry::load_model_dir(path, RegistryFormat::Safetensors, tp)?
+        }
+        (LoadFormat::Dummy, false) => registry::load_model_dir(path, dummy, tp)?,
+    };
+    Ok(model)
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes (0 when unreadable): what the CPU KV cache may use.
+fn mem_available_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}

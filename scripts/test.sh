@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command of the README: fetches the built-in default model (so the end-to-end
+# "Paris" checks run), then runs every test of the workspace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+scripts/fetch-default-model.sh >/dev/null || echo "warning: default model not fetched; tests that need it will skip" >&2
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --workspace --no-fail-fast "$@"
+    # nextest does not run doc tests.
+    cargo test --workspace --doc
+else
+    cargo test --workspace --no-fail-fast "$@"
+fi

@@ -1,0 +1,117 @@
+//! kill -9 of a worker: in-flight requests fail within a second with an error naming the rank,
+//! and no shared-memory segment of the engine is left in /dev/shm.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "engine_common.rs"]
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Pids of the processes whose parent is `ppid` and whose name is `comm`.
+fn children_named(ppid: u32, comm: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = &stat[open + 1..close];
+        let parent: Option<u32> = stat[close + 1..]
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok());
+        if name == comm && parent == Some(ppid) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+fn segments_of(pid: u32) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("omni.{pid}x")))
+        .collect()
+}
+
+#[test]
+fn killing_a_worker_fails_requests_within_a_second_naming_the_rank() {
+    let mut child = Command::new(engine_bin())
+        .args(["generate", "--temperature", "0", "--ignore-eos", "-tp", "2"])
+        .arg("--model")
+        .arg(fixture("llama"))
+        .args([
+            "--max-tokens",
+            "6000",
+            "--max-model-len",
+            "8192",
+            "--repeat",
+            "8",
+        ])
+        .args(["--prompt-token-ids", "1,2,3,4,5"])
+        .env("RUST_BACKTRACE", "0")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send((Instant::now(), line));
+        }
+    });
+    // Wait until the engine is generating.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, line) = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        if line.contains("engine ready") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "engine did not start");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let victims = children_named(pid, "omni-worker-1");
+    assert_eq!(victims.len(), 1, "worker 1 of {pid} not found");
+    assert_eq!(children_named(pid, "omni-worker-0").len(), 1);
+    assert!(!segments_of(pid).is_empty(), "engine uses shared memory");
+
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victims[0] as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let (failed_at, line) = loop {
+        let (at, line) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        if line.contains("failed") && line.contains("request") {
+            break (at, line);
+        }
+    };
+    let latency = failed_at - killed_at;
+    assert!(
+        latency < Duration::from_secs(1),
+        "failed after {latency:?}: {line}"
+    );
+    assert!(line.contains("worker 1"), "{line}");
+    assert!(line.contains("signal 9"), "{line}");
+
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    assert!(children_named(pid, "omni-worker-0").is_empty());
+    assert_eq!(segments_of(pid), Vec::<String>::new());
+}
