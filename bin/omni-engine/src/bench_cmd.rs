@@ -12,6 +12,9 @@ pub enum BenchCommand {
     /// Latency and throughput of the shared-memory broadcast queue across processes, against
     /// a plain memcpy of the same bytes.
     Ipc(IpcArgs),
+    /// Serving benchmark of an OpenAI-compatible server (vLLM's `bench serve`): TTFT, TPOT,
+    /// ITL and end-to-end latency over streamed requests; prints the result block last.
+    Serve(omni_bench::serve::ServeBenchArgs),
     /// Internal: a reader process of `bench ipc`.
     #[command(hide = true)]
     IpcReader(IpcReaderArgs),
@@ -83,6 +86,14 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             }
             println!("{}", ipc::recommend(&rows, opts.max_chunks));
             print!("{}", ipc::format_table(&rows));
+            Ok(())
+        }
+        BenchCommand::Serve(a) => {
+            // Prints the result block last and writes `--save-result` JSON.
+            let result = omni_bench::serve::run(a)?;
+            if result.completed == 0 {
+                anyhow::bail!("no request completed");
+            }
             Ok(())
         }
         BenchCommand::IpcReader(a) => Ok(ipc::reader_main(

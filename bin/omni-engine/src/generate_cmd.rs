@@ -19,7 +19,7 @@ use omni_core::{
     DEFAULT_KV_CACHE_MEMORY_BYTES, EngineCore, EngineLoop, Executor, MultiprocConfig,
     MultiprocExecutor, SchedulerConfig, StartupSpec, UniprocExecutor,
 };
-use omni_protocol::{EngineCoreRequest, LoadFormat, LoadModelSpec, SamplingParams};
+use omni_protocol::{DType, EngineCoreRequest, LoadFormat, LoadModelSpec, SamplingParams};
 use omni_tokenizer::Tokenizer;
 
 /// Where the weights come from.
@@ -51,19 +51,6 @@ pub struct Args {
     /// SmolLM2-135M-Instruct GGUF (fetched into ~/.cache/omni-engine/models on first use).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Weight format.
-    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
-    pub load_format: LoadFormatArg,
-    /// Tensor-parallel size: worker processes (also `-tp`).
-    #[arg(
-        long = "tensor-parallel-size",
-        visible_alias = "tp",
-        default_value_t = 1
-    )]
-    pub tensor_parallel_size: u32,
-    /// Executor.
-    #[arg(long, value_enum, default_value_t = ExecutorArg::Mp)]
-    pub executor: ExecutorArg,
     /// A text prompt (repeatable).
     #[arg(long)]
     pub prompt: Vec<String>,
@@ -103,7 +90,51 @@ pub struct Args {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Longest sequence (prompt + output).
+    /// Engine: model loading, parallelism, KV cache, scheduler.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// Compute dtype of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DtypeArg {
+    /// The checkpoint's own dtype.
+    Auto,
+    /// 32-bit float.
+    #[value(alias = "float")]
+    Float32,
+    /// 16-bit float.
+    #[value(alias = "half")]
+    Float16,
+    /// bfloat16.
+    Bfloat16,
+}
+
+/// Engine flags shared by `generate` and `serve` (vLLM's names): how the model is loaded, how
+/// many ranks run it, how big the KV cache is, and the scheduler's budgets. [`start_engine`]
+/// turns them into a running engine.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Engine")]
+pub struct EngineArgs {
+    /// Weight format: `auto` reads what the model path holds; `dummy` uses random weights of the
+    /// model's shapes (config.json still required).
+    #[arg(long, value_enum, default_value_t = LoadFormatArg::Auto)]
+    pub load_format: LoadFormatArg,
+    /// Compute dtype (`auto`: the checkpoint's). It travels to the workers in the load spec;
+    /// the CPU backend computes in float32 whatever is asked (a warning says so).
+    #[arg(long, value_enum, default_value_t = DtypeArg::Auto)]
+    pub dtype: DtypeArg,
+    /// Tensor-parallel size: worker processes (also `-tp`).
+    #[arg(
+        long = "tensor-parallel-size",
+        visible_alias = "tp",
+        default_value_t = 1
+    )]
+    pub tensor_parallel_size: u32,
+    /// Executor.
+    #[arg(long, value_enum, default_value_t = ExecutorArg::Mp)]
+    pub executor: ExecutorArg,
+    /// Longest sequence (prompt + output), in tokens.
     #[arg(long, default_value_t = 2048)]
     pub max_model_len: u32,
     /// Tokens per KV block.
@@ -121,12 +152,137 @@ pub struct Args {
     /// Token budget of one step.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Reuse the KV blocks of shared prompt prefixes (on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
     /// Turn prefix caching off.
-    #[arg(long)]
-    pub no_prefix_caching: bool,
+    #[arg(long, alias = "no-prefix-caching")]
+    pub no_enable_prefix_caching: bool,
     /// Seed of the workers' global sampling stream and of dummy weights.
     #[arg(long, default_value_t = 0)]
     pub engine_seed: u64,
+}
+
+impl EngineArgs {
+    /// Whether prefix caching is on (the last of the two flags wins; default on).
+    pub fn prefix_caching(&self) -> bool {
+        !self.no_enable_prefix_caching
+    }
+}
+
+/// A started engine: the loop that owns the engine core, and what start-up decided.
+#[derive(Debug)]
+pub struct StartedEngine {
+    /// The engine-core loop (drop or [`EngineLoop::shutdown`] stops it and the workers).
+    pub engine: EngineLoop,
+    /// The scheduler's configuration, KV blocks included.
+    pub scheduler: SchedulerConfig,
+}
+
+/// The model path: `model` when given, else the built-in default model (fetched into the cache
+/// on first use; its path is logged).
+pub fn resolve_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(m) = model {
+        return Ok(m.to_path_buf());
+    }
+    let path = omni_gguf::default_model::locate_or_fetch()
+        .context("locating the default model (run scripts/fetch-default-model.sh)")?;
+    tracing::info!(
+        path = %path.display(),
+        "no model given: using the built-in default model {}",
+        omni_gguf::default_model::MODEL_NAME
+    );
+    Ok(path)
+}
+
+/// Starts the workers (one process per rank, or the model in-process with `--executor uni`),
+/// loads `model`, sizes the KV cache and spawns the engine loop.
+///
+/// Call it on a thread that lives as long as the engine (the main thread): worker processes
+/// get `PR_SET_PDEATHSIG` and die with the thread that spawned them.
+pub fn start_engine(model: &Path, args: &EngineArgs) -> anyhow::Result<StartedEngine> {
+    if args.dtype != DtypeArg::Auto {
+        tracing::warn!(
+            "--dtype {:?}: the CPU backend computes in float32 regardless",
+            args.dtype
+        );
+    }
+    let load = LoadModelSpec {
+        model: model.display().to_string(),
+        load_format: match args.load_format {
+            LoadFormatArg::Auto => LoadFormat::Auto,
+            LoadFormatArg::Safetensors => LoadFormat::Safetensors,
+            LoadFormatArg::Gguf => LoadFormat::Gguf,
+            LoadFormatArg::Dummy => LoadFormat::Dummy,
+        },
+        dtype: match args.dtype {
+            DtypeArg::Auto => None,
+            DtypeArg::Float32 => Some(DType::F32),
+            DtypeArg::Float16 => Some(DType::F16),
+            DtypeArg::Bfloat16 => Some(DType::Bf16),
+        },
+        max_model_len: args.max_model_len,
+        block_size: args.block_size,
+        gpu_memory_utilization: 0.9,
+        tensor_parallel_size: args.tensor_parallel_size,
+        seed: args.engine_seed,
+    };
+    let startup = StartupSpec {
+        load,
+        kv_cache_memory_bytes: if args.kv_cache_memory == 0 {
+            DEFAULT_KV_CACHE_MEMORY_BYTES
+        } else {
+            args.kv_cache_memory
+        },
+        num_blocks_override: args.num_gpu_blocks_override,
+    };
+    let (executor, num_blocks): (Box<dyn Executor + Send>, u32) = match args.executor {
+        ExecutorArg::Mp => {
+            let exe = std::env::current_exe().context("locating this binary")?;
+            let mut config = MultiprocConfig::new(exe, args.tensor_parallel_size, startup);
+            // The environment is read once, here; workers get the result in their handshake.
+            config.ipc = omni_config::EnvVars::from_env()
+                .and_then(|env| env.ipc_config())
+                .context("reading the IPC settings from the environment")?;
+            tracing::info!(
+                max_chunk_bytes = config.ipc.max_chunk_bytes,
+                max_chunks = config.ipc.max_chunks,
+                "broadcast queue"
+            );
+            let ex = MultiprocExecutor::start(config)?;
+            let n = ex.num_blocks();
+            (Box::new(ex), n)
+        }
+        ExecutorArg::Uni => {
+            if args.tensor_parallel_size != 1 {
+                bail!("--executor uni runs one rank; use --executor mp for tensor parallelism");
+            }
+            let worker = omni_worker::Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
+            let ex = UniprocExecutor::start(worker, &startup)?;
+            let n = ex.num_blocks();
+            (Box::new(ex), n)
+        }
+    };
+    let scheduler = SchedulerConfig {
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        max_model_len: args.max_model_len as usize,
+        block_size: args.block_size as usize,
+        num_blocks: num_blocks as usize,
+        enable_prefix_caching: args.prefix_caching(),
+        enable_chunked_prefill: true,
+    };
+    let engine = EngineLoop::spawn(EngineCore::new(scheduler.clone(), executor)?);
+    Ok(StartedEngine { engine, scheduler })
+}
+
+/// The tokenizer of a HF directory or a GGUF file.
+pub fn load_tokenizer(model: &Path) -> anyhow::Result<Tokenizer> {
+    Ok(if model.is_dir() {
+        Tokenizer::from_hf_dir(model)?
+    } else {
+        Tokenizer::from_gguf_path(model)?
+    })
 }
 
 /// Rewrites vLLM's `-tp N` (a multi-letter short flag clap cannot express) into
@@ -163,14 +319,6 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size too large: {s:?}"))
 }
 
-fn load_tokenizer(model: &Path) -> anyhow::Result<Tokenizer> {
-    Ok(if model.is_dir() {
-        Tokenizer::from_hf_dir(model)?
-    } else {
-        Tokenizer::from_gguf_path(model)?
-    })
-}
-
 /// One finished prompt.
 #[derive(Debug, serde::Serialize)]
 struct Generation {
@@ -181,11 +329,7 @@ struct Generation {
 
 /// Runs offline inference and prints the results.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let model = match &args.model {
-        Some(m) => m.clone(),
-        None => omni_gguf::default_model::locate_or_fetch()
-            .context("locating the default model (run scripts/fetch-default-model.sh)")?,
-    };
+    let model = resolve_model(args.model.as_deref())?;
     let tokenizer = load_tokenizer(&model);
     let mut prompts: Vec<Vec<u32>> = Vec::new();
     if !args.prompt.is_empty() {
@@ -220,71 +364,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .ok()
         .and_then(|t| t.eos_token_ids().first().copied());
 
-    let load = LoadModelSpec {
-        model: model.display().to_string(),
-        load_format: match args.load_format {
-            LoadFormatArg::Auto => LoadFormat::Auto,
-            LoadFormatArg::Safetensors => LoadFormat::Safetensors,
-            LoadFormatArg::Gguf => LoadFormat::Gguf,
-            LoadFormatArg::Dummy => LoadFormat::Dummy,
-        },
-        dtype: None,
-        max_model_len: args.max_model_len,
-        block_size: args.block_size,
-        gpu_memory_utilization: 0.9,
-        tensor_parallel_size: args.tensor_parallel_size,
-        seed: args.engine_seed,
-    };
-    let startup = StartupSpec {
-        load,
-        kv_cache_memory_bytes: if args.kv_cache_memory == 0 {
-            DEFAULT_KV_CACHE_MEMORY_BYTES
-        } else {
-            args.kv_cache_memory
-        },
-        num_blocks_override: args.num_gpu_blocks_override,
-    };
     let t_load = Instant::now();
-    // The executor is created on this (the main) thread: workers die with the thread that
-    // spawned them (PR_SET_PDEATHSIG).
-    let (executor, num_blocks): (Box<dyn Executor + Send>, u32) = match args.executor {
-        ExecutorArg::Mp => {
-            let exe = std::env::current_exe().context("locating this binary")?;
-            let ex = MultiprocExecutor::start(MultiprocConfig::new(
-                exe,
-                args.tensor_parallel_size,
-                startup,
-            ))?;
-            let n = ex.num_blocks();
-            (Box::new(ex), n)
-        }
-        ExecutorArg::Uni => {
-            if args.tensor_parallel_size != 1 {
-                bail!("--executor uni runs one rank; use --executor mp for tensor parallelism");
-            }
-            let worker = omni_worker::Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
-            let ex = UniprocExecutor::start(worker, &startup)?;
-            let n = ex.num_blocks();
-            (Box::new(ex), n)
-        }
-    };
+    // On this (the main) thread: workers die with the thread that spawned them.
+    let StartedEngine { engine, scheduler } = start_engine(&model, &args.engine)?;
     eprintln!(
-        "engine ready in {:.2?}: {} ({} rank(s), {num_blocks} KV blocks of {})",
+        "engine ready in {:.2?}: {} ({} rank(s), {} KV blocks of {})",
         t_load.elapsed(),
         model.display(),
-        args.tensor_parallel_size,
-        args.block_size
+        args.engine.tensor_parallel_size,
+        scheduler.num_blocks,
+        args.engine.block_size
     );
-    let sched = SchedulerConfig {
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_num_seqs: args.max_num_seqs,
-        max_model_len: args.max_model_len as usize,
-        block_size: args.block_size as usize,
-        num_blocks: num_blocks as usize,
-        enable_prefix_caching: !args.no_prefix_caching,
-        enable_chunked_prefill: true,
-    };
-    let engine = EngineLoop::spawn(EngineCore::new(sched, executor)?);
     let client = engine.client();
     let params = SamplingParams {
         temperature: args.temperature,

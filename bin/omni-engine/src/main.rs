@@ -7,7 +7,9 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 mod bench_cmd;
+mod engine_adapter;
 mod generate_cmd;
+mod serve_cmd;
 mod worker_cmd;
 
 /// omni-engine: an LLM and omni-model serving engine.
@@ -24,6 +26,8 @@ enum Command {
     Bench(BenchArgs),
     /// Offline inference: generate continuations for prompts (vLLM's `LLM.generate`).
     Generate(generate_cmd::Args),
+    /// The OpenAI-compatible API server (vLLM's `vllm serve`).
+    Serve(serve_cmd::Args),
     /// A tensor-parallel worker process (spawned by the engine core, not by hand).
     #[command(hide = true)]
     Worker(worker_cmd::Args),
@@ -41,6 +45,7 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
@@ -50,6 +55,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Bench(b) => bench_cmd::run(b.which),
         Command::Generate(a) => generate_cmd::run(a),
+        Command::Serve(a) => serve_cmd::run(a),
         Command::Worker(a) => worker_cmd::run(a),
     }
 }

@@ -1,0 +1,246 @@
+//! `omni-engine serve`: the OpenAI-compatible API server (vLLM's `vllm serve`).
+//!
+//! This process (`omni-api`) loads the tokenizer and chat template, runs omni-server's axum
+//! router, and drives the engine loop; the workers (one process per tensor-parallel rank) get
+//! token ids only. Start-up sweeps stale `/dev/shm/omni.*` segments, logs the resolved config and
+//! the KV cache size, then `listening on http://host:port`. SIGINT or SIGTERM: stop accepting,
+//! abort in-flight requests (their streams end with a 503 error event), shut the workers down
+//! (which removes their shared memory), exit 0.
+//!
+//! ```text
+//! omni-engine serve                                   # the built-in default model on :8000
+//! omni-engine serve path/to/hf-dir -tp 2 --port 8001 --served-model-name tiny
+//! omni-engine serve model.gguf --api-key secret --max-model-len 4096
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use omni_server::{CacheInfo, EngineClient as _, ServerConfig, Tokenizer};
+use tokio::signal::unix::{Signal, SignalKind, signal};
+
+use crate::engine_adapter::CoreEngineClient;
+use crate::generate_cmd::{EngineArgs, StartedEngine, load_tokenizer, resolve_model, start_engine};
+
+/// How long in-flight connections may take to close after a shutdown signal.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `omni-engine serve` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Model: a HF checkpoint directory or a `.gguf` file. Absent: the built-in
+    /// SmolLM2-135M-Instruct GGUF (fetched into ~/.cache/omni-engine/models on first use).
+    #[arg(value_name = "MODEL")]
+    pub model_tag: Option<PathBuf>,
+    /// The model, as a flag (same as MODEL).
+    #[arg(long, conflicts_with = "model_tag")]
+    pub model: Option<PathBuf>,
+    /// HTTP server.
+    #[command(flatten)]
+    pub server: ServerArgs,
+    /// Engine: model loading, parallelism, KV cache, scheduler.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// Flags of the HTTP layer.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Server")]
+pub struct ServerArgs {
+    /// Address to bind.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    /// Port to bind (0: any free port; the log line `listening on ...` says which).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Names the model answers to in `model` (the first is reported). Default: MODEL as given,
+    /// or the default model's name.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Require `Authorization: Bearer <KEY>` on /v1/*.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Chat template: a Jinja file, or the template itself. Default: the model's own.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let swept = omni_ipc::shm::sweep_stale();
+    if !swept.is_empty() {
+        tracing::info!(?swept, "removed shared memory segments of dead instances");
+    }
+    let given = args.model_tag.as_deref().or(args.model.as_deref());
+    let model = resolve_model(given)?;
+    let mut tokenizer = load_tokenizer(&model)
+        .with_context(|| format!("loading the tokenizer of {}", model.display()))?;
+    if let Some(t) = &args.server.chat_template {
+        tokenizer
+            .set_chat_template(chat_template_source(t)?)
+            .context("--chat-template")?;
+    }
+    if tokenizer.chat_template().is_none() {
+        tracing::warn!(
+            "{} has no chat template: /v1/chat/completions will answer 400 (pass --chat-template)",
+            model.display()
+        );
+    }
+    let config = server_config(&args, given);
+    let e = &args.engine;
+    tracing::info!(
+        model = %model.display(),
+        served_model_name = ?config.served_model_names,
+        host = %config.host,
+        port = config.port,
+        api_key = config.api_key.is_some(),
+        tensor_parallel_size = e.tensor_parallel_size,
+        executor = ?e.executor,
+        load_format = ?e.load_format,
+        dtype = ?e.dtype,
+        max_model_len = e.max_model_len,
+        max_num_seqs = e.max_num_seqs,
+        max_num_batched_tokens = e.max_num_batched_tokens,
+        block_size = e.block_size,
+        kv_cache_memory = e.kv_cache_memory,
+        num_gpu_blocks_override = ?e.num_gpu_blocks_override,
+        enable_prefix_caching = e.prefix_caching(),
+        "resolved config"
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("omni-api")
+        .build()
+        .context("starting the tokio runtime")?;
+    let t_load = Instant::now();
+    // On the main thread, which lives as long as the engine: workers die with the thread that
+    // spawned them (PR_SET_PDEATHSIG).
+    let StartedEngine { engine, scheduler } = start_engine(&model, e)?;
+    tracing::info!(
+        num_gpu_blocks = scheduler.num_blocks,
+        block_size = scheduler.block_size,
+        "engine ready in {:.2?}: {} KV blocks ({} tokens of KV cache)",
+        t_load.elapsed(),
+        scheduler.num_blocks,
+        scheduler.num_blocks * scheduler.block_size
+    );
+    let core = engine.client();
+    let adapter = Arc::new(CoreEngineClient::new(
+        core.clone(),
+        CacheInfo {
+            block_size: e.block_size,
+            num_gpu_blocks: u32::try_from(scheduler.num_blocks).unwrap_or(u32::MAX),
+        },
+    ));
+    let result = runtime.block_on(serve_until_signal(config, adapter, tokenizer, core));
+    engine.shutdown();
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    match &result {
+        Ok(()) => tracing::info!("shutdown complete"),
+        Err(e) => tracing::error!("server failed: {e:#}"),
+    }
+    result
+}
+
+fn server_config(args: &Args, given: Option<&Path>) -> ServerConfig {
+    let names = if args.server.served_model_name.is_empty() {
+        vec![match given {
+            Some(m) => m.display().to_string(),
+            None => omni_gguf::default_model::MODEL_NAME.to_string(),
+        }]
+    } else {
+        args.server.served_model_name.clone()
+    };
+    ServerConfig {
+        host: args.server.host.clone(),
+        port: args.server.port,
+        served_model_names: names,
+        api_key: args.server.api_key.clone(),
+        max_model_len: args.engine.max_model_len,
+        ..ServerConfig::default()
+    }
+}
+
+/// `--chat-template`: a file's contents, or the argument itself when it is a template.
+fn chat_template_source(arg: &str) -> anyhow::Result<String> {
+    let path = Path::new(arg);
+    if path.is_file() {
+        return std::fs::read_to_string(path)
+            .with_context(|| format!("reading --chat-template {}", path.display()));
+    }
+    if arg.contains("{{") || arg.contains("{%") {
+        return Ok(arg.to_string());
+    }
+    bail!("--chat-template {arg:?} is neither a file nor a Jinja template")
+}
+
+/// Binds, logs `listening on http://...`, serves until SIGINT/SIGTERM, then stops the engine
+/// (in-flight requests end with an error event) and waits up to [`DRAIN_TIMEOUT`] for open
+/// connections.
+async fn serve_until_signal(
+    config: ServerConfig,
+    engine: Arc<CoreEngineClient>,
+    tokenizer: Tokenizer,
+    core: omni_core::EngineClient,
+) -> anyhow::Result<()> {
+    // Handlers first: a signal right after the listening line must not kill the process.
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let addr = format!("{}:{}", config.host, config.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr().context("reading the bound address")?;
+    if let Err(cause) = engine.is_healthy() {
+        bail!("the engine died during start-up: {cause}");
+    }
+    let app = omni_server::router(config, engine, Arc::new(tokenizer));
+    tracing::info!("listening on http://{local} (press CTRL+C to quit)");
+    let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        let which = wait_for(&mut sigterm, &mut sigint).await;
+        tracing::info!(
+            "{which}: shutting down (no new connections, aborting in-flight requests, stopping workers)"
+        );
+        core.shutdown();
+        let _ = drain_tx.send(());
+    };
+    let server = omni_server::serve_on(listener, app, shutdown);
+    let drain_deadline = async move {
+        match drain_rx.await {
+            Ok(()) => tokio::time::sleep(DRAIN_TIMEOUT).await,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = server => r.context("serving"),
+        () = drain_deadline => {
+            tracing::warn!("connections still open {DRAIN_TIMEOUT:?} after the signal: closing them");
+            Ok(())
+        }
+    }
+}
+
+async fn wait_for(sigterm: &mut Signal, sigint: &mut Signal) -> &'static str {
+    tokio::select! {
+        _ = sigterm.recv() => "SIGTERM",
+        _ = sigint.recv() => "SIGINT",
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_template_is_a_file_or_an_inline_template() {
+        assert_eq!(
+            chat_template_source("{{ messages[0].content }}").unwrap(),
+            "{{ messages[0].content }}"
+        );
+        assert!(chat_template_source("/no/such/template.jinja").is_err());
+    }
+}

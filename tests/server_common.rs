@@ -1,0 +1,282 @@
+//! Helpers shared by the `server_*` end-to-end tests: start `omni-engine serve` on a free port
+//! (`--port 0`, the port read back from the `listening on http://...` log line), talk HTTP to
+//! it, read SSE streams and `/metrics`, find its worker processes and shared memory.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A ChatML-like template for the fixture models, which ship none.
+pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// The binary under test (`OMNI_ENGINE_BIN` overrides it).
+pub fn engine_bin() -> PathBuf {
+    std::env::var_os("OMNI_ENGINE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_omni-engine")))
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../crates/omni-models/tests/fixtures")
+        .join(name)
+}
+
+/// The fixture tokenizer with [`CHAT_TEMPLATE`], to count tokens the way the server does.
+pub fn fixture_tokenizer() -> omni_tokenizer::Tokenizer {
+    let mut t = omni_tokenizer::Tokenizer::from_hf_dir(fixture("llama")).unwrap();
+    t.set_chat_template(CHAT_TEMPLATE.to_string()).unwrap();
+    t
+}
+
+/// A running `omni-engine serve`; SIGTERM (then SIGKILL) on drop.
+pub struct Server {
+    child: Child,
+    pub pid: u32,
+    pub base: String,
+    log: Arc<Mutex<Vec<String>>>,
+    pub http: reqwest::Client,
+}
+
+impl Server {
+    /// `omni-engine serve --host 127.0.0.1 --port 0 <args>`; waits for the listening line.
+    pub fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(engine_bin())
+            .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .env("RUST_BACKTRACE", "0")
+            .env("NO_COLOR", "1")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(i) = line.find("listening on http://") {
+                    let rest = &line[i + "listening on ".len()..];
+                    let url = rest.split_whitespace().next().unwrap_or("").to_string();
+                    let _ = tx.send(url);
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let base = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(url) => url,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("server did not start:\n{}", log.lock().unwrap().join("\n"));
+            }
+        };
+        Server {
+            child,
+            pid,
+            base,
+            log,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// The tiny Llama fixture with [`CHAT_TEMPLATE`], plus `extra` flags.
+    pub fn tiny(extra: &[&str]) -> Server {
+        let model = fixture("llama");
+        let mut args = vec![model.to_str().unwrap(), "--chat-template", CHAT_TEMPLATE];
+        args.extend_from_slice(&["--served-model-name", "tiny"]);
+        args.extend_from_slice(extra);
+        Server::start(&args)
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// POSTs JSON; returns the status and the body as JSON (`Null` if it is not JSON).
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let resp = self
+            .http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// POSTs a streaming request and returns every `data:` payload before `[DONE]`; panics if
+    /// the stream does not end with `data: [DONE]`.
+    pub async fn sse(&self, path: &str, body: &Value) -> Vec<Value> {
+        let resp = self
+            .http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        let text = resp.text().await.unwrap();
+        parse_sse(&text)
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        let resp = self.http.get(self.url(path)).send().await.unwrap();
+        (resp.status().as_u16(), resp.text().await.unwrap())
+    }
+
+    /// The value of the first `/metrics` sample named `name` (labels ignored).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics").await;
+        metric_value(&text, name).unwrap_or_else(|| panic!("no {name} in\n{text}"))
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid as i32), sig).unwrap();
+    }
+
+    /// Waits up to `timeout` for the process to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        if self.wait_exit(Duration::from_secs(10)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The payloads of an SSE body, `[DONE]` required last (and excluded).
+pub fn parse_sse(text: &str) -> Vec<Value> {
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(
+        data.last(),
+        Some(&"[DONE]"),
+        "stream did not end with [DONE]:\n{text}"
+    );
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// The value of the first sample named exactly `name` (with or without labels).
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?;
+        let rest = if rest.starts_with('{') {
+            &rest[rest.find('}')? + 1..]
+        } else {
+            rest
+        };
+        if !rest.starts_with(' ') {
+            return None;
+        }
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// Pids of the processes whose parent is `ppid` and whose name is `comm`.
+pub fn children_named(ppid: u32, comm: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let parent: Option<u32> = stat[close + 1..]
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok());
+        if &stat[open + 1..close] == comm && parent == Some(ppid) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// `/dev/shm/omni.<pid>x*` segments: the shared memory of the engine instance in `pid`.
+pub fn segments_of(pid: u32) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("omni.{pid}x")))
+        .collect()
+}
+
+/// Polls `cond` every 20 ms until it holds or `timeout` passes; returns whether it held.
+pub async fn eventually<F, Fut>(timeout: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The concatenated text of the content deltas (chat) or text pieces (completions).
+pub fn streamed_text(chunks: &[Value]) -> String {
+    let mut out = String::new();
+    for c in chunks {
+        for choice in c["choices"].as_array().into_iter().flatten() {
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                out.push_str(t);
+            }
+            if let Some(t) = choice["text"].as_str() {
+                out.push_str(t);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,136 @@
+//! `omni-engine serve` when things end: kill -9 of a worker turns `/health` and new requests
+//! into 503s naming the rank within 5 s (and the in-flight stream into an error event), with no
+//! shared memory left; SIGTERM aborts in-flight requests, stops the workers and exits 0 with no
+//! shared memory left.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "server_common.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures::StreamExt;
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+
+/// Starts a long stream and returns it after its first bytes.
+async fn long_stream(
+    server: &Server,
+) -> impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> {
+    let resp = server
+        .http
+        .post(server.url("/v1/completions"))
+        .json(&json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 8000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut body = Box::pin(resp.bytes_stream());
+    let mut first = body.next().await.unwrap().unwrap().to_vec();
+    while !String::from_utf8_lossy(&first).contains("text") {
+        first.extend_from_slice(&body.next().await.unwrap().unwrap());
+    }
+    body
+}
+
+/// Reads a stream to its end and returns its text.
+async fn rest_of(
+    mut body: impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
+) -> String {
+    let mut out = Vec::new();
+    while let Some(Ok(chunk)) = body.next().await {
+        out.extend_from_slice(&chunk);
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_worker_makes_requests_fail_with_503_naming_the_rank() {
+    let server = Server::tiny(&["-tp", "2", "--max-model-len", "8192"]);
+    let stream = long_stream(&server).await;
+    let victims = children_named(server.pid, "omni-worker-1");
+    assert_eq!(victims.len(), 1, "worker 1 of {} not found", server.pid);
+    assert!(
+        !segments_of(server.pid).is_empty(),
+        "engine uses shared memory"
+    );
+
+    let killed_at = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victims[0] as i32),
+        Signal::SIGKILL,
+    )
+    .unwrap();
+    // The in-flight stream ends with one error event (503, rank named), then [DONE].
+    let text = tokio::time::timeout(Duration::from_secs(5), rest_of(Box::pin(stream)))
+        .await
+        .expect("stream still open 5 s after the worker died");
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let error: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+    assert_eq!(error["error"]["code"], 503, "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("worker 1"),
+        "{error}"
+    );
+
+    let (status, body) = server
+        .post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}))
+        .await;
+    let latency = killed_at.elapsed();
+    assert_eq!(status, 503, "{body}");
+    assert!(latency < Duration::from_secs(5), "503 after {latency:?}");
+    assert_eq!(body["error"]["type"], "server_error");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("worker 1") && message.contains("signal 9"),
+        "{message}"
+    );
+    let (status, health) = server.get("/health").await;
+    assert_eq!(status, 503);
+    assert!(health.contains("worker 1"), "{health}");
+
+    let cleaned = eventually(Duration::from_secs(5), || async {
+        segments_of(server.pid).is_empty() && children_named(server.pid, "omni-worker-0").is_empty()
+    })
+    .await;
+    assert!(
+        cleaned,
+        "left behind: {:?}, worker 0 alive: {:?}",
+        segments_of(server.pid),
+        children_named(server.pid, "omni-worker-0")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_aborts_in_flight_requests_and_leaves_no_shared_memory() {
+    let mut server = Server::tiny(&["--max-model-len", "8192"]);
+    let pid = server.pid;
+    let stream = long_stream(&server).await;
+    assert_eq!(children_named(pid, "omni-worker-0").len(), 1);
+    assert!(!segments_of(pid).is_empty());
+
+    server.signal(Signal::SIGTERM);
+    let text = tokio::time::timeout(Duration::from_secs(10), rest_of(Box::pin(stream)))
+        .await
+        .expect("stream still open 10 s after SIGTERM");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let status = tokio::task::block_in_place(|| server.wait_exit(Duration::from_secs(10)))
+        .unwrap_or_else(|| panic!("still running 10 s after SIGTERM:\n{}", server.log()));
+    assert!(status.success(), "{status}:\n{}", server.log());
+    assert!(
+        server.log().contains("shutdown complete"),
+        "{}",
+        server.log()
+    );
+    assert_eq!(segments_of(pid), Vec::<String>::new());
+    assert!(children_named(pid, "omni-worker-0").is_empty());
+}
