@@ -89,9 +89,7 @@ impl BufferPool {
         {
             return free.swap_remove(i);
         }
-        let v = Vec::with_capacity(len);
-        advise_hugepages(&v);
-        v
+        Vec::with_capacity(len)
     }
 
     fn wrap(&self, buf: Vec<u8>) -> bytes::Bytes {
@@ -103,17 +101,6 @@ impl BufferPool {
         } else {
             bytes::Bytes::from(buf)
         }
-    }
-}
-
-/// Asks for transparent huge pages on a large buffer (fewer faults and TLB misses).
-fn advise_hugepages(v: &Vec<u8>) {
-    let start = (v.as_ptr() as usize).next_multiple_of(2 << 20);
-    let end = (v.as_ptr() as usize + v.capacity()) & !((2 << 20) - 1);
-    if end > start {
-        // SAFETY: [start, end) lies inside the vector's allocation; MADV_HUGEPAGE only changes
-        // how the kernel backs the range, never its contents.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
     }
 }
 
