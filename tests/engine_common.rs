@@ -80,3 +80,27 @@ pub fn stat(stderr: &str, label: &str) -> u64 {
         .parse()
         .unwrap()
 }
+
+/// Pids of the processes whose parent is `ppid` and whose name is `comm`.
+pub fn children_named(ppid: u32, comm: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let parent: Option<u32> = stat[close + 1..]
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok());
+        if &stat[open + 1..close] == comm && parent == Some(ppid) {
+            found.push(pid);
+        }
+    }
+    found
+}

@@ -4,28 +4,19 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+#[path = "engine_common.rs"]
+mod engine_common;
+#[allow(unused_imports)] // each test binary uses a different subset
+pub use engine_common::{children_named, engine_bin, fixture};
+
 /// A ChatML-like template for the fixture models, which ship none.
 pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-
-/// The binary under test (`OMNI_ENGINE_BIN` overrides it).
-pub fn engine_bin() -> PathBuf {
-    std::env::var_os("OMNI_ENGINE_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_omni-engine")))
-}
-
-pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../crates/omni-models/tests/fixtures")
-        .join(name)
-}
 
 /// The fixture tokenizer with [`CHAT_TEMPLATE`], to count tokens the way the server does.
 pub fn fixture_tokenizer() -> omni_tokenizer::Tokenizer {
@@ -211,30 +202,6 @@ pub fn metric_value(text: &str, name: &str) -> Option<f64> {
         }
         rest.split_whitespace().next()?.parse().ok()
     })
-}
-
-/// Pids of the processes whose parent is `ppid` and whose name is `comm`.
-pub fn children_named(ppid: u32, comm: &str) -> Vec<u32> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let parent: Option<u32> = stat[close + 1..]
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse().ok());
-        if &stat[open + 1..close] == comm && parent == Some(ppid) {
-            found.push(pid);
-        }
-    }
-    found
 }
 
 /// `/dev/shm/omni.<pid>x*` segments: the shared memory of the engine instance in `pid`.

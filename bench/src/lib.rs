@@ -3,4 +3,5 @@
 //! JSON; the same command runs here and on the GPU machine.
 
 pub mod ipc;
+pub mod mem;
 pub mod serve;

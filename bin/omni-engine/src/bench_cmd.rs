@@ -15,6 +15,9 @@ pub enum BenchCommand {
     /// Serving benchmark of an OpenAI-compatible server (vLLM's `bench serve`): TTFT, TPOT,
     /// ITL and end-to-end latency over streamed requests; prints the result block last.
     Serve(omni_bench::serve::ServeBenchArgs),
+    /// This machine's memory bandwidth (read with all cores; single-threaded copy): the
+    /// ceiling of CPU decode, which streams every weight once per step.
+    Mem(MemArgs),
     /// Internal: a reader process of `bench ipc`.
     #[command(hide = true)]
     IpcReader(IpcReaderArgs),
@@ -41,6 +44,16 @@ pub struct IpcArgs {
     /// How long a waiting reader spins before parking, microseconds.
     #[arg(long, default_value_t = 2000)]
     spin_us: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct MemArgs {
+    /// Buffer size in MiB (well above the last-level cache).
+    #[arg(long, default_value_t = 1024)]
+    mib: usize,
+    /// Repetitions (the best is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
 }
 
 #[derive(Debug, Args)]
@@ -94,6 +107,11 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             if result.completed == 0 {
                 anyhow::bail!("no request completed");
             }
+            Ok(())
+        }
+        BenchCommand::Mem(a) => {
+            let m = omni_bench::mem::measure(a.mib << 20, a.reps.max(1));
+            println!("{}", serde_json::to_string(&m)?);
             Ok(())
         }
         BenchCommand::IpcReader(a) => Ok(ipc::reader_main(

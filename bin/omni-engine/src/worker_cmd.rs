@@ -13,7 +13,11 @@ pub fn run(_args: Args) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // Warnings, plus rank 0's weight-loading progress lines (shown when stderr is
+                // not a terminal; a terminal gets a progress bar instead).
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("warn,omni_worker::load_progress=info")
+                }),
         )
         .try_init();
     omni_worker::run_worker_process()?;

@@ -385,6 +385,7 @@ impl<E: Executor> LoopState<E> {
                     finish_reason: Some(FinishReason::Abort),
                     stop_reason: None,
                     num_cached_tokens: 0,
+                    queue_time: None,
                 }));
             }
         }

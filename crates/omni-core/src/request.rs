@@ -49,6 +49,11 @@ pub struct Request {
     pub num_preemptions: u32,
     /// What matched when it stopped.
     pub stop_reason: Option<StopReason>,
+    /// When the scheduler first put it in a batch, seconds since the Unix epoch (vLLM's
+    /// `scheduled_ts`); a preemption does not reset it.
+    pub first_scheduled_time: Option<f64>,
+    /// Whether an output already carried the queue time.
+    queue_time_reported: bool,
     /// Chained hashes of the full blocks of `all_token_ids`, in order (filled lazily by the
     /// KV cache manager).
     pub(crate) block_hashes: Vec<BlockHash>,
@@ -73,6 +78,8 @@ impl Request {
             num_cached_tokens: 0,
             num_preemptions: 0,
             stop_reason: None,
+            first_scheduled_time: None,
+            queue_time_reported: false,
             block_hashes: Vec::new(),
             seq_no,
             all_token_ids: req.prompt_token_ids,
@@ -121,6 +128,21 @@ impl Request {
         self.num_computed_tokens >= self.all_token_ids.len()
     }
 
+    /// Records a scheduling at `now` (seconds since the Unix epoch); only the first counts.
+    pub fn mark_scheduled(&mut self, now: f64) {
+        self.first_scheduled_time.get_or_insert(now);
+    }
+
+    /// The queue time (first scheduling minus arrival, never negative) the first time it is
+    /// asked for after the request was scheduled; `None` before and after.
+    pub fn take_queue_time(&mut self) -> Option<f64> {
+        let scheduled = self.first_scheduled_time?;
+        if std::mem::replace(&mut self.queue_time_reported, true) {
+            return None;
+        }
+        Some((scheduled - self.arrival_time).max(0.0))
+    }
+
     /// Checks the stop conditions owned by the core after a token was appended: EOS (unless
     /// `ignore_eos`), `stop_token_ids` (both only once `min_tokens` outputs exist), `max_tokens`
     /// and `max_model_len`. A stop token wins over a length cap reached by the same token.
@@ -159,6 +181,22 @@ mod tests {
             EngineCoreRequest::new("r", vec![1, 2, 3], params, Some(0)),
             0,
         )
+    }
+
+    #[test]
+    fn queue_time_is_reported_once_from_the_first_scheduling() {
+        let mut r = request(SamplingParams::default());
+        r.arrival_time = 100.0;
+        assert_eq!(r.take_queue_time(), None, "not scheduled yet");
+        r.mark_scheduled(100.5);
+        r.mark_scheduled(107.0); // resumed after a preemption
+        assert_eq!(r.take_queue_time(), Some(0.5));
+        assert_eq!(r.take_queue_time(), None);
+
+        let mut r = request(SamplingParams::default());
+        r.arrival_time = 100.0;
+        r.mark_scheduled(99.0); // the API host's clock ahead of the core's
+        assert_eq!(r.take_queue_time(), Some(0.0));
     }
 
     #[test]

@@ -16,6 +16,13 @@ use crate::config::{SchedulerConfig, SchedulerConfigError};
 use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager};
 use crate::request::{Request, RequestStatus};
 
+/// Seconds since the Unix epoch, the clock of `EngineCoreRequest::arrival_time`.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// Why a request was refused at admission (the API maps these to HTTP 400).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AddRequestError {
@@ -165,7 +172,7 @@ impl Scheduler {
         ids.extend(self.waiting.drain(..));
         let mut outputs = Vec::with_capacity(ids.len());
         for id in ids {
-            if let Some(req) = self.requests.remove(&id) {
+            if let Some(mut req) = self.requests.remove(&id) {
                 self.kv.free(&id);
                 self.finished_req_ids.push(id.clone());
                 outputs.push(EngineCoreOutput {
@@ -175,6 +182,7 @@ impl Scheduler {
                     finish_reason: Some(reason),
                     stop_reason: None,
                     num_cached_tokens: req.num_cached_tokens as u32,
+                    queue_time: req.take_queue_time(),
                 });
             }
         }
@@ -222,6 +230,7 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         let mut out = SchedulerOutput::default();
         let mut scheduled: Vec<(RequestId, usize)> = Vec::new();
+        let now = unix_now();
 
         // 1. Running requests, in order.
         let mut i = 0;
@@ -297,6 +306,7 @@ impl Scheduler {
             self.running.push(id.clone());
             let resumed = req.status == RequestStatus::Preempted;
             req.status = RequestStatus::Running;
+            req.mark_scheduled(now);
             req.num_computed_tokens = computed.num_tokens;
             let start = computed.num_tokens;
             if resumed {
@@ -409,6 +419,7 @@ impl Scheduler {
                 finish_reason,
                 stop_reason: req.stop_reason.clone(),
                 num_cached_tokens: req.num_cached_tokens as u32,
+                queue_time: req.take_queue_time(),
             });
         }
         for id in finished {

@@ -564,6 +564,46 @@ fn waiting_requests_are_admitted_first_come_first_served() {
     assert_eq!(stats.kv_cache_usage, 0.0);
 }
 
+#[test]
+fn request_waiting_behind_a_full_batch_reports_a_positive_queue_time() {
+    let mut cfg = config(32, 16);
+    cfg.max_num_seqs = 1;
+    let mut core = core(cfg);
+    for id in ["first", "second"] {
+        let params = SamplingParams::greedy(3);
+        core.add_request(EngineCoreRequest::new(id, prompt(1, 5), params, Some(0)))
+            .unwrap();
+    }
+    let mut outputs: Vec<EngineCoreOutput> = core.step().unwrap();
+    assert_eq!(core.stats().num_waiting_reqs, 1, "the batch is full");
+    let wait = std::time::Duration::from_millis(20);
+    std::thread::sleep(wait);
+    while core.has_unfinished_requests() {
+        outputs.extend(core.step().unwrap());
+    }
+    for id in ["first", "second"] {
+        let mine: Vec<&EngineCoreOutput> = outputs.iter().filter(|o| o.request_id == id).collect();
+        assert!(mine.len() >= 2, "{id}");
+        assert!(mine[0].queue_time.is_some(), "{id}: first output has it");
+        assert!(
+            mine[1..].iter().all(|o| o.queue_time.is_none()),
+            "{id}: reported once"
+        );
+    }
+    let queued = |id: &str| {
+        outputs
+            .iter()
+            .find_map(|o| (o.request_id == id).then_some(o.queue_time).flatten())
+            .unwrap()
+    };
+    assert!(queued("first") >= 0.0);
+    assert!(
+        queued("second") >= wait.as_secs_f64(),
+        "second waited out the first's whole run: {}",
+        queued("second")
+    );
+}
+
 /// Deterministic pseudo-random numbers for the randomized test.
 struct Lcg(u64);
 impl Lcg {

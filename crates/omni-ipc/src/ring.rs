@@ -361,41 +361,44 @@ impl ShmRingBuffer {
     /// moved. Either way the reader does not sleep through a message.
     pub(crate) fn park_reader(&self, timeout: Duration, ready: impl Fn() -> bool) {
         let h = self.header();
-        h.readers_parked.fetch_add(1, StdOrdering::SeqCst);
-        let e = h.write_epoch.load(StdOrdering::SeqCst);
-        if !ready() {
-            crate::futex::wait(&h.write_epoch, e, timeout);
-        }
-        h.readers_parked.fetch_sub(1, StdOrdering::SeqCst);
+        park(&h.write_epoch, &h.readers_parked, timeout, ready);
     }
 
     /// After a publish (or shutdown): bump the epoch and wake parked readers, if any.
     pub(crate) fn notify_readers(&self, force: bool) {
         let h = self.header();
-        h.write_epoch.fetch_add(1, StdOrdering::SeqCst);
-        if force || h.readers_parked.load(StdOrdering::SeqCst) != 0 {
-            crate::futex::wake_all(&h.write_epoch);
-        }
+        notify(&h.write_epoch, &h.readers_parked, force);
     }
 
     /// The writer's mirror of [`Self::park_reader`], on `read_epoch` / `writer_parked`.
     pub(crate) fn park_writer(&self, timeout: Duration, ready: impl Fn() -> bool) {
         let h = self.header();
-        h.writer_parked.fetch_add(1, StdOrdering::SeqCst);
-        let e = h.read_epoch.load(StdOrdering::SeqCst);
-        if !ready() {
-            crate::futex::wait(&h.read_epoch, e, timeout);
-        }
-        h.writer_parked.fetch_sub(1, StdOrdering::SeqCst);
+        park(&h.read_epoch, &h.writer_parked, timeout, ready);
     }
 
     /// After a release: bump the epoch and wake the writer if it is parked.
     pub(crate) fn notify_writer(&self) {
         let h = self.header();
-        h.read_epoch.fetch_add(1, StdOrdering::SeqCst);
-        if h.writer_parked.load(StdOrdering::SeqCst) != 0 {
-            crate::futex::wake_all(&h.read_epoch);
-        }
+        notify(&h.read_epoch, &h.writer_parked, false);
+    }
+}
+
+/// One side of the parking protocol (argument on [`ShmRingBuffer::park_reader`]): announce,
+/// read the epoch, re-check, sleep only while the epoch is unchanged.
+fn park(epoch: &AtomicU32, parked: &AtomicU32, timeout: Duration, ready: impl Fn() -> bool) {
+    parked.fetch_add(1, StdOrdering::SeqCst);
+    let e = epoch.load(StdOrdering::SeqCst);
+    if !ready() {
+        crate::futex::wait(epoch, e, timeout);
+    }
+    parked.fetch_sub(1, StdOrdering::SeqCst);
+}
+
+/// The other side: bump the epoch, then wake only if someone announced it may sleep.
+fn notify(epoch: &AtomicU32, parked: &AtomicU32, force: bool) {
+    epoch.fetch_add(1, StdOrdering::SeqCst);
+    if force || parked.load(StdOrdering::SeqCst) != 0 {
+        crate::futex::wake_all(epoch);
     }
 }
 

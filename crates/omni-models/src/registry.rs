@@ -9,7 +9,7 @@ use crate::decoder::{DecoderModel, DecoderSpec, TpContext};
 use crate::dummy::DummyWeights;
 use crate::error::ModelError;
 use crate::hf_dir::SafetensorsDir;
-use crate::weights::WeightSource;
+use crate::weights::{LoadProgressFn, ProgressWeights, WeightSource};
 use crate::{CausalLm, KvCacheSpec, llama, qwen3, qwen3_moe};
 
 /// One registered architecture.
@@ -90,8 +90,20 @@ pub fn build_model(
     weights: &dyn WeightSource,
     tp: TpContext,
 ) -> Result<Box<dyn CausalLm>, ModelError> {
+    build_model_with_progress(config, weights, tp, &|_, _| {})
+}
+
+/// [`build_model`], calling `on_load(tensors read, tensors in all)` after each tensor read.
+pub fn build_model_with_progress(
+    config: &Value,
+    weights: &dyn WeightSource,
+    tp: TpContext,
+    on_load: LoadProgressFn<'_>,
+) -> Result<Box<dyn CausalLm>, ModelError> {
     let spec = decoder_spec(config)?;
-    Ok(Box::new(DecoderModel::load(spec, weights, tp)?))
+    let total = spec.weight_shapes().len();
+    let weights = ProgressWeights::new(weights, total, on_load);
+    Ok(Box::new(DecoderModel::load(spec, &weights, tp)?))
 }
 
 /// Random weights with every tensor the config's checkpoint would hold.
@@ -109,10 +121,24 @@ pub fn load_model_dir(
     format: LoadFormat,
     tp: TpContext,
 ) -> Result<Box<dyn CausalLm>, ModelError> {
+    load_model_dir_with_progress(dir, format, tp, &|_, _| {})
+}
+
+/// [`load_model_dir`], calling `on_load(tensors read, tensors in all)` after each tensor read.
+pub fn load_model_dir_with_progress(
+    dir: &Path,
+    format: LoadFormat,
+    tp: TpContext,
+    on_load: LoadProgressFn<'_>,
+) -> Result<Box<dyn CausalLm>, ModelError> {
     let config = read_config(dir)?;
     match format {
-        LoadFormat::Safetensors => build_model(&config, &SafetensorsDir::open(dir)?, tp),
-        LoadFormat::Dummy { seed } => build_model(&config, &dummy_weights(&config, seed)?, tp),
+        LoadFormat::Safetensors => {
+            build_model_with_progress(&config, &SafetensorsDir::open(dir)?, tp, on_load)
+        }
+        LoadFormat::Dummy { seed } => {
+            build_model_with_progress(&config, &dummy_weights(&config, seed)?, tp, on_load)
+        }
     }
 }
 
@@ -181,5 +207,25 @@ mod tests {
         let w = dummy_weights(&c, 0).unwrap();
         let m = build_model(&c, &w, TpContext::single()).unwrap();
         assert_eq!(m.kv_cache_spec().num_kv_heads, 3);
+    }
+
+    #[test]
+    fn progress_counts_every_tensor_up_to_the_total() {
+        let mut c = smollm2();
+        c["num_hidden_layers"] = 2.into();
+        c["vocab_size"] = 64.into();
+        let w = dummy_weights(&c, 0).unwrap();
+        let seen = std::sync::Mutex::new(Vec::new());
+        let on_load = |done: usize, total: usize| seen.lock().unwrap().push((done, total));
+        build_model_with_progress(&c, &w, TpContext::single(), &on_load).unwrap();
+        let seen = seen.into_inner().unwrap();
+        let total = decoder_spec(&c).unwrap().weight_shapes().len();
+        assert_eq!(seen.len(), total, "one call per tensor");
+        assert_eq!(seen.last(), Some(&(total, total)));
+        assert!(
+            seen.iter()
+                .enumerate()
+                .all(|(i, &(d, t))| d == i + 1 && t == total)
+        );
     }
 }

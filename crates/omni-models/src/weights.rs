@@ -1,5 +1,8 @@
 //! Where a model's weights come from: one trait, implemented for safetensors directories,
-//! GGUF files and random (`--load-format dummy`) weights.
+//! GGUF files and random (`--load-format dummy`) weights; [`ProgressWeights`] wraps any of them
+//! to report loading progress.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A host tensor in f32, row-major, in Hugging Face layout (`[out, in]` for linear weights).
 #[derive(Debug, Clone, PartialEq)]
@@ -46,4 +49,61 @@ pub trait WeightSource: Send + Sync {
     fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError>;
     /// The whole tensor, upcast to f32, in HF layout.
     fn load(&self, name: &str) -> Result<HostTensor, WeightError>;
+}
+
+/// Called after each tensor a model constructor reads: `(tensors read so far, tensors the model
+/// reads in all)`. A progress bar, a log line every quarter, or nothing.
+pub type LoadProgressFn<'a> = &'a (dyn Fn(usize, usize) + Sync);
+
+/// A [`WeightSource`] that counts the tensors read through it and reports each one to a
+/// [`LoadProgressFn`]. One relaxed atomic add per tensor: nothing next to reading the tensor.
+pub struct ProgressWeights<'a> {
+    inner: &'a dyn WeightSource,
+    total: usize,
+    done: AtomicUsize,
+    on_load: LoadProgressFn<'a>,
+}
+
+impl<'a> ProgressWeights<'a> {
+    /// Wraps `inner`; `total` is how many tensors the model will read.
+    pub fn new(inner: &'a dyn WeightSource, total: usize, on_load: LoadProgressFn<'a>) -> Self {
+        Self {
+            inner,
+            total,
+            done: AtomicUsize::new(0),
+            on_load,
+        }
+    }
+
+    /// Tensors read so far.
+    pub fn loaded(&self) -> usize {
+        self.done.load(Ordering::Relaxed)
+    }
+}
+
+impl std::fmt::Debug for ProgressWeights<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProgressWeights")
+            .field("total", &self.total)
+            .field("loaded", &self.loaded())
+            .finish_non_exhaustive()
+    }
+}
+
+impl WeightSource for ProgressWeights<'_> {
+    fn tensor_names(&self) -> Vec<String> {
+        self.inner.tensor_names()
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
+        self.inner.shape(name)
+    }
+
+    fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
+        let t = self.inner.load(name)?;
+        // Relaxed: a counter for display; no other memory is published through it.
+        let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        (self.on_load)(done, self.total);
+        Ok(t)
+    }
 }

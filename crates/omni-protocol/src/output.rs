@@ -60,6 +60,12 @@ pub struct EngineCoreOutput {
     pub stop_reason: Option<StopReason>,
     /// Prompt tokens served from the prefix cache.
     pub num_cached_tokens: u32,
+    /// Seconds the request waited before the scheduler first put it in a batch (its first
+    /// scheduling minus its `arrival_time`; vLLM's queued -> scheduled interval, exported as
+    /// `vllm:request_queue_time_seconds`). Set on the request's first output once it has been
+    /// scheduled, `None` on every other output and for a request never scheduled.
+    #[serde(default)]
+    pub queue_time: Option<f64>,
 }
 
 impl EngineCoreOutput {

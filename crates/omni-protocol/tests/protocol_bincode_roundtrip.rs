@@ -159,6 +159,7 @@ fn engine_core_outputs_roundtrip() {
                 finish_reason: Some(FinishReason::Stop),
                 stop_reason: Some(StopReason::TokenId(5)),
                 num_cached_tokens: 16,
+                queue_time: Some(0.125),
             },
             EngineCoreOutput {
                 request_id: "req-1".into(),
@@ -167,6 +168,7 @@ fn engine_core_outputs_roundtrip() {
                 finish_reason: Some(FinishReason::Abort),
                 stop_reason: Some(StopReason::String("END".into())),
                 num_cached_tokens: 0,
+                queue_time: None,
             },
         ],
         scheduler_stats: Some(SchedulerStats {
@@ -189,4 +191,14 @@ fn tensor_ref_reports_buffer_size() {
     assert_eq!(t.num_elements(), 17 * 2048);
     assert_eq!(t.num_bytes(), 17 * 2048 * 2);
     assert_eq!(FinishReason::Length.to_string(), "length");
+}
+
+#[test]
+fn engine_core_output_without_queue_time_still_deserializes() {
+    // A peer (or a log line) from before `queue_time` existed.
+    let old = r#"{"request_id":"req-0","new_token_ids":[5],"new_logprobs":[],
+        "finish_reason":null,"stop_reason":null,"num_cached_tokens":0}"#;
+    let out: EngineCoreOutput = serde_json::from_str(old).unwrap();
+    assert_eq!(out.queue_time, None);
+    assert_eq!(out.new_token_ids, vec![5]);
 }

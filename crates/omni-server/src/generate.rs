@@ -61,6 +61,9 @@ struct Choice {
     logprobs: Vec<TokenLogprobs>,
     echo: Option<String>,
     last_token_at: Option<Instant>,
+    first_token_at: Option<Instant>,
+    /// What the engine reported on the first output.
+    queue_time: Option<f64>,
 }
 
 /// A request in flight.
@@ -127,6 +130,8 @@ impl Generation {
                     logprobs: Vec::new(),
                     echo: prompt.echo.clone(),
                     last_token_at: None,
+                    first_token_at: None,
+                    queue_time: None,
                 });
             }
         }
@@ -178,14 +183,23 @@ impl Generation {
         let tokenizer = &self.state.tokenizer;
         let want_logprobs = self.prep.logprobs.is_some();
         let c = &mut self.choices[i];
+        let metrics = &self.state.metrics;
+        if let Some(q) = out.queue_time
+            && c.queue_time.is_none()
+        {
+            metrics.observe_queue_time(q);
+            c.queue_time = Some(q);
+        }
         if !out.new_token_ids.is_empty() {
             let (ttft, itl) = match c.last_token_at {
                 None => (Some((now - self.arrived).as_secs_f64()), None),
                 Some(t) => (None, Some((now - t).as_secs_f64())),
             };
-            self.state
-                .metrics
-                .observe_tokens(out.new_token_ids.len(), ttft, itl);
+            metrics.observe_tokens(out.new_token_ids.len(), ttft, itl);
+            if let (Some(ttft), Some(q)) = (ttft, c.queue_time) {
+                metrics.observe_prefill_time((ttft - q).max(0.0));
+            }
+            c.first_token_at.get_or_insert(now);
             c.last_token_at = Some(now);
         }
         let mut stop_hit = false;
@@ -221,6 +235,11 @@ impl Generation {
             self.state
                 .metrics
                 .observe_finished(reason.as_str(), self.arrived.elapsed().as_secs_f64());
+            if let (Some(first), Some(last)) = (c.first_token_at, c.last_token_at) {
+                self.state
+                    .metrics
+                    .observe_decode_time((last - first).as_secs_f64());
+            }
             if reason == FinishReason::Error {
                 return Err(ApiError::internal("the engine failed this request"));
             }

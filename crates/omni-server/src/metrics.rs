@@ -4,7 +4,10 @@
 //! Counters render with the `_total` suffix on samples (`vllm:prompt_tokens_total`), as vLLM's
 //! exposition does. Gauges and the engine's cumulative counters (preemptions, prefix cache) are
 //! refreshed from [`EngineClient::stats`] at scrape time; per-request latencies are observed by
-//! the server as outputs arrive (it sees the request arrive and every token leave).
+//! the server as outputs arrive (it sees the request arrive and every token leave). The one
+//! interval only the engine sees, queued -> first scheduled, comes on the request's first
+//! output (`EngineCoreOutput::queue_time`); prefill time is then time to first token minus queue
+//! time, decode time first token to last, as vLLM computes them.
 
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -63,6 +66,8 @@ pub struct Metrics {
     itl: HistogramFamily,
     e2e: HistogramFamily,
     queue: HistogramFamily,
+    prefill: HistogramFamily,
+    decode: HistogramFamily,
     exported: Mutex<Exported>,
 }
 
@@ -99,6 +104,8 @@ impl Metrics {
         let itl = HistogramFamily::new_with_constructor(itl_histogram);
         let e2e = HistogramFamily::new_with_constructor(request_latency_histogram);
         let queue = HistogramFamily::new_with_constructor(request_latency_histogram);
+        let prefill = HistogramFamily::new_with_constructor(request_latency_histogram);
+        let decode = HistogramFamily::new_with_constructor(request_latency_histogram);
         let r = &mut registry;
         r.register(
             "vllm:num_requests_running",
@@ -170,6 +177,16 @@ impl Metrics {
             "Histogram of time spent in WAITING phase for request",
             queue.clone(),
         );
+        r.register(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request",
+            prefill.clone(),
+        );
+        r.register(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request",
+            decode.clone(),
+        );
         // Touch the unlabelled-by-request series so they render as 0 before the first request.
         for c in [
             &prompt_tokens,
@@ -180,7 +197,7 @@ impl Metrics {
         ] {
             let _ = c.get_or_create(&model);
         }
-        for h in [&ttft, &itl, &e2e, &queue] {
+        for h in [&ttft, &itl, &e2e, &queue, &prefill, &decode] {
             let _ = h.get_or_create(&model);
         }
         Self {
@@ -200,6 +217,8 @@ impl Metrics {
             itl,
             e2e,
             queue,
+            prefill,
+            decode,
             exported: Mutex::new(Exported::default()),
         }
     }
@@ -233,9 +252,20 @@ impl Metrics {
         self.e2e.get_or_create(&self.model).observe(e2e);
     }
 
-    /// A request waited `seconds` before it was scheduled (when the engine reports it).
+    /// A request waited `seconds` before it was first scheduled (the engine reports it on the
+    /// request's first output).
     pub fn observe_queue_time(&self, seconds: f64) {
         self.queue.get_or_create(&self.model).observe(seconds);
+    }
+
+    /// A request's prefill took `seconds`: from its first scheduling to its first token.
+    pub fn observe_prefill_time(&self, seconds: f64) {
+        self.prefill.get_or_create(&self.model).observe(seconds);
+    }
+
+    /// A request's decode took `seconds`: from its first token to its last.
+    pub fn observe_decode_time(&self, seconds: f64) {
+        self.decode.get_or_create(&self.model).observe(seconds);
     }
 
     /// Refreshes engine-side values and renders the exposition text.

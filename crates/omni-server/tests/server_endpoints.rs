@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{FakeEngine, REPLY, app, call, config, sse_data};
+use common::{FAKE_QUEUE_TIME, FakeEngine, REPLY, app, call, config, sse_data};
 use serde_json::{Value, json};
 
 fn chat_body(extra: Value) -> String {
@@ -217,6 +217,9 @@ async fn models_health_version_and_metrics_answer() {
     assert_eq!(status, 200);
     assert!(v["version"].is_string());
 
+    let queue_count = "vllm:request_queue_time_seconds_count{model_name=\"test-model\"}";
+    let (_, _, text) = call(&app, "GET", "/metrics", None, &[]).await;
+    assert!(text.contains(&format!("{queue_count} 0")), "{text}");
     call(
         &app,
         "POST",
@@ -241,7 +244,15 @@ async fn models_health_version_and_metrics_answer() {
         "vllm:time_to_first_token_seconds_bucket{le=\"0.001\",model_name=\"test-model\"}",
         "vllm:inter_token_latency_seconds_count{model_name=\"test-model\"} 22",
         "vllm:e2e_request_latency_seconds_count{model_name=\"test-model\"} 1",
-        "# TYPE vllm:request_queue_time_seconds histogram",
+        &format!("{queue_count} 1"),
+        &format!(
+            "vllm:request_queue_time_seconds_sum{{model_name=\"test-model\"}} {FAKE_QUEUE_TIME}"
+        ),
+        // FAKE_QUEUE_TIME (0.4 s) lands in the 0.5 bucket, not the 0.3 one.
+        "vllm:request_queue_time_seconds_bucket{le=\"0.3\",model_name=\"test-model\"} 0",
+        "vllm:request_queue_time_seconds_bucket{le=\"0.5\",model_name=\"test-model\"} 1",
+        "vllm:request_prefill_time_seconds_count{model_name=\"test-model\"} 1",
+        "vllm:request_decode_time_seconds_count{model_name=\"test-model\"} 1",
     ] {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }

@@ -194,6 +194,7 @@ impl omni_server::EngineClient for FailingEngine {
             finish_reason: None,
             stop_reason: None,
             num_cached_tokens: 0,
+            queue_time: None,
         }));
         let _ = tx.send(Err(omni_server::EngineError::Dead {
             cause: "worker 1 exited".into(),

@@ -22,15 +22,17 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod load_progress;
 pub mod model_runner;
 pub mod process;
 pub mod shm_all_reduce;
 pub mod worker;
 
+pub use load_progress::LoadProgress;
 pub use model_runner::ModelRunner;
 pub use process::{WorkerProcessError, run_worker_process};
 pub use shm_all_reduce::{ShmAllReduce, ShmAllReduceError};
-pub use worker::{Worker, load_model};
+pub use worker::{Worker, load_model, load_model_with_progress};
 
 /// Why a worker command failed (sent to the engine core as [`omni_protocol::WorkerResponse::Error`]).
 #[derive(Debug, thiserror::Error)]

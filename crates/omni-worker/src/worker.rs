@@ -7,10 +7,12 @@ use std::sync::Arc;
 use omni_backend::comm::AllReduce;
 use omni_models::gguf::GgufWeights;
 use omni_models::registry::{self, LoadFormat as RegistryFormat};
+use omni_models::weights::LoadProgressFn;
 use omni_models::{CausalLm, TpContext};
 use omni_protocol::{LoadFormat, LoadModelSpec, SchedulerOutput, WorkerCommand, WorkerResponse};
 
 use crate::WorkerError;
+use crate::load_progress::LoadProgress;
 use crate::model_runner::ModelRunner;
 
 /// One tensor-parallel rank: loads its shard, holds its KV cache, runs steps.
@@ -96,7 +98,9 @@ impl Worker {
             )));
         }
         let tp = TpContext::new(self.rank as usize, world, self.all_reduce.clone());
-        let model = load_model(spec, tp)?;
+        let progress = LoadProgress::for_rank(self.rank);
+        let model =
+            load_model_with_progress(spec, tp, &|done, total| progress.on_load(done, total))?;
         let runner = ModelRunner::new(model, spec.seed);
         let kv_bytes_per_block = runner.kv_bytes_per_block(spec.block_size as usize);
         self.runner = Some(runner);
@@ -120,6 +124,15 @@ impl omni_core::LocalWorker for Worker {
 /// Builds rank `tp.rank`'s model from a HF directory (safetensors or dummy weights) or a GGUF
 /// file (its weights, or dummy weights of its shapes).
 pub fn load_model(spec: &LoadModelSpec, tp: TpContext) -> Result<Box<dyn CausalLm>, WorkerError> {
+    load_model_with_progress(spec, tp, &|_, _| {})
+}
+
+/// [`load_model`], calling `on_load(tensors read, tensors in all)` after each tensor read.
+pub fn load_model_with_progress(
+    spec: &LoadModelSpec,
+    tp: TpContext,
+    on_load: LoadProgressFn<'_>,
+) -> Result<Box<dyn CausalLm>, WorkerError> {
     let path = Path::new(&spec.model);
     let is_gguf = path.is_file()
         && path
@@ -142,16 +155,19 @@ pub fn load_model(spec: &LoadModelSpec, tp: TpContext) -> Result<Box<dyn CausalL
         (LoadFormat::Auto | LoadFormat::Gguf, true) => {
             let weights = GgufWeights::open(path)?;
             let config = weights.hf_config()?;
-            registry::build_model(&config, &weights, tp)?
+            registry::build_model_with_progress(&config, &weights, tp, on_load)?
         }
         (LoadFormat::Dummy, true) => {
             let config = GgufWeights::open(path)?.hf_config()?;
-            registry::build_model(&config, &registry::dummy_weights(&config, spec.seed)?, tp)?
+            let weights = registry::dummy_weights(&config, spec.seed)?;
+            registry::build_model_with_progress(&config, &weights, tp, on_load)?
         }
         (LoadFormat::Auto | LoadFormat::Safetensors, false) => {
-            registry::load_model_dir(path, RegistryFormat::Safetensors, tp)?
+            registry::load_model_dir_with_progress(path, RegistryFormat::Safetensors, tp, on_load)?
         }
-        (LoadFormat::Dummy, false) => registry::load_model_dir(path, dummy, tp)?,
+        (LoadFormat::Dummy, false) => {
+            registry::load_model_dir_with_progress(path, dummy, tp, on_load)?
+        }
     };
     Ok(model)
 }

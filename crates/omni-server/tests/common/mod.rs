@@ -15,6 +15,8 @@ use tokio::sync::mpsc;
 
 pub const EOS: u32 = 2;
 pub const REPLY: &str = "Hello world. STOP here";
+/// The queue time the fake engine reports on each request's first output.
+pub const FAKE_QUEUE_TIME: f64 = 0.4;
 
 /// GPT-2's byte -> printable character table.
 fn byte_chars() -> Vec<char> {
@@ -156,6 +158,8 @@ impl EngineClient for FakeEngine {
                     finish_reason: finish,
                     stop_reason: None,
                     num_cached_tokens: 0,
+                    // As the engine core does: on the first output, once scheduled.
+                    queue_time: (k == 0).then_some(FAKE_QUEUE_TIME),
                 };
                 if tx.send(Ok(out)).is_err() || finish.is_some() {
                     return;
