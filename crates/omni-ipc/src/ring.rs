@@ -1,62 +1,5 @@
-//! `ShmRingBuffer`: one writer, N readers, `max_chunks` slots of `max_chunk_bytes`.
-//!
-//! # Layout (one shared-memory segment, after the segment header page)
-//!
-//! ```text
-//! offset 0        RingHeader (one page)
-//!                   magic, n_readers, max_chunks, max_chunk_bytes, writer pid + start time
-//!                   shutdown, closed                      u32 flags
-//!                   write_epoch, readers_parked           futex word readers sleep on  (own line)
-//!                   read_epoch,  writer_parked            futex word the writer sleeps on (own line)
-//!                   reader_pid[n], reader_start[n]        who attached as reader i
-//! offset 4096     flags: max_chunks rows of (1 + n_readers) bytes
-//!                   row i = [ written | read_0 | read_1 | ... | read_{n-1} ]
-//! offset data     max_chunks slots, each `slot_stride` bytes (max_chunk_bytes rounded up to
-//!                 4 KiB, so every slot, and every 64-byte aligned buffer in it, stays aligned)
-//! ```
-//!
-//! # Flag protocol for slot `i` (reader `r`'s view)
-//!
-//! | written | read[r] | meaning for reader r                     | meaning for the writer           |
-//! |---------|---------|------------------------------------------|----------------------------------|
-//! | 0       | 0       | empty, or being (re)written: wait        | free (first use) / mine, writing |
-//! | 1       | 0       | a message reader r has not read: read it | wait: r has not read it          |
-//! | 1       | 1       | r read it; the next message is not here  | free once every r shows 1        |
-//! | 0       | 1       | transient (writer mid-reset): wait       | mine, resetting                  |
-//!
-//! Writer, slot `i` (messages go to slots round-robin, so slot `i` is reused every
-//! `max_chunks` messages):
-//! 1. wait until every `read[r] == 1` (Acquire) — skipped on the slot's first use;
-//! 2. `written = 0` (Relaxed), then every `read[r] = 0` (Release);
-//! 3. write the payload (plain stores);
-//! 4. `written = 1` (Release).
-//!
-//! Reader `r`, slot `i` (its cursor advances one slot per message):
-//! 1. wait until `read[r] == 0` (Acquire) **and then** `written == 1` (Acquire);
-//! 2. read the payload; 3. `read[r] = 1` (Release).
-//!
-//! # Ordering argument
-//! * Payload visibility: writer step 3 is sequenced before the Release store `written = 1`;
-//!   a reader whose Acquire load sees that 1 sees the whole payload.
-//! * No stale read of the previous message: the reader loads `read[r]` *before* `written`.
-//!   If it sees the writer's `read[r] = 0` (Release, step 2), the earlier `written = 0` (step 2,
-//!   sequenced before) happens-before its load of `written`, which therefore returns that 0 or
-//!   the later 1 of step 4 — never the 1 of the previous round. (Loading in the other order
-//!   would allow the old `written = 1` together with the new `read[r] = 0`: a torn read.)
-//! * No overwrite of a slot being read: the reader's `read[r] = 1` (Release) is sequenced after
-//!   its last payload load; the writer's Acquire load of it in step 1 makes those loads
-//!   happen-before the writer's payload stores of the next round.
-//! * Only the writer stores `written` and stores 0 to `read[r]`; only reader r stores 1 to
-//!   `read[r]`, and only after it saw `read[r] == 0`. So each flag alternates with a single
-//!   writer at each phase, and every reader sees every message exactly once, in order.
-//!
-//! `tests::loom_*` model-check this with loom (`RUSTFLAGS="--cfg loom"`), treating the
-//! payload as a `loom::cell::UnsafeCell` so any overlap of a read with a write is reported.
-//!
-//! # Parking
-//! Waiting spins for `MessageQueueConfig::spin`, then parks on a futex word (see
-//! [`ShmRingBuffer::park_reader`]), so an idle reader costs no CPU, and a new message wakes it at
-//! once.
+//! The shared-memory ring: [`ShmRingBuffer`] (layout, flag protocol, ordering argument and
+//! parking are documented on the type).
 
 use std::sync::atomic::AtomicU32;
 use std::sync::atomic::Ordering as StdOrdering;
@@ -164,7 +107,65 @@ pub(crate) struct RingHeader {
 
 const _: () = assert!(std::mem::size_of::<RingHeader>() <= PAGE);
 
-/// The shared-memory ring: one writer, `n_readers` readers.
+/// `ShmRingBuffer`: one writer, N readers, `max_chunks` slots of `max_chunk_bytes`.
+///
+/// # Layout (one shared-memory segment, after the segment header page)
+///
+/// ```text
+/// offset 0        RingHeader (one page)
+///                   magic, n_readers, max_chunks, max_chunk_bytes, writer pid + start time
+///                   shutdown, closed                      u32 flags
+///                   write_epoch, readers_parked           futex word readers sleep on  (own line)
+///                   read_epoch,  writer_parked            futex word the writer sleeps on (own line)
+///                   reader_pid[n], reader_start[n]        who attached as reader i
+/// offset 4096     flags: max_chunks rows of (1 + n_readers) bytes
+///                   row i = [ written | read_0 | read_1 | ... | read_{n-1} ]
+/// offset data     max_chunks slots, each `slot_stride` bytes (max_chunk_bytes rounded up to
+///                 4 KiB, so every slot, and every 64-byte aligned buffer in it, stays aligned)
+/// ```
+///
+/// # Flag protocol for slot `i` (reader `r`'s view)
+///
+/// | written | `read[r]` | meaning for reader r                     | meaning for the writer           |
+/// |---------|---------|------------------------------------------|----------------------------------|
+/// | 0       | 0       | empty, or being (re)written: wait        | free (first use) / mine, writing |
+/// | 1       | 0       | a message reader r has not read: read it | wait: r has not read it          |
+/// | 1       | 1       | r read it; the next message is not here  | free once every r shows 1        |
+/// | 0       | 1       | transient (writer mid-reset): wait       | mine, resetting                  |
+///
+/// Writer, slot `i` (messages go to slots round-robin, so slot `i` is reused every
+/// `max_chunks` messages):
+/// 1. wait until every `read[r] == 1` (Acquire) — skipped on the slot's first use;
+/// 2. `written = 0` (Relaxed), then every `read[r] = 0` (Release);
+/// 3. write the payload (plain stores);
+/// 4. `written = 1` (Release).
+///
+/// Reader `r`, slot `i` (its cursor advances one slot per message):
+/// 1. wait until `read[r] == 0` (Acquire) **and then** `written == 1` (Acquire);
+/// 2. read the payload; 3. `read[r] = 1` (Release).
+///
+/// # Ordering argument
+/// * Payload visibility: writer step 3 is sequenced before the Release store `written = 1`;
+///   a reader whose Acquire load sees that 1 sees the whole payload.
+/// * No stale read of the previous message: the reader loads `read[r]` *before* `written`.
+///   If it sees the writer's `read[r] = 0` (Release, step 2), the earlier `written = 0` (step 2,
+///   sequenced before) happens-before its load of `written`, which therefore returns that 0 or
+///   the later 1 of step 4 — never the 1 of the previous round. (Loading in the other order
+///   would allow the old `written = 1` together with the new `read[r] = 0`: a torn read.)
+/// * No overwrite of a slot being read: the reader's `read[r] = 1` (Release) is sequenced after
+///   its last payload load; the writer's Acquire load of it in step 1 makes those loads
+///   happen-before the writer's payload stores of the next round.
+/// * Only the writer stores `written` and stores 0 to `read[r]`; only reader r stores 1 to
+///   `read[r]`, and only after it saw `read[r] == 0`. So each flag alternates with a single
+///   writer at each phase, and every reader sees every message exactly once, in order.
+///
+/// `tests::loom_*` model-check this with loom (`RUSTFLAGS="--cfg loom"`), treating the
+/// payload as a `loom::cell::UnsafeCell` so any overlap of a read with a write is reported.
+///
+/// # Parking
+/// Waiting spins for `MessageQueueConfig::spin`, then parks on a futex word (see
+/// `park_reader`), so an idle reader costs no CPU, and a new message wakes it at
+/// once.
 #[derive(Debug)]
 pub struct ShmRingBuffer {
     seg: ShmSegment,
@@ -383,7 +384,7 @@ impl ShmRingBuffer {
     }
 }
 
-/// One side of the parking protocol (argument on [`ShmRingBuffer::park_reader`]): announce,
+/// One side of the parking protocol (argument on `park_reader`): announce,
 /// read the epoch, re-check, sleep only while the epoch is unchanged.
 fn park(epoch: &AtomicU32, parked: &AtomicU32, timeout: Duration, ready: impl Fn() -> bool) {
     parked.fetch_add(1, StdOrdering::SeqCst);
