@@ -10,7 +10,9 @@
 //!   Llama-3 `rope_scaling`;
 //! - [`attention`]: the paged KV cache ([`attention::LayerKvCache`]) and paged attention over a
 //!   batch that mixes prefills, chunked prefills and decodes, with vLLM's metadata names;
-//! - [`comm`]: the [`comm::AllReduce`] hook tensor-parallel models call after row-parallel layers.
+//! - [`comm`]: the [`comm::AllReduce`] hook tensor-parallel models call after row-parallel layers;
+//! - `cuda` (feature `cuda`, off by default): the CUDA backend's foundation (driver status,
+//!   bf16 cuBLAS GEMM, NVRTC kernels).
 //!
 //! ```
 //! use omni_backend::linalg::matmul_nt;
@@ -24,6 +26,8 @@
 
 pub mod attention;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod linalg;
 pub mod ops;
 pub mod rope;
