@@ -35,5 +35,5 @@ echo "== $BIN cuda:: --test-threads=1 --nocapture $*" | tee "$OUT/gpu-tests.log"
 timeout 240 "$BIN" cuda:: --test-threads=1 --nocapture "$@" 2>&1 | tee -a "$OUT/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 echo "== test binary exit code: $rc" | tee -a "$OUT/gpu-tests.log"
-grep -oE '(SKIP|GEMM|gemm bf16|rmsnorm bf16|CUDA device).*' "$OUT/gpu-tests.log" > "$OUT/summary.log" || true
+grep -oE '(SKIP|GEMM|gemm bf16|rmsnorm bf16|rope bf16|silu_and_mul bf16|embedding bf16|add_residual bf16|argmax f32|CUDA device).*' "$OUT/gpu-tests.log" > "$OUT/summary.log" || true
 exit "$rc"

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 scripts/fetch-default-model.sh >/dev/null || echo "warning: default model not fetched; tests that need it will skip" >&2
+# Model-check the ring's flag protocol with loom (its own target dir: a different cfg rebuilds
+# the crate's dependencies). A swapped load order in `Flags::readable` fails this in 0.1 s.
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p omni-ipc --release --lib ring::tests
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --workspace --no-fail-fast "$@"
     # nextest does not run doc tests.

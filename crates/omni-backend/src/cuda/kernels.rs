@@ -151,3 +151,132 @@ fn read_cubin(prog: ns::nvrtcProgram) -> Result<Vec<u8>, CudaError> {
         })?;
     Ok(buf)
 }
+
+/// RoPE in the Hugging Face `rotate_half` (GPT-NeoX) convention, in place on
+/// `[tokens, heads, head_dim]`: one block per (token, head), pairs `(i, i + head_dim / 2)`.
+/// `inv_freq = 1 / theta^(2i / head_dim)` and the angle `pos * inv_freq` are computed in f32, as
+/// in [`crate::rope::Rope`].
+const ROPE_BODY: &str = r#"
+extern "C" __global__ void rope_neox_bf16(unsigned short* __restrict__ x, const unsigned int* __restrict__ pos,
+                                          int heads, int head_dim, float theta) {
+    const int half = head_dim >> 1;
+    const unsigned int token = blockIdx.x / (unsigned int)heads;
+    unsigned short* h = x + (size_t)blockIdx.x * head_dim;
+    const float p = (float)pos[token];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
+        float s, c;
+        sincosf(p * inv_freq, &s, &c);
+        float a = bf2f(h[i]), b = bf2f(h[i + half]);
+        h[i] = f2bf(a * c - b * s);
+        h[i + half] = f2bf(b * c + a * s);
+    }
+}
+"#;
+
+/// SiLU-and-mul on fused rows `[gate | up]` of width `2 * inter` into `[tokens, inter]`.
+const SILU_MUL_BODY: &str = r#"
+extern "C" __global__ void silu_mul_bf16(const unsigned short* __restrict__ gu, unsigned short* __restrict__ out,
+                                         long long inter, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / inter, j = i - t * inter;
+        float g = bf2f(gu[t * 2 * inter + j]), u = bf2f(gu[t * 2 * inter + inter + j]);
+        out[i] = f2bf(g / (1.0f + expf(-g)) * u);
+    }
+}
+"#;
+
+/// Embedding gather: `out[t, :] = table[ids[t], :]` (ids validated on the host).
+const EMBEDDING_BODY: &str = r#"
+extern "C" __global__ void embedding_bf16(const unsigned short* __restrict__ table, const unsigned int* __restrict__ ids,
+                                          unsigned short* __restrict__ out, long long hidden, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / hidden, j = i - t * hidden;
+        out[i] = table[(long long)ids[t] * hidden + j];
+    }
+}
+"#;
+
+/// Residual add in place: `x += y` (f32 math, one bf16 rounding).
+const ADD_BODY: &str = r#"
+extern "C" __global__ void add_bf16(unsigned short* __restrict__ x, const unsigned short* __restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
+}
+"#;
+
+/// Greedy sampling: per row of `[rows, vocab]` f32 logits, the index of the largest logit that is
+/// `> -inf` (NaN never wins), lowest index on ties, `-1` when there is none (as the CPU sampler's
+/// `argmax`). One block per row; block size a multiple of 32, at most 1024.
+const ARGMAX_BODY: &str = r#"
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    if (i < 0) return false;
+    if (bi < 0) return true;
+    return v > bv || (v == bv && i < bi);
+}
+extern "C" __global__ void argmax_f32_rows(const float* __restrict__ logits, int* __restrict__ out, int vocab) {
+    const float* row = logits + (size_t)blockIdx.x * vocab;
+    float bv = 0.f; int bi = -1;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = row[i];
+        if (v > __int_as_float(0xff800000) && (bi < 0 || v > bv)) { bv = v; bi = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    if (lane == 0) { sv[wid] = bv; si[wid] = bi; }
+    __syncthreads();
+    if (wid == 0) {
+        bool live = lane < (int)(blockDim.x >> 5);
+        bv = live ? sv[lane] : 0.f;
+        bi = live ? si[lane] : -1;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) out[blockIdx.x] = bi;
+    }
+}
+"#;
+
+/// The RoPE kernel's entry point.
+pub(crate) const ROPE_FN: &str = "rope_neox_bf16";
+/// The SiLU-and-mul kernel's entry point.
+pub(crate) const SILU_MUL_FN: &str = "silu_mul_bf16";
+/// The embedding kernel's entry point.
+pub(crate) const EMBEDDING_FN: &str = "embedding_bf16";
+/// The residual-add kernel's entry point.
+pub(crate) const ADD_FN: &str = "add_bf16";
+/// The argmax kernel's entry point.
+pub(crate) const ARGMAX_FN: &str = "argmax_f32_rows";
+
+/// Full source of the RoPE module.
+pub(crate) fn rope_source() -> String {
+    format!("{BF16_HELPERS}{ROPE_BODY}")
+}
+
+/// Full source of the SiLU-and-mul module.
+pub(crate) fn silu_mul_source() -> String {
+    format!("{BF16_HELPERS}{SILU_MUL_BODY}")
+}
+
+/// Full source of the embedding module.
+pub(crate) fn embedding_source() -> String {
+    format!("{BF16_HELPERS}{EMBEDDING_BODY}")
+}
+
+/// Full source of the residual-add module.
+pub(crate) fn add_source() -> String {
+    format!("{BF16_HELPERS}{ADD_BODY}")
+}
+
+/// Full source of the argmax module (f32 only; no bf16 helpers needed).
+pub(crate) fn argmax_source() -> String {
+    ARGMAX_BODY.to_string()
+}

@@ -186,6 +186,11 @@ pub struct CudaContext {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     rmsnorm: OnceLock<CudaFunction>,
+    rope: OnceLock<CudaFunction>,
+    silu_mul: OnceLock<CudaFunction>,
+    embedding: OnceLock<CudaFunction>,
+    add: OnceLock<CudaFunction>,
+    argmax: OnceLock<CudaFunction>,
 }
 
 impl std::fmt::Debug for CudaContext {
@@ -216,6 +221,11 @@ impl CudaContext {
             stream,
             blas,
             rmsnorm: OnceLock::new(),
+            rope: OnceLock::new(),
+            silu_mul: OnceLock::new(),
+            embedding: OnceLock::new(),
+            add: OnceLock::new(),
+            argmax: OnceLock::new(),
         })
     }
 
@@ -302,15 +312,26 @@ impl CudaContext {
     }
 
     fn rmsnorm_fn(&self) -> CudaResult<&CudaFunction> {
-        if let Some(f) = self.rmsnorm.get() {
+        self.kernel(&self.rmsnorm, kernels::rmsnorm_source, kernels::RMSNORM_FN)
+    }
+
+    /// The function `name` from the module built from `source()`, compiled (through the CUBIN
+    /// cache) and loaded on first use, then kept in `slot`.
+    fn kernel<'a>(
+        &self,
+        slot: &'a OnceLock<CudaFunction>,
+        source: fn() -> String,
+        name: &str,
+    ) -> CudaResult<&'a CudaFunction> {
+        if let Some(f) = slot.get() {
             return Ok(f);
         }
-        let cubin = kernels::cubin(&kernels::rmsnorm_source(), &self.info.sm_arch())?;
+        let cubin = kernels::cubin(&source(), &self.info.sm_arch())?;
         let module = self
             .ctx
             .load_module(Ptx::from_binary(cubin.as_ref().clone()))?;
-        let f = module.load_function(kernels::RMSNORM_FN)?;
-        Ok(self.rmsnorm.get_or_init(|| f))
+        let f = module.load_function(name)?;
+        Ok(slot.get_or_init(|| f))
     }
 
     /// RMSNorm over rows of width `dim` (bf16 in and out, f32 accumulation), the GPU twin of
@@ -357,5 +378,227 @@ impl CudaContext {
         // is a multiple of 32 and at most 1024, as the kernel's warp reduction requires.
         unsafe { launch.launch(cfg) }?;
         Ok(())
+    }
+
+    /// RoPE in the Hugging Face `rotate_half` (GPT-NeoX) convention, in place on `x`
+    /// (`[tokens, heads, head_dim]` bf16) with one position per token (`positions`, `[tokens]`
+    /// on the device). Frequencies `1 / rope_theta^(2i / head_dim)` and angles are computed in
+    /// f32 on the device: the GPU twin of [`crate::rope::Rope`] with
+    /// [`crate::rope::RopeScaling::None`] (scaled variants are not covered yet).
+    pub fn rope_neox_bf16(
+        &self,
+        x: &mut CudaSlice<bf16>,
+        positions: &CudaSlice<u32>,
+        heads: usize,
+        head_dim: usize,
+        rope_theta: f32,
+    ) -> CudaResult<()> {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(crate::Error::Shape {
+                what: "cuda rope head_dim (even)",
+                expected: head_dim + 1,
+                got: head_dim,
+            }
+            .into());
+        }
+        let tokens = positions.len();
+        crate::check_len("cuda rope input", x.len(), tokens * heads * head_dim)?;
+        let blocks = tokens * heads;
+        if blocks == 0 {
+            return Ok(());
+        }
+        let blocks_u32 = u32::try_from(blocks).map_err(|_| CudaError::TooLarge {
+            what: "tokens * heads",
+            value: blocks,
+        })?;
+        let (heads_i, hd_i) = (to_i32("heads", heads)?, to_i32("head_dim", head_dim)?);
+        let threads = (head_dim / 2).div_ceil(32).clamp(1, 8) * 32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.kernel(&self.rope, kernels::rope_source, kernels::ROPE_FN)?;
+        let mut launch = self.stream.launch_builder(f);
+        launch
+            .arg(x)
+            .arg(positions)
+            .arg(&heads_i)
+            .arg(&hd_i)
+            .arg(&rope_theta);
+        // SAFETY: the arguments match `rope_neox_bf16(u16*, const u32*, int, int, float)`; the
+        // grid has one block per (token, head) and x holds tokens * heads * head_dim elements,
+        // positions one per token (checked above); head_dim is even.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// SiLU-and-mul: `gate_up` (`[tokens, 2 * inter]`, gate half first) into `out`
+    /// (`[tokens, inter]`), f32 math: the GPU twin of [`crate::ops::silu_and_mul`].
+    pub fn silu_and_mul_bf16(
+        &self,
+        gate_up: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+        inter: usize,
+    ) -> CudaResult<()> {
+        if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
+            return Err(crate::Error::Shape {
+                what: "cuda silu_and_mul input (multiple of 2 * inter)",
+                expected: 2 * inter,
+                got: gate_up.len(),
+            }
+            .into());
+        }
+        let n = gate_up.len() / 2;
+        crate::check_len("cuda silu_and_mul out", out.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (inter_i, n_i) = (to_i64("inter", inter)?, to_i64("n", n)?);
+        let f = self.kernel(
+            &self.silu_mul,
+            kernels::silu_mul_source,
+            kernels::SILU_MUL_FN,
+        )?;
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(gate_up).arg(out).arg(&inter_i).arg(&n_i);
+        // SAFETY: the arguments match `silu_mul_bf16(const u16*, u16*, long long, long long)`;
+        // gate_up holds 2 * n and out n elements (checked above); the kernel's grid-stride loop
+        // stays below n for any grid.
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// Gathers rows of `table` (`[vocab, hidden]`) for `ids` into `out` (`[ids.len(), hidden]`):
+    /// the GPU twin of [`crate::ops::embedding`]. An id `>= vocab` is an error, reported before
+    /// anything is launched.
+    pub fn embedding_bf16(
+        &self,
+        table: &CudaSlice<bf16>,
+        hidden: usize,
+        ids: &[u32],
+        out: &mut CudaSlice<bf16>,
+    ) -> CudaResult<()> {
+        if hidden == 0 || !table.len().is_multiple_of(hidden) {
+            return Err(crate::Error::Shape {
+                what: "cuda embedding table (multiple of hidden)",
+                expected: hidden,
+                got: table.len(),
+            }
+            .into());
+        }
+        let vocab = table.len() / hidden;
+        let n = ids.len() * hidden;
+        crate::check_len("cuda embedding out", out.len(), n)?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(crate::Error::Shape {
+                what: "cuda embedding token id (vocab size)",
+                expected: vocab,
+                got: id as usize,
+            }
+            .into());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let dids = self.stream.clone_htod(ids)?;
+        let (hidden_i, n_i) = (to_i64("hidden", hidden)?, to_i64("n", n)?);
+        let f = self.kernel(
+            &self.embedding,
+            kernels::embedding_source,
+            kernels::EMBEDDING_FN,
+        )?;
+        let mut launch = self.stream.launch_builder(f);
+        launch
+            .arg(table)
+            .arg(&dids)
+            .arg(out)
+            .arg(&hidden_i)
+            .arg(&n_i);
+        // SAFETY: the arguments match `embedding_bf16(const u16*, const u32*, u16*, long long,
+        // long long)`; every id is < vocab (checked above), so each row read lies inside the
+        // table; out holds ids.len() * hidden = n elements and the loop stays below n.
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// Residual add in place, `x += y` (bf16, f32 math): the GPU twin of
+    /// [`crate::ops::add_inplace`].
+    pub fn add_residual_bf16(
+        &self,
+        x: &mut CudaSlice<bf16>,
+        y: &CudaSlice<bf16>,
+    ) -> CudaResult<()> {
+        crate::check_len("cuda add operand", y.len(), x.len())?;
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = to_i64("n", n)?;
+        let f = self.kernel(&self.add, kernels::add_source, kernels::ADD_FN)?;
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(x).arg(y).arg(&n_i);
+        // SAFETY: the arguments match `add_bf16(u16*, const u16*, long long)`; x and y both hold
+        // n elements (checked above) and the grid-stride loop stays below n.
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// Greedy sampling on the device: for each row of `logits` (`[rows, vocab]` f32), the index
+    /// of the largest logit, lowest index on ties; `None` for a row with no logit above `-inf`
+    /// (NaN never wins), as the CPU sampler. Synchronizes to read the `rows` results back.
+    pub fn argmax_f32_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+    ) -> CudaResult<Vec<Option<u32>>> {
+        if vocab == 0 || !logits.len().is_multiple_of(vocab) {
+            return Err(crate::Error::Shape {
+                what: "cuda argmax logits (multiple of vocab)",
+                expected: vocab,
+                got: logits.len(),
+            }
+            .into());
+        }
+        let rows = logits.len() / vocab;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        let rows_u32 = u32::try_from(rows).map_err(|_| CudaError::TooLarge {
+            what: "rows",
+            value: rows,
+        })?;
+        let vocab_i = to_i32("vocab", vocab)?;
+        let mut out = self.stream.alloc_zeros::<i32>(rows)?;
+        let threads = vocab.div_ceil(32).clamp(1, 32) * 32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows_u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.kernel(&self.argmax, kernels::argmax_source, kernels::ARGMAX_FN)?;
+        let mut launch = self.stream.launch_builder(f);
+        launch.arg(logits).arg(&mut out).arg(&vocab_i);
+        // SAFETY: the arguments match `argmax_f32_rows(const float*, int*, int)`; logits holds
+        // rows * vocab elements and out rows (one block per row); the block size is a multiple
+        // of 32 and at most 1024, as the kernel's warp reduction requires.
+        unsafe { launch.launch(cfg) }?;
+        let idx = self.stream.clone_dtoh(&out)?;
+        Ok(idx.into_iter().map(|i| u32::try_from(i).ok()).collect())
+    }
+}
+
+fn to_i64(what: &'static str, value: usize) -> CudaResult<i64> {
+    i64::try_from(value).map_err(|_| CudaError::TooLarge { what, value })
+}
+
+/// Launch shape for the grid-stride element-wise kernels: 256 threads, enough blocks to cover
+/// `n` up to a cap (the loop covers the rest).
+fn elementwise_cfg(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     }
 }

@@ -190,3 +190,181 @@ fn gemm_bf16_4096_throughput() {
     println!("GEMM bf16 {s}^3 spot check (64 entries): rel err vs f64 {err:.2e}");
     assert!(err <= 2e-2, "rel err {err}");
 }
+
+#[test]
+fn rope_neox_bf16_matches_cpu() {
+    let Some(cx) = ctx_or_skip("rope_neox_bf16_matches_cpu") else {
+        return;
+    };
+    for &(tokens, heads, head_dim, theta) in &[
+        (1usize, 1usize, 4usize, 10_000f32),
+        (5, 8, 64, 10_000.0),
+        (17, 32, 128, 1_000_000.0),
+        (3, 4, 256, 500_000.0),
+    ] {
+        let x = rand_bf16_f32(tokens * heads * head_dim, 41 + head_dim as u64);
+        let positions: Vec<usize> = (0..tokens).map(|t| t * 997 % 4099 + t).collect();
+        let rope =
+            crate::rope::Rope::new(head_dim, theta, &crate::rope::RopeScaling::None).unwrap();
+        let mut cs = Vec::new();
+        rope.cos_sin(&positions, &mut cs);
+        let mut want = x.clone();
+        rope.apply(&mut want, heads, &cs).unwrap();
+        let mut dx = cx.upload_f32_as_bf16(&x).unwrap();
+        let pos32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let dpos = cx.stream().clone_htod(&pos32).unwrap();
+        cx.rope_neox_bf16(&mut dx, &dpos, heads, head_dim, theta)
+            .unwrap();
+        let got = cx.download_f32(&dx).unwrap();
+        let err = rel_err(&got, &want);
+        println!(
+            "rope bf16 tokens={tokens} heads={heads} head_dim={head_dim} theta={theta}: rel err vs CPU f32 {err:.2e}"
+        );
+        assert!(err <= 2e-2, "head_dim={head_dim}: rel err {err}");
+    }
+    let mut dx = cx.zeros_bf16(12).unwrap();
+    let dpos = cx.stream().clone_htod(&[0u32, 1]).unwrap();
+    assert!(matches!(
+        cx.rope_neox_bf16(&mut dx, &dpos, 2, 3, 10_000.0),
+        Err(CudaError::Shape(_))
+    ));
+}
+
+#[test]
+fn silu_and_mul_bf16_matches_cpu() {
+    let Some(cx) = ctx_or_skip("silu_and_mul_bf16_matches_cpu") else {
+        return;
+    };
+    for &(tokens, inter) in &[(1usize, 1usize), (7, 100), (33, 4096), (2, 12288)] {
+        let gu: Vec<f32> = rand_bf16_f32(tokens * 2 * inter, 51 + inter as u64)
+            .iter()
+            .map(|v| bf16::from_f32(4.0 * v).to_f32())
+            .collect();
+        let mut want = vec![0f32; tokens * inter];
+        ops::silu_and_mul(&gu, &mut want, inter).unwrap();
+        let dgu = cx.upload_f32_as_bf16(&gu).unwrap();
+        let mut dout = cx.upload_bf16(&vec![bf16::NAN; tokens * inter]).unwrap();
+        cx.silu_and_mul_bf16(&dgu, &mut dout, inter).unwrap();
+        let got = cx.download_f32(&dout).unwrap();
+        let err = rel_err(&got, &want);
+        println!("silu_and_mul bf16 tokens={tokens} inter={inter}: rel err vs CPU f32 {err:.2e}");
+        assert!(err <= 2e-2, "inter={inter}: rel err {err}");
+    }
+    let dgu = cx.zeros_bf16(6).unwrap();
+    let mut dout = cx.zeros_bf16(2).unwrap();
+    assert!(matches!(
+        cx.silu_and_mul_bf16(&dgu, &mut dout, 2),
+        Err(CudaError::Shape(_))
+    ));
+}
+
+#[test]
+fn embedding_bf16_matches_cpu_and_rejects_bad_ids() {
+    let Some(cx) = ctx_or_skip("embedding_bf16_matches_cpu_and_rejects_bad_ids") else {
+        return;
+    };
+    for &(vocab, hidden, n_ids) in &[(1usize, 8usize, 1usize), (50, 100, 9), (1000, 4096, 33)] {
+        let table = rand_bf16_f32(vocab * hidden, 61 + hidden as u64);
+        let ids: Vec<u32> = (0..n_ids)
+            .map(|t| ((t * 7919 + 3) % vocab) as u32)
+            .chain([vocab as u32 - 1, 0])
+            .collect();
+        let mut want = vec![0f32; ids.len() * hidden];
+        ops::embedding(&table, hidden, &ids, &mut want).unwrap();
+        let dt = cx.upload_f32_as_bf16(&table).unwrap();
+        let mut dout = cx
+            .upload_bf16(&vec![bf16::NAN; ids.len() * hidden])
+            .unwrap();
+        cx.embedding_bf16(&dt, hidden, &ids, &mut dout).unwrap();
+        let got = cx.download_f32(&dout).unwrap();
+        let err = rel_err(&got, &want);
+        println!(
+            "embedding bf16 vocab={vocab} hidden={hidden} ids={}: rel err vs CPU f32 {err:.2e}",
+            ids.len()
+        );
+        assert!(err <= 2e-2, "hidden={hidden}: rel err {err}");
+    }
+    // Out-of-range id: an error before any launch, and the output is untouched.
+    let dt = cx.upload_f32_as_bf16(&[1.0; 8]).unwrap();
+    let mut dout = cx.upload_bf16(&[bf16::from_f32(7.0); 4]).unwrap();
+    let r = cx.embedding_bf16(&dt, 2, &[1, 4], &mut dout);
+    assert!(matches!(r, Err(CudaError::Shape(_))), "{r:?}");
+    assert_eq!(cx.download_f32(&dout).unwrap(), vec![7.0; 4]);
+}
+
+#[test]
+fn add_residual_bf16_matches_cpu() {
+    let Some(cx) = ctx_or_skip("add_residual_bf16_matches_cpu") else {
+        return;
+    };
+    for &n in &[1usize, 100, 4096 * 33, 1 << 24] {
+        let x = rand_bf16_f32(n, 71 + n as u64);
+        let y = rand_bf16_f32(n, 73 + n as u64);
+        let mut want = x.clone();
+        ops::add_inplace(&mut want, &y).unwrap();
+        let mut dx = cx.upload_f32_as_bf16(&x).unwrap();
+        let dy = cx.upload_f32_as_bf16(&y).unwrap();
+        cx.add_residual_bf16(&mut dx, &dy).unwrap();
+        let got = cx.download_f32(&dx).unwrap();
+        let err = rel_err(&got, &want);
+        println!("add_residual bf16 n={n}: rel err vs CPU f32 {err:.2e}");
+        assert!(err <= 2e-2, "n={n}: rel err {err}");
+    }
+    let mut dx = cx.zeros_bf16(3).unwrap();
+    let dy = cx.zeros_bf16(4).unwrap();
+    assert!(matches!(
+        cx.add_residual_bf16(&mut dx, &dy),
+        Err(CudaError::Shape(_))
+    ));
+}
+
+/// The CPU sampler's greedy pick (omni-models `sampler::argmax`): the largest logit above
+/// `-inf`, lowest index on ties, `None` when there is none.
+fn cpu_argmax(logits: &[f32]) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > f32::NEG_INFINITY && best.is_none_or(|(_, b)| l > b) {
+            best = Some((i, l));
+        }
+    }
+    best.map(|(i, _)| i as u32)
+}
+
+#[test]
+fn argmax_f32_rows_matches_cpu_sampler() {
+    let Some(cx) = ctx_or_skip("argmax_f32_rows_matches_cpu_sampler") else {
+        return;
+    };
+    for &(rows, vocab) in &[(1usize, 1usize), (4, 31), (8, 1000), (5, 151_936)] {
+        let mut logits = rand_bf16_f32(rows * vocab, 81 + vocab as u64);
+        if vocab > 10 {
+            // Ties across threads and warps: the lowest index must win.
+            let r0 = &mut logits[..vocab];
+            r0[vocab - 1] = 5.0;
+            r0[vocab / 2] = 5.0;
+            r0[3] = 5.0;
+            // -inf / NaN never win; an all -inf row has no pick.
+            let r1 = &mut logits[vocab..2 * vocab];
+            r1[0] = f32::NAN;
+            r1[1] = f32::INFINITY;
+            let r2 = &mut logits[2 * vocab..3 * vocab];
+            r2.fill(f32::NEG_INFINITY);
+            r2[vocab - 2] = -3.0;
+            logits[3 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
+        }
+        let want: Vec<Option<u32>> = logits.chunks_exact(vocab).map(cpu_argmax).collect();
+        let dl = cx.stream().clone_htod(&logits).unwrap();
+        let got = cx.argmax_f32_rows(&dl, vocab).unwrap();
+        let mismatches = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        println!(
+            "argmax f32 rows={rows} vocab={vocab}: {mismatches} mismatches vs CPU sampler (rel err 0), picks {:?}",
+            &got[..rows.min(4)]
+        );
+        assert_eq!(got, want, "rows={rows} vocab={vocab}");
+    }
+    let dl = cx.stream().clone_htod(&[0f32; 5]).unwrap();
+    assert!(matches!(
+        cx.argmax_f32_rows(&dl, 2),
+        Err(CudaError::Shape(_))
+    ));
+}
