@@ -11,7 +11,7 @@ use crate::hf_config::{default_act, default_eps, require_silu, rope_settings};
 /// The registry key.
 pub const ARCHITECTURE: &str = "Qwen3ForCausalLM";
 
-pub(crate) fn default_head_dim() -> usize {
+fn default_head_dim() -> usize {
     128
 }
 
