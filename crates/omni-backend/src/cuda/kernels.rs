@@ -15,7 +15,7 @@ use cudarc::nvrtc::{result as nr, sys as ns};
 use super::CudaError;
 
 /// bf16 <-> f32 helpers shared by every kernel source.
-const BF16_HELPERS: &str = r#"
+pub(crate) const BF16_HELPERS: &str = r#"
 __device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned int)x) << 16); }
 __device__ __forceinline__ unsigned short f2bf(float f) {
     unsigned int u = __float_as_uint(f);
@@ -279,4 +279,44 @@ pub(crate) fn add_source() -> String {
 /// Full source of the argmax module (f32 only; no bf16 helpers needed).
 pub(crate) fn argmax_source() -> String {
     ARGMAX_BODY.to_string()
+}
+
+/// Whether NVRTC can be loaded (it needs no driver or GPU: `scripts/fetch-nvrtc.sh` provides it
+/// on CPU machines, so kernel sources are compile-checked everywhere the test command runs).
+pub(crate) fn nvrtc_present() -> bool {
+    // SAFETY: querying whether a shared library can be dlopen'ed has no preconditions.
+    unsafe { ns::is_culib_present() }
+}
+
+/// Test helper: compiles `src` for `sm_90` (the lent H200s) and panics with NVRTC's log on
+/// failure; returns `false` (skipped, printed) when NVRTC is not loadable.
+#[cfg(test)]
+pub(crate) fn check_compiles(what: &str, src: &str) -> bool {
+    if !nvrtc_present() {
+        println!("SKIP compile check of {what}: libnvrtc.so not loadable (scripts/fetch-nvrtc.sh)");
+        return false;
+    }
+    if let Err(e) = compile_cubin(src, "sm_90") {
+        panic!("{what} does not compile for sm_90: {e}");
+    }
+    true
+}
+
+#[cfg(test)]
+mod compile_tests {
+    use super::*;
+
+    #[test]
+    fn elementwise_kernels_compile_for_sm90() {
+        for (what, src) in [
+            ("rmsnorm", rmsnorm_source()),
+            ("rope", rope_source()),
+            ("silu_mul", silu_mul_source()),
+            ("embedding", embedding_source()),
+            ("add", add_source()),
+            ("argmax", argmax_source()),
+        ] {
+            check_compiles(what, &src);
+        }
+    }
 }

@@ -9,11 +9,21 @@
 //! Layouts follow the CPU backend: row-major, weights in Hugging Face `[out, in]` layout, so
 //! [`CudaContext::matmul_nt_bf16`] is the GPU twin of [`crate::linalg::matmul_nt`].
 
+mod attention;
 mod kernels;
+mod moe;
+mod nccl;
+mod sampling;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
-use std::sync::{Arc, OnceLock};
+pub use attention::*;
+pub use moe::*;
+pub use nccl::*;
+pub use sampling::*;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as blas_sys};
 use cudarc::driver::{
@@ -185,12 +195,8 @@ pub struct CudaContext {
     ctx: Arc<cudarc::driver::CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    rmsnorm: OnceLock<CudaFunction>,
-    rope: OnceLock<CudaFunction>,
-    silu_mul: OnceLock<CudaFunction>,
-    embedding: OnceLock<CudaFunction>,
-    add: OnceLock<CudaFunction>,
-    argmax: OnceLock<CudaFunction>,
+    /// Loaded kernels by entry-point name (each name belongs to exactly one source).
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
 }
 
 impl std::fmt::Debug for CudaContext {
@@ -213,19 +219,20 @@ impl CudaContext {
         }
         let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| dev_err(ordinal, e))?;
         let info = info_of(&ctx, ordinal)?;
-        let stream = ctx.default_stream();
+        // One stream per worker and explicit ordering: cudarc's per-buffer event tracking would
+        // make CUDA graph capture fail (a captured launch waiting on an event recorded before
+        // the capture), so it is off for every buffer this context allocates.
+        // SAFETY: all work of this context is queued on the one stream below, so no buffer is
+        // used by two streams and stream order alone orders every use and free.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         Ok(Self {
             info,
             ctx,
             stream,
             blas,
-            rmsnorm: OnceLock::new(),
-            rope: OnceLock::new(),
-            silu_mul: OnceLock::new(),
-            embedding: OnceLock::new(),
-            add: OnceLock::new(),
-            argmax: OnceLock::new(),
+            functions: Mutex::new(HashMap::new()),
         })
     }
 
@@ -311,27 +318,32 @@ impl CudaContext {
         Ok(())
     }
 
-    fn rmsnorm_fn(&self) -> CudaResult<&CudaFunction> {
-        self.kernel(&self.rmsnorm, kernels::rmsnorm_source, kernels::RMSNORM_FN)
-    }
-
-    /// The function `name` from the module built from `source()`, compiled (through the CUBIN
-    /// cache) and loaded on first use, then kept in `slot`.
-    fn kernel<'a>(
+    /// The kernel `name` from the module built from `source()`: compiled (through the CUBIN
+    /// cache) and loaded on first use, then kept for this context. Every entry-point name must
+    /// belong to exactly one source.
+    pub(crate) fn function(
         &self,
-        slot: &'a OnceLock<CudaFunction>,
         source: fn() -> String,
-        name: &str,
-    ) -> CudaResult<&'a CudaFunction> {
-        if let Some(f) = slot.get() {
-            return Ok(f);
+        name: &'static str,
+    ) -> CudaResult<CudaFunction> {
+        if let Some(f) = self
+            .functions
+            .lock()
+            .map_err(|_| CudaError::Poisoned)?
+            .get(name)
+        {
+            return Ok(f.clone());
         }
         let cubin = kernels::cubin(&source(), &self.info.sm_arch())?;
         let module = self
             .ctx
             .load_module(Ptx::from_binary(cubin.as_ref().clone()))?;
         let f = module.load_function(name)?;
-        Ok(slot.get_or_init(|| f))
+        self.functions
+            .lock()
+            .map_err(|_| CudaError::Poisoned)?
+            .insert(name, f.clone());
+        Ok(f)
     }
 
     /// RMSNorm over rows of width `dim` (bf16 in and out, f32 accumulation), the GPU twin of
@@ -370,8 +382,8 @@ impl CudaContext {
             block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = self.rmsnorm_fn()?;
-        let mut launch = self.stream.launch_builder(f);
+        let f = self.function(kernels::rmsnorm_source, kernels::RMSNORM_FN)?;
+        let mut launch = self.stream.launch_builder(&f);
         launch.arg(x).arg(weight).arg(out).arg(&hidden).arg(&eps);
         // SAFETY: the argument list matches `rmsnorm_bf16(const u16*, const u16*, u16*, int,
         // float)`; x/out hold rows * dim elements and weight dim (checked above); the block size
@@ -418,8 +430,8 @@ impl CudaContext {
             block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = self.kernel(&self.rope, kernels::rope_source, kernels::ROPE_FN)?;
-        let mut launch = self.stream.launch_builder(f);
+        let f = self.function(kernels::rope_source, kernels::ROPE_FN)?;
+        let mut launch = self.stream.launch_builder(&f);
         launch
             .arg(x)
             .arg(positions)
@@ -455,12 +467,8 @@ impl CudaContext {
             return Ok(());
         }
         let (inter_i, n_i) = (to_i64("inter", inter)?, to_i64("n", n)?);
-        let f = self.kernel(
-            &self.silu_mul,
-            kernels::silu_mul_source,
-            kernels::SILU_MUL_FN,
-        )?;
-        let mut launch = self.stream.launch_builder(f);
+        let f = self.function(kernels::silu_mul_source, kernels::SILU_MUL_FN)?;
+        let mut launch = self.stream.launch_builder(&f);
         launch.arg(gate_up).arg(out).arg(&inter_i).arg(&n_i);
         // SAFETY: the arguments match `silu_mul_bf16(const u16*, u16*, long long, long long)`;
         // gate_up holds 2 * n and out n elements (checked above); the kernel's grid-stride loop
@@ -503,12 +511,8 @@ impl CudaContext {
         }
         let dids = self.stream.clone_htod(ids)?;
         let (hidden_i, n_i) = (to_i64("hidden", hidden)?, to_i64("n", n)?);
-        let f = self.kernel(
-            &self.embedding,
-            kernels::embedding_source,
-            kernels::EMBEDDING_FN,
-        )?;
-        let mut launch = self.stream.launch_builder(f);
+        let f = self.function(kernels::embedding_source, kernels::EMBEDDING_FN)?;
+        let mut launch = self.stream.launch_builder(&f);
         launch
             .arg(table)
             .arg(&dids)
@@ -535,8 +539,8 @@ impl CudaContext {
             return Ok(());
         }
         let n_i = to_i64("n", n)?;
-        let f = self.kernel(&self.add, kernels::add_source, kernels::ADD_FN)?;
-        let mut launch = self.stream.launch_builder(f);
+        let f = self.function(kernels::add_source, kernels::ADD_FN)?;
+        let mut launch = self.stream.launch_builder(&f);
         launch.arg(x).arg(y).arg(&n_i);
         // SAFETY: the arguments match `add_bf16(u16*, const u16*, long long)`; x and y both hold
         // n elements (checked above) and the grid-stride loop stays below n.
@@ -576,8 +580,8 @@ impl CudaContext {
             block_dim: (threads as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let f = self.kernel(&self.argmax, kernels::argmax_source, kernels::ARGMAX_FN)?;
-        let mut launch = self.stream.launch_builder(f);
+        let f = self.function(kernels::argmax_source, kernels::ARGMAX_FN)?;
+        let mut launch = self.stream.launch_builder(&f);
         launch.arg(logits).arg(&mut out).arg(&vocab_i);
         // SAFETY: the arguments match `argmax_f32_rows(const float*, int*, int)`; logits holds
         // rows * vocab elements and out rows (one block per row); the block size is a multiple

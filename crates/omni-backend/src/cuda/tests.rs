@@ -7,7 +7,7 @@ use super::*;
 use crate::{linalg, ops};
 
 /// Relative error `||got - want|| / ||want||` (Frobenius).
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+pub(crate) fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len());
     let (mut num, mut den) = (0f64, 0f64);
     for (&g, &w) in got.iter().zip(want) {
@@ -19,7 +19,7 @@ fn rel_err(got: &[f32], want: &[f32]) -> f64 {
 }
 
 /// Deterministic values in [-1, 1), already rounded to bf16 so CPU and GPU see the same inputs.
-fn rand_bf16_f32(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn rand_bf16_f32(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
@@ -35,7 +35,7 @@ fn rand_bf16_f32(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// A context on device 0, or `None` (test skipped) when there is no driver.
-fn ctx_or_skip(test: &str) -> Option<CudaContext> {
+pub(crate) fn ctx_or_skip(test: &str) -> Option<CudaContext> {
     match driver_status() {
         Err(e) => {
             println!("SKIP {test}: {e}");
