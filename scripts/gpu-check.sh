@@ -1,39 +1,120 @@
 #!/usr/bin/env bash
-# GPU checks for the CUDA backend (issue 5). Builds NOTHING: run it on the device machine, from the
-# repo root, with a test binary built on the CPU box:
+# The CUDA backend's checks and benchmarks on a GPU machine, from binaries staged by
+# scripts/gpu-build.sh in .gpu-bin/ (nothing is built here). Run from the repository root:
 #
-#   cargo test -p omni-backend --features cuda --no-run --release   # prints the binary's path
-#   bash scripts/gpu-check.sh target/release/deps/omni_backend-<hash>
+#   bash scripts/gpu-check.sh [tests|bench|serve|all]...      (default: all)
 #
-# (with the device tool: carry that path). Runs the `cuda::` tests single-threaded with output,
-# prints the environment, and writes logs to $OUT (a temp dir when OUT is unset).
-# Exit code: the test binary's.
+#   tests   kernel tests vs the CPU backend, model logits/greedy vs the transformers references,
+#           batched == alone, graphs == eager, engine greedy on 1 GPU and -tp 2 (when 2 GPUs)
+#   bench   `omni-engine bench latency` (decode at batch 1/8/32/64 with 1k context, prefill of
+#           2k tokens, roofline fractions) for Qwen3-8B and Qwen3-30B-A3B shapes (dummy
+#           weights), -tp 1 and -tp 2 when there are 2 GPUs
+#   profile per-kernel GPU time of eager decode steps (batch 1 and 64) and of a 2k prefill
+#           (OMNI_CUDA_PROFILE), both shapes, one GPU
+#   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
+#           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
+#
+# Results go to $OUT (a temp dir when unset): the JSON of each benchmark, summary.log (what this
+# prints), and logs.tgz with every step's full log. Exit code: non-zero if any step failed.
 set -uo pipefail
-BIN=${1:?usage: scripts/gpu-check.sh <omni-backend test binary built with --features cuda>}
-shift
+BIN=${GPU_BIN:-.gpu-bin}
 OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT"
-# never use NVLink multicast on the lent machines (shared/gpu.md)
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+exec > >(tee -a "$OUT/summary.log") 2>&1
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(all)
+want() { for s in "${STEPS[@]}"; do [[ $s == "$1" || $s == all ]] && return 0; done; return 1; }
+# Never NVLink multicast on the lent machines; NCCL logs only warnings.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN} RUST_LOG=${RUST_LOG:-info} RUST_BACKTRACE=1
+# cudarc dlopens libnccl.so (not .so.2): give it a link when only the versioned library exists.
+if ! ldconfig -p | grep -q 'libnccl\.so '; then
+  so=$(ldconfig -p | grep -oE '/[^ ]*libnccl\.so\.2$' | head -1)
+  if [ -z "$so" ]; then
+    so=$(ls /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2 2>/dev/null | head -1)
+  fi
+  if [ -n "$so" ]; then
+    shim=$(mktemp -d); ln -s "$so" "$shim/libnccl.so"
+    export LD_LIBRARY_PATH="$shim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
+NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 {
   echo "== date: $(date -u +%FT%TZ)"
   echo "== host: $(uname -srm), $(nproc) cores, $(ldd --version | head -1)"
-  echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi not available"
-  echo "== CUDA libraries on the loader path"
-  ldconfig -p | grep -E 'libcuda\.so|libnvrtc\.so|libcublas(Lt)?\.so' || echo "none found by ldconfig"
-} 2>&1 | tee "$OUT/env.log"
+  echo "== GPUs: $NGPU"; nvidia-smi 2>&1 | head -20
+  echo "== CUDA libraries"; ldconfig -p | grep -E 'libcuda\.so|libnvrtc\.so|libcublas(Lt)?\.so|libnccl' || true
+  echo "== LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} > "$LOGS/env.log" 2>&1
+cat "$LOGS/env.log"
+fail=0
+step() { # name, command...
+  local name=$1; shift
+  echo "== $name: $*" | tee "$LOGS/$name.log"
+  local t0=$SECONDS
+  timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
+  grep -E '^(SKIP|attention (decode|prefill)|moe (decode|prefill|topk T)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  B=|\|)|profile |GPU blocks|captured CUDA graphs' "$LOGS/$name.log" | grep -v 'attention check' | head -100
+  [ $rc -ne 0 ] && fail=1
+  return 0
+}
 
-# cudarc dlopens libnvrtc / libcublas / libcublasLt: add the toolkit's lib dirs if present
-# (the lent image resolves them through ldconfig already).
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-done
-echo "== LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" | tee -a "$OUT/env.log"
+if want tests; then
+  step kernels "$BIN/backend-tests" cuda:: --test-threads=1 --nocapture
+  step model "$BIN/model-tests" --test-threads=1 --nocapture
+  OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" --test-threads=1 --nocapture
+fi
 
-echo "== $BIN cuda:: --test-threads=1 --nocapture $*" | tee "$OUT/gpu-tests.log"
-timeout 240 "$BIN" cuda:: --test-threads=1 --nocapture "$@" 2>&1 | tee -a "$OUT/gpu-tests.log"
-rc=${PIPESTATUS[0]}
-echo "== test binary exit code: $rc" | tee -a "$OUT/gpu-tests.log"
-grep -oE '(SKIP|GEMM|gemm bf16|rmsnorm bf16|rope bf16|silu_and_mul bf16|embedding bf16|add_residual bf16|argmax f32|CUDA device).*' "$OUT/gpu-tests.log" > "$OUT/summary.log" || true
-exit "$rc"
+latency() { # model tp
+  step "latency-$1-tp$2" "$BIN/omni-engine" bench latency --model "bench/models/$1" \
+    --load-format dummy --device cuda -tp "$2" --max-model-len 4096 --max-num-seqs 64 \
+    --max-num-batched-tokens 4096 --batch-sizes 1,8,32,64 --input-len 1024 --output-len 64 \
+    --prefill-len 2048 --json "$LOGS/latency-$1-tp$2.json"
+}
+if want bench; then
+  for m in qwen3-8b qwen3-30b-a3b; do
+    latency "$m" 1
+    [ "$NGPU" -ge 2 ] && latency "$m" 2
+  done
+fi
+
+if want profile; then
+  for m in qwen3-8b qwen3-30b-a3b; do
+    OMNI_CUDA_PROFILE=16 step "profile-$m" "$BIN/omni-engine" bench latency --model "bench/models/$m" \
+      --load-format dummy --device cuda --enforce-eager --max-model-len 4096 --max-num-seqs 64 \
+      --max-num-batched-tokens 4096 --batch-sizes 1,64 --input-len 1024 --output-len 32 \
+      --prefill-len 2048
+  done
+fi
+
+if want serve; then
+  for m in ${SERVE_MODELS:-qwen3-8b qwen3-30b-a3b}; do
+    port=8100
+    # config.json of the real shape + a tokenizer with exactly its vocabulary
+    mdir=$(mktemp -d)/$m; mkdir -p "$mdir"; cp "bench/models/$m/config.json" "$mdir/"
+    vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$mdir/config.json")
+    python3 scripts/make_bench_tokenizer.py "$vocab" > "$mdir/tokenizer.json"
+    "$BIN/omni-engine" serve "$mdir" --served-model-name "$m" --load-format dummy --device cuda --port $port \
+      --max-model-len 2048 --max-num-seqs 64 > "$LOGS/serve-$m.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do
+      curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
+      kill -0 $pid 2>/dev/null || break
+      sleep 0.5
+    done
+    for c in ${SERVE_CONCURRENCY:-1 16 32 64}; do
+      n=$((c * 2)); [ $n -lt 8 ] && n=8
+      step "serve-$m-c$c" "$BIN/omni-engine" bench serve --base-url "http://localhost:$port" \
+        --model "$m" --dataset-name random --random-input-len 1000 \
+        --random-output-len 256 --ignore-eos --num-prompts $n --max-concurrency $c \
+        --tokenizer "$mdir" --save-result "$LOGS/serve-$m-c$c.json"
+    done
+    curl -s "localhost:$port/metrics" > "$LOGS/metrics-$m.txt" 2>&1
+    kill -INT $pid; wait $pid
+    grep -E 'GPU blocks|KV blocks|graphs|engine ready' "$LOGS/serve-$m.log" | head -5
+  done
+fi
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+exit $fail

@@ -5,6 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 scripts/fetch-default-model.sh >/dev/null || echo "warning: default model not fetched; tests that need it will skip" >&2
+# NVRTC (no GPU needed) so every CUDA kernel source is compile-checked for sm_90 here too.
+if NVRTC_DIR=$(scripts/fetch-nvrtc.sh); then
+    export LD_LIBRARY_PATH="$NVRTC_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+    echo "warning: NVRTC not fetched; CUDA kernel compile checks will skip" >&2
+fi
 # Model-check the ring's flag protocol with loom (its own target dir: a different cfg rebuilds
 # the crate's dependencies). A swapped load order in `Flags::readable` fails this in 0.1 s.
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p omni-ipc --release --lib ring::tests

@@ -454,8 +454,18 @@ async fn hostile_requests_get_openai_errors_and_the_server_keeps_answering() {
     assert_eq!(status, 200);
     let body: Value = body.json().await.unwrap();
     assert_eq!(body["usage"]["completion_tokens"], 3);
-    assert_eq!(server.metric("vllm:num_requests_running").await, 0.0);
-    assert_eq!(server.metric("vllm:num_requests_waiting").await, 0.0);
+    assert_eq!(
+        server
+            .metric_settles("vllm:num_requests_running", 0.0)
+            .await,
+        0.0
+    );
+    assert_eq!(
+        server
+            .metric_settles("vllm:num_requests_waiting", 0.0)
+            .await,
+        0.0
+    );
     let (status, _) = server.get("/health").await;
     assert_eq!(status, 200);
 }

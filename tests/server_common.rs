@@ -136,6 +136,20 @@ impl Server {
         metric_value(&text, name).unwrap_or_else(|| panic!("no {name} in\n{text}"))
     }
 
+    /// A gauge's value once it reaches `want`, or its last value after 2 s. The engine loop
+    /// publishes its gauges after the step that finished a request, so a client can hold the
+    /// last response a moment before `/metrics` reflects it.
+    pub async fn metric_settles(&self, name: &str, want: f64) -> f64 {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            let v = self.metric(name).await;
+            if v == want || Instant::now() >= deadline {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn signal(&self, sig: nix::sys::signal::Signal) {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid as i32), sig).unwrap();
     }

@@ -49,8 +49,16 @@ async fn two_hundred_concurrent_streams_all_finish_with_exact_token_counts() {
         "{}",
         server.log()
     );
-    assert_eq!(server.metric("vllm:num_requests_running").await, 0.0);
-    assert_eq!(server.metric("vllm:kv_cache_usage_perc").await, 0.0);
+    assert_eq!(
+        server
+            .metric_settles("vllm:num_requests_running", 0.0)
+            .await,
+        0.0
+    );
+    assert_eq!(
+        server.metric_settles("vllm:kv_cache_usage_perc", 0.0).await,
+        0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,5 +3,7 @@
 //! JSON; the same command runs here and on the GPU machine.
 
 pub mod ipc;
+pub mod latency;
 pub mod mem;
+pub mod roofline;
 pub mod serve;

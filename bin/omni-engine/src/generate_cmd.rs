@@ -19,8 +19,19 @@ use omni_core::{
     DEFAULT_KV_CACHE_MEMORY_BYTES, EngineCore, EngineLoop, Executor, MultiprocConfig,
     MultiprocExecutor, SchedulerConfig, StartupSpec, UniprocExecutor,
 };
-use omni_protocol::{DType, EngineCoreRequest, LoadFormat, LoadModelSpec, SamplingParams};
+use omni_protocol::{DType, Device, EngineCoreRequest, LoadFormat, LoadModelSpec, SamplingParams};
 use omni_tokenizer::Tokenizer;
+
+/// Which backend runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// CUDA when an NVIDIA driver is present, else CPU.
+    Auto,
+    /// One NVIDIA GPU per tensor-parallel rank (bf16).
+    Cuda,
+    /// The CPU backend (f32).
+    Cpu,
+}
 
 /// Where the weights come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -140,9 +151,20 @@ pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
-    /// KV cache bytes per rank, e.g. `256MiB`, `1GiB`, `1000000`.
-    #[arg(long, default_value = "256MiB", value_parser = parse_bytes)]
-    pub kv_cache_memory: u64,
+    /// Device: `auto` takes CUDA when an NVIDIA driver is present, else the CPU.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    pub device: DeviceArg,
+    /// Fraction of each GPU's memory the engine may use (weights, activations, KV cache); the
+    /// KV cache gets what is left after loading.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f32,
+    /// KV cache bytes per rank, e.g. `256MiB`, `1GiB`, `1000000` (CPU default 256MiB; on a GPU
+    /// the default is what `--gpu-memory-utilization` leaves).
+    #[arg(long, value_parser = parse_bytes)]
+    pub kv_cache_memory: Option<u64>,
+    /// Run every step eagerly (no CUDA graphs for decode).
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// Use exactly this many KV blocks instead of the byte budget.
     #[arg(long)]
     pub num_gpu_blocks_override: Option<u32>,
@@ -201,10 +223,22 @@ pub fn resolve_model(model: Option<&Path>) -> anyhow::Result<PathBuf> {
 /// Call it on a thread that lives as long as the engine (the main thread): worker processes
 /// get `PR_SET_PDEATHSIG` and die with the thread that spawned them.
 pub fn start_engine(model: &Path, args: &EngineArgs) -> anyhow::Result<StartedEngine> {
+    let device = resolve_device(args)?;
     if args.dtype != DtypeArg::Auto {
         tracing::warn!(
-            "--dtype {:?}: the CPU backend computes in float32 regardless",
-            args.dtype
+            "--dtype {:?}: the {device:?} backend computes in {} regardless",
+            args.dtype,
+            if device == Device::Cpu {
+                "float32"
+            } else {
+                "bfloat16"
+            }
+        );
+    }
+    if !(args.gpu_memory_utilization > 0.0 && args.gpu_memory_utilization <= 1.0) {
+        bail!(
+            "--gpu-memory-utilization must be in (0, 1], got {}",
+            args.gpu_memory_utilization
         );
     }
     let load = LoadModelSpec {
@@ -223,16 +257,20 @@ pub fn start_engine(model: &Path, args: &EngineArgs) -> anyhow::Result<StartedEn
         },
         max_model_len: args.max_model_len,
         block_size: args.block_size,
-        gpu_memory_utilization: 0.9,
+        gpu_memory_utilization: args.gpu_memory_utilization,
         tensor_parallel_size: args.tensor_parallel_size,
         seed: args.engine_seed,
+        device,
+        max_num_batched_tokens: args.max_num_batched_tokens as u32,
+        max_num_seqs: args.max_num_seqs as u32,
+        enforce_eager: args.enforce_eager,
     };
     let startup = StartupSpec {
         load,
-        kv_cache_memory_bytes: if args.kv_cache_memory == 0 {
-            DEFAULT_KV_CACHE_MEMORY_BYTES
-        } else {
-            args.kv_cache_memory
+        kv_cache_memory_bytes: match (args.kv_cache_memory, device) {
+            (Some(b), _) if b > 0 => Some(b),
+            (_, Device::Cpu) => Some(DEFAULT_KV_CACHE_MEMORY_BYTES),
+            (_, Device::Cuda) => None,
         },
         num_blocks_override: args.num_gpu_blocks_override,
     };
@@ -274,6 +312,71 @@ pub fn start_engine(model: &Path, args: &EngineArgs) -> anyhow::Result<StartedEn
     };
     let engine = EngineLoop::spawn(EngineCore::new(scheduler.clone(), executor)?);
     Ok(StartedEngine { engine, scheduler })
+}
+
+/// The GPU this binary can use: its name and how many devices the driver sees.
+#[derive(Debug)]
+struct CudaStatus {
+    name: String,
+    device_count: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_status() -> Result<CudaStatus, String> {
+    omni_backend::cuda::driver_status()
+        .map(|i| CudaStatus {
+            name: i.name,
+            device_count: i.device_count,
+        })
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_status() -> Result<CudaStatus, String> {
+    Err("this omni-engine was built without the CUDA backend (feature `cuda`)".into())
+}
+
+/// `--device`: `auto` is CUDA when a driver and a device are usable, else the CPU (logged);
+/// `cuda` without a usable driver is a start-up error that says why.
+pub fn resolve_device(args: &EngineArgs) -> anyhow::Result<Device> {
+    match args.device {
+        DeviceArg::Cpu => Ok(Device::Cpu),
+        DeviceArg::Cuda => match cuda_status() {
+            Ok(info) => {
+                let need = args.tensor_parallel_size as usize;
+                if info.device_count < need {
+                    bail!(
+                        "--device cuda with -tp {need} needs {need} GPUs; this machine has {}",
+                        info.device_count
+                    );
+                }
+                Ok(Device::Cuda)
+            }
+            Err(e) => bail!("--device cuda: {e}"),
+        },
+        DeviceArg::Auto => match cuda_status() {
+            Ok(info) if info.device_count >= args.tensor_parallel_size as usize => {
+                tracing::info!(
+                    gpu = %info.name,
+                    count = info.device_count,
+                    "CUDA device found: running on the GPU"
+                );
+                Ok(Device::Cuda)
+            }
+            Ok(info) => {
+                tracing::warn!(
+                    "{} GPUs for -tp {}: running on the CPU",
+                    info.device_count,
+                    args.tensor_parallel_size
+                );
+                Ok(Device::Cpu)
+            }
+            Err(e) => {
+                tracing::info!("running on the CPU ({e})");
+                Ok(Device::Cpu)
+            }
+        },
+    }
 }
 
 /// The tokenizer of a HF directory or a GGUF file.

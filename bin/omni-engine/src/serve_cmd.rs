@@ -104,7 +104,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_num_seqs = e.max_num_seqs,
         max_num_batched_tokens = e.max_num_batched_tokens,
         block_size = e.block_size,
-        kv_cache_memory = e.kv_cache_memory,
+        kv_cache_memory = ?e.kv_cache_memory,
+        device = ?e.device,
+        gpu_memory_utilization = e.gpu_memory_utilization,
+        enforce_eager = e.enforce_eager,
         num_gpu_blocks_override = ?e.num_gpu_blocks_override,
         enable_prefix_caching = e.prefix_caching(),
         "resolved config"

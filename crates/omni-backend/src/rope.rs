@@ -76,6 +76,12 @@ impl Rope {
         Ok(Self { head_dim, inv_freq })
     }
 
+    /// The inverse frequencies, `head_dim / 2` of them, with the scaling applied (what a device
+    /// kernel needs to rotate exactly as this table does).
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// Head size this table was built for.
     pub fn head_dim(&self) -> usize {
         self.head_dim

@@ -88,6 +88,15 @@ pub enum IpcError {
     /// A blocking call waited its whole timeout.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
+    /// The writer waited `waited` for its readers to attach; these had not (the ones that had
+    /// stay attached: calling `wait_until_ready` again goes on waiting for the rest).
+    #[error("timed out after {waited:?} waiting for {}", missing.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "))]
+    ReadyTimeout {
+        /// How long this call waited.
+        waited: Duration,
+        /// The readers that have not attached yet.
+        missing: Vec<ReaderId>,
+    },
     /// The queue was shut down while a call waited.
     #[error("cancelled: the queue is shutting down")]
     Cancelled,

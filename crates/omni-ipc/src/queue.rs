@@ -22,6 +22,8 @@ use crate::{IpcError, MessageQueueConfig, ReaderId};
 pub const WIRE_VERSION: u32 = 1;
 /// How often a blocked call re-checks shutdown, deadlines and peer liveness.
 const POLL_SLICE: Duration = Duration::from_millis(50);
+/// Time a reader that has connected gets to finish the ready handshake.
+const HANDSHAKE_GRACE: Duration = Duration::from_secs(5);
 
 /// What to create.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -222,8 +224,12 @@ impl MessageQueue {
             {
                 if let Some(mut s) = listener.try_accept()? {
                     progressed = true;
+                    // A reader that connected gets its own time to finish the handshake, even
+                    // when this call's (possibly short) timeout is about to end: dropping it
+                    // half-way would fail a legitimate reader on a loaded machine.
+                    let handshake_deadline = deadline.max(Instant::now() + HANDSHAKE_GRACE);
                     // A stranger that fails the handshake is dropped; it does not fail the queue.
-                    match Self::accept_reader(&mut s, deadline, &self.handle) {
+                    match Self::accept_reader(&mut s, handshake_deadline, &self.handle) {
                         Ok((id, pid))
                             if !self.peers.contains_key(&id)
                                 && self.expected().any(|e| e == id) =>
@@ -247,17 +253,13 @@ impl MessageQueue {
             }
             if self.peers.len() < total && !progressed {
                 if Instant::now() >= deadline {
-                    let missing: Vec<String> = self
+                    let missing: Vec<ReaderId> = self
                         .expected()
                         .filter(|id| !self.peers.contains_key(id))
-                        .map(|id| id.to_string())
                         .collect();
-                    return Err(IpcError::Zmq {
-                        op: "wait_until_ready",
-                        message: format!(
-                            "timed out after {timeout:?} waiting for {}",
-                            missing.join(", ")
-                        ),
+                    return Err(IpcError::ReadyTimeout {
+                        waited: timeout,
+                        missing,
                     });
                 }
                 std::thread::sleep(Duration::from_millis(1));

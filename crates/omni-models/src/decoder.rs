@@ -273,11 +273,11 @@ impl TpContext {
 
 /// A weight matrix `[out, in]` (HF layout) with an optional bias.
 #[derive(Debug, Clone)]
-struct Linear {
-    w: Vec<f32>,
-    out: usize,
-    inp: usize,
-    bias: Option<Vec<f32>>,
+pub(crate) struct Linear {
+    pub(crate) w: Vec<f32>,
+    pub(crate) out: usize,
+    pub(crate) inp: usize,
+    pub(crate) bias: Option<Vec<f32>>,
 }
 
 impl Linear {
@@ -292,7 +292,7 @@ impl Linear {
     }
 }
 
-fn load_shaped(
+pub(crate) fn load_shaped(
     ws: &dyn WeightSource,
     name: &str,
     shape: &[usize],
@@ -323,15 +323,32 @@ fn take_cols(t: &HostTensor, start: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
-struct Loader<'a> {
+pub(crate) struct Loader<'a> {
     ws: &'a dyn WeightSource,
     spec: &'a DecoderSpec,
-    tp: &'a TpContext,
+    rank: usize,
+    size: usize,
     heads: HeadLayout,
 }
 
-impl Loader<'_> {
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+impl<'a> Loader<'a> {
+    /// Reads rank `rank` of `size`'s shard of each layer from `ws` (host f32).
+    pub(crate) fn new(
+        ws: &'a dyn WeightSource,
+        spec: &'a DecoderSpec,
+        rank: usize,
+        size: usize,
+    ) -> Result<Self, ModelError> {
+        Ok(Self {
+            ws,
+            spec,
+            rank,
+            size,
+            heads: spec.head_layout(rank, size)?,
+        })
+    }
+
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
         Ok(load_shaped(self.ws, name, &[len])?.data)
     }
 
@@ -375,7 +392,8 @@ impl Loader<'_> {
         bias: bool,
     ) -> Result<Linear, ModelError> {
         let t = load_shaped(self.ws, &format!("{name}.weight"), &[out, in_full])?;
-        let bias = if bias {
+        // The partial sums of all ranks are added up: the bias belongs to one of them.
+        let bias = if bias && self.rank == 0 {
             Some(self.vector(&format!("{name}.bias"), out)?)
         } else {
             None
@@ -389,14 +407,14 @@ impl Loader<'_> {
     }
 
     fn split(&self, n: usize, what: &str) -> Result<(usize, usize), ModelError> {
-        if !n.is_multiple_of(self.tp.size) {
+        if !n.is_multiple_of(self.size) {
             return Err(ModelError::TensorParallel(format!(
                 "{what} {n} does not split over {} ranks",
-                self.tp.size
+                self.size
             )));
         }
-        let l = n / self.tp.size;
-        Ok((self.tp.rank * l, l))
+        let l = n / self.size;
+        Ok((self.rank * l, l))
     }
 
     fn mlp(&self, prefix: &str, inter: usize) -> Result<DenseMlp, ModelError> {
@@ -404,8 +422,8 @@ impl Loader<'_> {
         let (start, local) = self.split(inter, "intermediate size")?;
         let gate_up = self.fused_rows(
             &[
-                (format!("{prefix}.gate_proj"), local, self.tp.rank, 1),
-                (format!("{prefix}.up_proj"), local, self.tp.rank, 1),
+                (format!("{prefix}.gate_proj"), local, self.rank, 1),
+                (format!("{prefix}.up_proj"), local, self.rank, 1),
             ],
             &[inter, inter],
             h,
@@ -426,7 +444,7 @@ impl Loader<'_> {
         })
     }
 
-    fn layer(&self, i: usize) -> Result<DecoderLayer, ModelError> {
+    pub(crate) fn layer(&self, i: usize) -> Result<DecoderLayer, ModelError> {
         let s = self.spec;
         let (h, hd) = (s.hidden_size, s.head_dim);
         let p = format!("model.layers.{i}");
@@ -505,38 +523,38 @@ impl Loader<'_> {
 }
 
 #[derive(Debug, Clone)]
-struct DenseMlp {
+pub(crate) struct DenseMlp {
     /// `[gate rows | up rows]` of this rank, fused: `[2 * inter, hidden]`.
-    gate_up: Linear,
-    down: Linear,
-    inter: usize,
+    pub(crate) gate_up: Linear,
+    pub(crate) down: Linear,
+    pub(crate) inter: usize,
 }
 
 #[derive(Debug, Clone)]
-struct MoeMlp {
+pub(crate) struct MoeMlp {
     /// `[num_experts, hidden]`, replicated.
-    router: Vec<f32>,
-    experts: Vec<DenseMlp>,
-    top_k: usize,
-    norm_topk_prob: bool,
+    pub(crate) router: Vec<f32>,
+    pub(crate) experts: Vec<DenseMlp>,
+    pub(crate) top_k: usize,
+    pub(crate) norm_topk_prob: bool,
 }
 
 #[derive(Debug, Clone)]
-enum Mlp {
+pub(crate) enum Mlp {
     Dense(DenseMlp),
     Moe(MoeMlp),
 }
 
 #[derive(Debug, Clone)]
-struct DecoderLayer {
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
+pub(crate) struct DecoderLayer {
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) post_norm: Vec<f32>,
     /// Fused `[q rows | k rows | v rows]` of this rank's heads.
-    qkv: Linear,
-    o: Linear,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    mlp: Mlp,
+    pub(crate) qkv: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) mlp: Mlp,
 }
 
 /// Scratch buffers of one forward pass, reused across layers.
@@ -583,12 +601,7 @@ impl DecoderModel {
                 tp.size
             )));
         }
-        let loader = Loader {
-            ws,
-            spec: &spec,
-            tp: &tp,
-            heads,
-        };
+        let loader = Loader::new(ws, &spec, tp.rank, tp.size)?;
         let (v, h) = (spec.vocab_size, spec.hidden_size);
         let embed = load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data;
         let lm_head = if spec.tie_word_embeddings {

@@ -31,6 +31,9 @@ pub enum ModelError {
     /// The forward batch is inconsistent (lengths, KV cache count).
     #[error("batch: {0}")]
     Batch(String),
+    /// The GPU backend failed (a CUDA, cuBLAS, NVRTC or NCCL error).
+    #[error("device: {0}")]
+    Device(String),
     /// An I/O error outside weight files (reading `config.json`).
     #[error("reading {path}: {source}")]
     Io {

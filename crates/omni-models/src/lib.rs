@@ -29,6 +29,8 @@
 //! ```
 
 pub mod batch;
+#[cfg(feature = "cuda")]
+pub mod cuda_decoder;
 pub mod decoder;
 pub mod dummy;
 pub mod error;

@@ -44,13 +44,13 @@ pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use tensor::{DType, TensorRef};
 pub use worker::{
-    LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput, TokenLogprobs, WorkerCommand,
+    Device, LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput, TokenLogprobs, WorkerCommand,
     WorkerResponse,
 };
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

@@ -17,6 +17,16 @@ pub enum LoadFormat {
     Dummy,
 }
 
+/// Which backend a worker runs the model on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Device {
+    /// The CPU backend (f32).
+    #[default]
+    Cpu,
+    /// One CUDA GPU per rank (bf16), device ordinal = rank.
+    Cuda,
+}
+
 /// Everything a worker needs to load its shard of the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadModelSpec {
@@ -36,6 +46,33 @@ pub struct LoadModelSpec {
     pub tensor_parallel_size: u32,
     /// Seed of the worker's global sampling stream and of dummy weights.
     pub seed: u64,
+    /// The backend.
+    pub device: Device,
+    /// Tokens in one step at most (sizes the GPU's activation buffers).
+    pub max_num_batched_tokens: u32,
+    /// Sequences in one step at most (sizes the GPU's per-sequence buffers and decode graphs).
+    pub max_num_seqs: u32,
+    /// No CUDA graphs: every step runs eagerly.
+    pub enforce_eager: bool,
+}
+
+impl Default for LoadModelSpec {
+    fn default() -> Self {
+        Self {
+            model: String::new(),
+            load_format: LoadFormat::Auto,
+            dtype: None,
+            max_model_len: 2048,
+            block_size: 16,
+            gpu_memory_utilization: 0.9,
+            tensor_parallel_size: 1,
+            seed: 0,
+            device: Device::Cpu,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            enforce_eager: false,
+        }
+    }
 }
 
 /// A command broadcast from the engine core to every worker.

@@ -112,6 +112,10 @@ fn every_worker_command_roundtrips() {
         gpu_memory_utilization: 0.9,
         tensor_parallel_size: 2,
         seed: 0,
+        device: omni_protocol::Device::Cuda,
+        max_num_batched_tokens: 8192,
+        max_num_seqs: 256,
+        enforce_eager: true,
     }));
     roundtrip(&WorkerCommand::InitCache {
         num_blocks: 4096,

@@ -14,24 +14,27 @@
 //!
 //! let mut worker = Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
 //! let spec = LoadModelSpec { model: "path/to/SmolLM2-135M".into(), load_format: LoadFormat::Auto,
-//!     dtype: None, max_model_len: 2048, block_size: 16, gpu_memory_utilization: 0.9,
-//!     tensor_parallel_size: 1, seed: 0 };
+//!     ..LoadModelSpec::default() };
 //! let loaded = worker.handle(&WorkerCommand::LoadModel(spec));
 //! let ready = worker.handle(&WorkerCommand::InitCache { num_blocks: 256, block_size: 16 });
 //! ```
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+#[cfg(feature = "cuda")]
+pub mod cuda_model;
 pub mod load_progress;
 pub mod model_runner;
 pub mod process;
 pub mod shm_all_reduce;
+pub mod step_model;
 pub mod worker;
 
 pub use load_progress::LoadProgress;
 pub use model_runner::ModelRunner;
 pub use process::{WorkerProcessError, run_worker_process};
 pub use shm_all_reduce::{ShmAllReduce, ShmAllReduceError};
+pub use step_model::{CpuStepModel, DeviceSample, StepModel};
 pub use worker::{Worker, load_model, load_model_with_progress};
 
 /// Why a worker command failed (sent to the engine core as [`omni_protocol::WorkerResponse::Error`]).

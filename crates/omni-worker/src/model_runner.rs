@@ -1,15 +1,19 @@
 //! [`ModelRunner`]: one rank's model, its KV cache, and the per-request state that turns a
-//! [`SchedulerOutput`] into a [`ForwardBatch`] (vLLM's `GPUModelRunner`, on the CPU backend).
+//! [`SchedulerOutput`] into a [`ForwardBatch`] (vLLM's `GPUModelRunner`), on any
+//! [`StepModel`] backend. Sampling runs on the device when the backend has a sampler and every
+//! sampled request only needs temperature / top-k / top-p / min-p; otherwise (penalties,
+//! logprobs, `min_tokens` still pending) the logits come to the host and the CPU sampler runs.
 
 use std::collections::HashMap;
 
-use omni_models::sampler::{Sampler, SamplingSeq};
-use omni_models::{CausalLm, ForwardBatch, LayerKvCache, SeqChunk};
+use omni_models::sampler::{SampledToken, Sampler, SamplingSeq};
+use omni_models::{ForwardBatch, SeqChunk};
 use omni_protocol::{
     BlockId, ModelRunnerOutput, RequestId, SamplingParams, SchedulerOutput, TokenId,
 };
 
 use crate::WorkerError;
+use crate::step_model::{DeviceSample, StepModel};
 
 /// What the runner remembers of one live request between steps.
 #[derive(Debug, Clone)]
@@ -25,9 +29,9 @@ struct CachedRequestState {
 /// A loaded model with its KV cache and the requests it is serving.
 #[derive(Debug)]
 pub struct ModelRunner {
-    model: Box<dyn CausalLm>,
-    kv: Vec<LayerKvCache>,
+    model: Box<dyn StepModel>,
     block_size: usize,
+    seed: u64,
     num_blocks: usize,
     requests: HashMap<RequestId, CachedRequestState>,
     sampler: Sampler,
@@ -36,26 +40,30 @@ pub struct ModelRunner {
 impl ModelRunner {
     /// A runner over a loaded model with no KV cache yet; `seed` seeds the global sampling stream
     /// (the same on every rank, so every rank samples the same tokens).
-    pub fn new(model: Box<dyn CausalLm>, seed: u64) -> Self {
+    pub fn new(model: Box<dyn StepModel>, seed: u64) -> Self {
         Self {
             model,
-            kv: Vec::new(),
             block_size: 0,
+            seed,
             num_blocks: 0,
             requests: HashMap::new(),
             sampler: Sampler::new(Some(seed)),
         }
     }
 
-    /// The model.
-    pub fn model(&self) -> &dyn CausalLm {
+    /// The model and its KV cache.
+    pub fn model(&self) -> &dyn StepModel {
         self.model.as_ref()
     }
 
     /// KV cache bytes of one block of `block_size` tokens on this rank (all layers, K and V).
     pub fn kv_bytes_per_block(&self, block_size: usize) -> u64 {
-        let spec = self.model.kv_cache_spec();
-        (spec.bytes_per_block_per_layer(block_size) * spec.num_layers) as u64
+        self.model.kv_bytes_per_block(block_size)
+    }
+
+    /// Memory the KV cache may use on this rank.
+    pub fn available_kv_bytes(&self) -> Result<u64, WorkerError> {
+        self.model.available_kv_bytes()
     }
 
     /// Allocates `num_blocks` zeroed KV blocks of `block_size` tokens per layer.
@@ -65,7 +73,7 @@ impl ModelRunner {
                 "num_blocks {num_blocks} and block_size {block_size} must be positive"
             )));
         }
-        self.kv = self.model.kv_cache_spec().allocate(num_blocks, block_size);
+        self.model.init_cache(num_blocks, block_size)?;
         self.block_size = block_size;
         self.num_blocks = num_blocks;
         Ok(())
@@ -82,7 +90,7 @@ impl ModelRunner {
         &mut self,
         so: &SchedulerOutput,
     ) -> Result<ModelRunnerOutput, WorkerError> {
-        if self.kv.is_empty() {
+        if !self.model.has_cache() {
             return Err(WorkerError::Cache(
                 "ExecuteModel before InitCache".to_string(),
             ));
@@ -136,25 +144,11 @@ impl ModelRunner {
         let mut batch = ForwardBatch::from_chunks(&chunks, self.block_size)?;
         let num_sampled = rows.len();
         batch.logits_indices = Some(rows);
-        let logits = self.model.forward(&batch, &mut self.kv)?;
-
-        let vocab = self.model.vocab_size();
-        let seqs: Vec<SamplingSeq<'_>> = req_ids
-            .iter()
-            .zip(&samples)
-            .filter(|(_, s)| **s)
-            .filter_map(|(id, _)| self.requests.get(*id))
-            .map(|st| SamplingSeq {
-                params: &st.params,
-                prompt_token_ids: &st.tokens[..st.num_prompt_tokens],
-                output_token_ids: &st.tokens[st.num_prompt_tokens..],
-                eos_token_id: st.eos_token_id,
-            })
-            .collect();
+        self.model.forward(&batch)?;
         let sampled = if num_sampled == 0 {
             Vec::new()
         } else {
-            self.sampler.sample(&logits.data, vocab, &seqs)?
+            self.sample(&req_ids, &samples)?
         };
 
         let mut out = ModelRunnerOutput {
@@ -181,6 +175,47 @@ impl ModelRunner {
             out.logprobs.push(tok.logprobs.into_iter().collect());
         }
         Ok(out)
+    }
+
+    /// One token per sampled request, on the device when every row allows it.
+    fn sample(
+        &mut self,
+        req_ids: &[&RequestId],
+        samples: &[bool],
+    ) -> Result<Vec<SampledToken>, WorkerError> {
+        let states: Vec<&CachedRequestState> = req_ids
+            .iter()
+            .zip(samples)
+            .filter(|(_, s)| **s)
+            .filter_map(|(id, _)| self.requests.get(*id))
+            .collect();
+        let device_rows: Option<Vec<DeviceSample>> = states
+            .iter()
+            .map(|st| device_sample(st, self.seed))
+            .collect();
+        if let Some(rows) = device_rows
+            && let Some(tokens) = self.model.sample_on_device(&rows)?
+        {
+            return Ok(tokens
+                .into_iter()
+                .map(|token_id| SampledToken {
+                    token_id,
+                    logprobs: None,
+                })
+                .collect());
+        }
+        let logits = self.model.logits_host()?;
+        let vocab = self.model.vocab_size();
+        let seqs: Vec<SamplingSeq<'_>> = states
+            .iter()
+            .map(|st| SamplingSeq {
+                params: &st.params,
+                prompt_token_ids: &st.tokens[..st.num_prompt_tokens],
+                output_token_ids: &st.tokens[st.num_prompt_tokens..],
+                eos_token_id: st.eos_token_id,
+            })
+            .collect();
+        Ok(self.sampler.sample(&logits, vocab, &seqs)?)
     }
 
     /// Drops finished requests, forgets preempted requests' blocks, learns new requests and
@@ -246,4 +281,35 @@ impl ModelRunner {
             None => Ok(()),
         }
     }
+}
+
+/// The device sampler's settings for a request, or `None` when it needs the CPU sampler
+/// (penalties, logprobs, or EOS still masked by `min_tokens`). Unseeded requests get a stream
+/// from the worker seed and the request's prompt, the same on every rank.
+fn device_sample(st: &CachedRequestState, worker_seed: u64) -> Option<DeviceSample> {
+    let p = &st.params;
+    let outputs = st.tokens.len() - st.num_prompt_tokens;
+    let plain = p.presence_penalty == 0.0
+        && p.frequency_penalty == 0.0
+        && p.repetition_penalty == 1.0
+        && p.logprobs.is_none()
+        && (outputs as u64) >= u64::from(p.min_tokens);
+    if !plain {
+        return None;
+    }
+    let seed = p.seed.unwrap_or_else(|| {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        worker_seed.hash(&mut h);
+        st.tokens[..st.num_prompt_tokens].hash(&mut h);
+        h.finish()
+    });
+    Some(DeviceSample {
+        temperature: p.temperature,
+        top_k: p.top_k.map_or(0, |k| k.min(i32::MAX as u32) as i32),
+        top_p: p.top_p,
+        min_p: p.min_p,
+        seed,
+        offset: outputs as u64,
+    })
 }

@@ -13,15 +13,13 @@
 //! 6. Serve: dequeue a [`WorkerCommand`], let the [`Worker`] answer, enqueue the answer.
 
 use std::io::{BufRead, Read, Write};
-use std::sync::Arc;
 use std::time::Duration;
 
-use omni_backend::comm::AllReduce;
 use omni_core::{WorkerHandshake, WorkerHello};
 use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec, ReaderId};
 use omni_protocol::{PROTOCOL_VERSION, WorkerCommand};
 
-use crate::{ShmAllReduce, ShmAllReduceError, Worker};
+use crate::{ShmAllReduceError, Worker};
 
 /// Why a worker process stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -131,11 +129,7 @@ pub fn run_worker_process() -> Result<(), WorkerProcessError> {
     commands.wait_until_ready(hs.ready_timeout)?;
     responses.wait_until_ready(hs.ready_timeout)?;
 
-    let all_reduce: Arc<dyn AllReduce> = match (&hs.all_reduce_segment, world) {
-        (Some(name), w) if w > 1 => Arc::new(ShmAllReduce::open(name, rank, world)?),
-        _ => Arc::new(omni_backend::comm::IdentityAllReduce),
-    };
-    let mut worker = Worker::new(hs.rank, all_reduce);
+    let mut worker = Worker::in_process_group(hs.rank, world, hs.all_reduce_segment.clone());
     tracing::debug!(rank, world, "worker ready");
     loop {
         let msg = match commands.dequeue(Some(Duration::from_secs(1))) {

@@ -9,11 +9,15 @@ use omni_models::gguf::GgufWeights;
 use omni_models::registry::{self, LoadFormat as RegistryFormat};
 use omni_models::weights::LoadProgressFn;
 use omni_models::{CausalLm, TpContext};
-use omni_protocol::{LoadFormat, LoadModelSpec, SchedulerOutput, WorkerCommand, WorkerResponse};
+use omni_protocol::{
+    Device, LoadFormat, LoadModelSpec, SchedulerOutput, WorkerCommand, WorkerResponse,
+};
 
+use crate::ShmAllReduce;
 use crate::WorkerError;
 use crate::load_progress::LoadProgress;
 use crate::model_runner::ModelRunner;
+use crate::step_model::{CpuStepModel, StepModel};
 
 /// One tensor-parallel rank: loads its shard, holds its KV cache, runs steps.
 ///
@@ -25,17 +29,66 @@ use crate::model_runner::ModelRunner;
 #[derive(Debug)]
 pub struct Worker {
     rank: u32,
-    all_reduce: Arc<dyn AllReduce>,
+    group: TpGroup,
     runner: Option<ModelRunner>,
 }
 
+/// How a worker reaches its tensor-parallel peers.
+#[derive(Debug)]
+enum TpGroup {
+    /// An all-reduce made by the caller (in-process ranks, tests).
+    Given(Arc<dyn AllReduce>),
+    /// The executor's segment: the CPU backend opens a [`ShmAllReduce`] on it, the CUDA backend
+    /// exchanges the NCCL id through it. `None` for a single rank.
+    Segment { world: usize, name: Option<String> },
+}
+
 impl Worker {
-    /// Rank `rank`, joined to its peers by `all_reduce` (an identity for one rank).
+    /// Rank `rank`, joined to its peers by `all_reduce` (an identity for one rank). CPU only.
     pub fn new(rank: u32, all_reduce: Arc<dyn AllReduce>) -> Self {
         Self {
             rank,
-            all_reduce,
+            group: TpGroup::Given(all_reduce),
             runner: None,
+        }
+    }
+
+    /// Rank `rank` of `world` worker processes; `segment` is the executor's tensor-parallel
+    /// segment (required when `world > 1`). The backend is chosen at `LoadModel`.
+    pub fn in_process_group(rank: u32, world: usize, segment: Option<String>) -> Self {
+        Self {
+            rank,
+            group: TpGroup::Segment {
+                world,
+                name: segment,
+            },
+            runner: None,
+        }
+    }
+
+    fn cpu_all_reduce(&self) -> Result<Arc<dyn AllReduce>, WorkerError> {
+        match &self.group {
+            TpGroup::Given(ar) => Ok(ar.clone()),
+            TpGroup::Segment { world, .. } if *world <= 1 => {
+                Ok(Arc::new(omni_backend::comm::IdentityAllReduce))
+            }
+            TpGroup::Segment {
+                world,
+                name: Some(name),
+            } => Ok(Arc::new(
+                ShmAllReduce::open(name, self.rank as usize, *world)
+                    .map_err(|e| WorkerError::Load(e.to_string()))?,
+            )),
+            TpGroup::Segment { world, name: None } => Err(WorkerError::Load(format!(
+                "{world} ranks but no all-reduce segment"
+            ))),
+        }
+    }
+
+    fn world_size(&self) -> usize {
+        match &self.group {
+            TpGroup::Given(ar) => ar.world_size(),
+            TpGroup::Segment { world, .. } => *world,
         }
     }
 
@@ -91,23 +144,71 @@ impl Worker {
 
     fn load_model(&mut self, spec: &LoadModelSpec) -> Result<WorkerResponse, WorkerError> {
         let world = spec.tensor_parallel_size.max(1) as usize;
-        if world != self.all_reduce.world_size() {
+        if world != self.world_size() {
             return Err(WorkerError::Load(format!(
                 "tensor_parallel_size {world} but the all-reduce group has {} ranks",
-                self.all_reduce.world_size()
+                self.world_size()
             )));
         }
-        let tp = TpContext::new(self.rank as usize, world, self.all_reduce.clone());
         let progress = LoadProgress::for_rank(self.rank);
-        let model =
-            load_model_with_progress(spec, tp, &|done, total| progress.on_load(done, total))?;
-        let runner = ModelRunner::new(model, spec.seed);
+        let step_model: Box<dyn StepModel> = match spec.device {
+            Device::Cpu => {
+                let tp = TpContext::new(self.rank as usize, world, self.cpu_all_reduce()?);
+                let model = load_model_with_progress(spec, tp, &|done, total| {
+                    progress.on_load(done, total)
+                })?;
+                Box::new(CpuStepModel::new(model, mem_available_bytes()))
+            }
+            Device::Cuda => self.load_cuda(spec, world, &progress)?,
+        };
+        let runner = ModelRunner::new(step_model, spec.seed);
         let kv_bytes_per_block = runner.kv_bytes_per_block(spec.block_size as usize);
+        let available_memory_bytes = runner.available_kv_bytes()?;
         self.runner = Some(runner);
         Ok(WorkerResponse::ModelLoaded {
             kv_bytes_per_block,
-            available_memory_bytes: mem_available_bytes(),
+            available_memory_bytes,
         })
+    }
+}
+
+impl Worker {
+    #[cfg(feature = "cuda")]
+    fn load_cuda(
+        &self,
+        spec: &LoadModelSpec,
+        world: usize,
+        progress: &LoadProgress,
+    ) -> Result<Box<dyn StepModel>, WorkerError> {
+        let segment = match &self.group {
+            TpGroup::Segment { name, .. } => name.clone(),
+            TpGroup::Given(_) if world == 1 => None,
+            TpGroup::Given(_) => {
+                return Err(WorkerError::Load(
+                    "CUDA tensor parallelism runs one worker process per GPU (--executor mp)"
+                        .into(),
+                ));
+            }
+        };
+        Ok(Box::new(crate::cuda_model::load_cuda_model(
+            spec,
+            self.rank as usize,
+            world,
+            segment.as_deref(),
+            &|done, total| progress.on_load(done, total),
+        )?))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn load_cuda(
+        &self,
+        _spec: &LoadModelSpec,
+        _world: usize,
+        _progress: &LoadProgress,
+    ) -> Result<Box<dyn StepModel>, WorkerError> {
+        Err(WorkerError::Load(
+            "this omni-engine was built without the CUDA backend (feature `cuda`)".into(),
+        ))
     }
 }
 

@@ -43,8 +43,9 @@ fn engine(
             gpu_memory_utilization: 0.9,
             tensor_parallel_size: 1,
             seed: 0,
+            ..LoadModelSpec::default()
         },
-        kv_cache_memory_bytes: 1 << 20,
+        kv_cache_memory_bytes: Some(1 << 20),
         num_blocks_override: Some(num_blocks),
     };
     let worker = Worker::new(0, Arc::new(omni_models::IdentityAllReduce));

@@ -281,6 +281,7 @@ pub(crate) fn argmax_source() -> String {
     ARGMAX_BODY.to_string()
 }
 
+#[cfg(test)]
 /// Whether NVRTC can be loaded (it needs no driver or GPU: `scripts/fetch-nvrtc.sh` provides it
 /// on CPU machines, so kernel sources are compile-checked everywhere the test command runs).
 pub(crate) fn nvrtc_present() -> bool {

@@ -10,24 +10,32 @@
 //! [`CudaContext::matmul_nt_bf16`] is the GPU twin of [`crate::linalg::matmul_nt`].
 
 mod attention;
+mod collective;
 mod kernels;
+mod layers;
 mod moe;
 mod nccl;
+mod probe;
 mod sampling;
 #[cfg(test)]
 pub(crate) mod tests;
 
 pub use attention::*;
+pub use collective::NcclAllReduce;
+pub use layers::*;
 pub use moe::*;
 pub use nccl::*;
+pub use probe::*;
 pub use sampling::*;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+pub use cudarc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as blas_sys};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DriverError,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 pub use half::bf16;
@@ -114,6 +122,9 @@ pub enum CudaError {
         /// Its value.
         value: usize,
     },
+    /// A collective (NCCL) failed.
+    #[error("NCCL: {0}")]
+    Collective(String),
     /// A cache mutex was poisoned by a panicking thread.
     #[error("CUDA backend cache poisoned")]
     Poisoned,
@@ -186,6 +197,21 @@ fn to_i32(what: &'static str, value: usize) -> CudaResult<i32> {
     i32::try_from(value).map_err(|_| CudaError::TooLarge { what, value })
 }
 
+/// Sums an f32 buffer over the tensor-parallel group, in place and asynchronously on the
+/// context's stream (NCCL in the engine); must be capturable in a CUDA graph.
+pub trait DeviceAllReduce: Send + Sync + std::fmt::Debug {
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+    /// `buf = sum over ranks of buf`.
+    fn all_reduce_sum_f32(&self, buf: &mut CudaViewMut<'_, f32>) -> CudaResult<()>;
+}
+
+/// Elements of the page-locked staging buffer for uploads (64 MiB of bf16).
+pub const STAGING_ELEMS: usize = 32 << 20;
+
+/// Bytes of the cuBLAS workspace each context sets (NVIDIA recommends 32 MiB on Hopper).
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 /// One device: its cudarc context, a stream, a cuBLAS handle, and lazily loaded kernels.
 ///
 /// All work is queued on [`CudaContext::stream`]; call [`CudaContext::synchronize`] before reading
@@ -195,6 +221,10 @@ pub struct CudaContext {
     ctx: Arc<cudarc::driver::CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace, ours so that GEMMs captured in a CUDA graph never allocate.
+    _blas_workspace: CudaSlice<u8>,
+    /// Page-locked staging buffer for weight uploads (allocated on first use).
+    staging: Mutex<Option<PinnedHostSlice<bf16>>>,
     /// Loaded kernels by entry-point name (each name belongs to exactly one source).
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
 }
@@ -227,12 +257,28 @@ impl CudaContext {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let mut workspace = stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES)?;
+        {
+            let (ptr, _g) = workspace.device_ptr_mut(&stream);
+            // SAFETY: the handle is live; the workspace is a device allocation of
+            // CUBLAS_WORKSPACE_BYTES that this context keeps alive as long as the handle.
+            unsafe {
+                blas_sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()?;
+        }
         Ok(Self {
             info,
             ctx,
             stream,
             blas,
+            _blas_workspace: workspace,
             functions: Mutex::new(HashMap::new()),
+            staging: Mutex::new(None),
         })
     }
 
@@ -261,6 +307,44 @@ impl CudaContext {
         Ok(self.stream.clone_htod(host)?)
     }
 
+    /// Uploads bf16 values through a page-locked staging buffer (pageable copies run at a tenth
+    /// of the PCIe rate on the lent machines), in chunks of [`STAGING_ELEMS`]; synchronizes.
+    pub fn upload_bf16_pinned(&self, host: &[bf16]) -> CudaResult<CudaSlice<bf16>> {
+        // SAFETY: every element is written by the copies below before the buffer is returned.
+        let mut dst = unsafe { self.stream.alloc::<bf16>(host.len()) }?;
+        if host.is_empty() {
+            return Ok(dst);
+        }
+        let mut staging = self.staging.lock().map_err(|_| CudaError::Poisoned)?;
+        if staging.is_none() {
+            // SAFETY: flags 0 = plain page-locked memory (not write-combined); the buffer is
+            // only read by the DMA engine and written by this thread under the mutex.
+            *staging = Some(unsafe { self.ctx.alloc_pinned_with_flags::<bf16>(STAGING_ELEMS, 0) }?);
+        }
+        let Some(pinned) = staging.as_mut() else {
+            return Err(CudaError::Poisoned);
+        };
+        let (base, _g) = dst.device_ptr_mut(&self.stream);
+        for (i, chunk) in host.chunks(STAGING_ELEMS).enumerate() {
+            let buf = pinned.as_mut_slice()?;
+            buf[..chunk.len()].copy_from_slice(chunk);
+            let off = (i * STAGING_ELEMS * std::mem::size_of::<bf16>()) as u64;
+            // SAFETY: the destination range `off .. off + chunk bytes` lies inside `dst` (chunks
+            // tile `host`, which has dst's length); the source is page-locked and not touched
+            // again until the stream is synchronized below.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    base + off,
+                    &buf[..chunk.len()],
+                    self.stream.cu_stream(),
+                )
+            }?;
+            self.stream.synchronize()?;
+        }
+        drop(_g);
+        Ok(dst)
+    }
+
     /// Rounds `host` to bf16 and uploads it.
     pub fn upload_f32_as_bf16(&self, host: &[f32]) -> CudaResult<CudaSlice<bf16>> {
         let v: Vec<bf16> = host.iter().map(|&x| bf16::from_f32(x)).collect();
@@ -286,9 +370,9 @@ impl CudaContext {
     /// the "TN" GEMM `out^T = op_T(w) * op_N(a)` with cuBLAS (m, n, k) = (n, m, k).
     pub fn matmul_nt_bf16(
         &self,
-        a: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
+        a: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
         m: usize,
         k: usize,
         n: usize,
@@ -449,8 +533,8 @@ impl CudaContext {
     /// (`[tokens, inter]`), f32 math: the GPU twin of [`crate::ops::silu_and_mul`].
     pub fn silu_and_mul_bf16(
         &self,
-        gate_up: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
+        gate_up: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
         inter: usize,
     ) -> CudaResult<()> {
         if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
@@ -468,8 +552,10 @@ impl CudaContext {
         }
         let (inter_i, n_i) = (to_i64("inter", inter)?, to_i64("n", n)?);
         let f = self.function(kernels::silu_mul_source, kernels::SILU_MUL_FN)?;
+        let (gu, _g1) = gate_up.device_ptr(&self.stream);
+        let (o, _g2) = out.device_ptr_mut(&self.stream);
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(gate_up).arg(out).arg(&inter_i).arg(&n_i);
+        launch.arg(&gu).arg(&o).arg(&inter_i).arg(&n_i);
         // SAFETY: the arguments match `silu_mul_bf16(const u16*, u16*, long long, long long)`;
         // gate_up holds 2 * n and out n elements (checked above); the kernel's grid-stride loop
         // stays below n for any grid.

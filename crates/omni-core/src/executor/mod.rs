@@ -125,13 +125,20 @@ pub fn plan_num_blocks(
     Ok(n.min(u32::MAX as u64) as u32)
 }
 
+/// The KV budget of a start-up: the configured bytes, else the least any rank reported free.
+pub fn kv_budget_bytes(spec: &StartupSpec, reported_available: &[u64]) -> u64 {
+    spec.kv_cache_memory_bytes
+        .unwrap_or_else(|| reported_available.iter().copied().min().unwrap_or(0))
+}
+
 /// The KV cache sizing and model of an executor start-up.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StartupSpec {
     /// What every worker loads.
     pub load: omni_protocol::LoadModelSpec,
-    /// Bytes of KV cache per rank (CPU default: 256 MiB).
-    pub kv_cache_memory_bytes: u64,
+    /// Bytes of KV cache per rank; `None` takes the smallest `available_memory_bytes` the
+    /// workers report after loading (the GPU's `--gpu-memory-utilization` budget).
+    pub kv_cache_memory_bytes: Option<u64>,
     /// Use exactly this many blocks instead of the budget.
     pub num_blocks_override: Option<u32>,
 }

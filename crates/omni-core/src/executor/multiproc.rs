@@ -38,7 +38,7 @@ use omni_protocol::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::{EngineError, ExecutorStartError, StartupSpec, plan_num_blocks};
+use super::{EngineError, ExecutorStartError, StartupSpec, kv_budget_bytes, plan_num_blocks};
 use crate::Executor;
 
 /// The one JSON line a worker reads from its stdin at start.
@@ -285,18 +285,22 @@ impl MultiprocExecutor {
         // LoadModel -> KV bytes per block -> num_blocks -> InitCache.
         ex.broadcast_cmd(&WorkerCommand::LoadModel(cfg.startup.load.clone()))?;
         let mut kv_bytes_per_block = 0u64;
+        let mut available = Vec::with_capacity(world);
         for rank in 0..world {
             match ex.recv(rank, cfg.startup_timeout)? {
                 WorkerResponse::ModelLoaded {
                     kv_bytes_per_block: b,
-                    ..
-                } => kv_bytes_per_block = kv_bytes_per_block.max(b),
+                    available_memory_bytes,
+                } => {
+                    kv_bytes_per_block = kv_bytes_per_block.max(b);
+                    available.push(available_memory_bytes);
+                }
                 other => return Err(ex.unexpected(rank, "LoadModel", other).into()),
             }
         }
         let num_blocks = plan_num_blocks(
             kv_bytes_per_block,
-            cfg.startup.kv_cache_memory_bytes,
+            kv_budget_bytes(&cfg.startup, &available),
             cfg.startup.num_blocks_override,
         )?;
         ex.broadcast_cmd(&WorkerCommand::InitCache {
@@ -390,7 +394,8 @@ impl MultiprocExecutor {
             }
             match wait(self) {
                 Ok(()) => return Ok(()),
-                Err(IpcError::Timeout(_)) if Instant::now() < deadline => {}
+                Err(IpcError::Timeout(_) | IpcError::ReadyTimeout { .. })
+                    if Instant::now() < deadline => {}
                 Err(e) => {
                     return Err(ExecutorStartError::Spawn(format!(
                         "waiting for {what}: {e}"
@@ -464,7 +469,8 @@ impl MultiprocExecutor {
                         e
                     });
                 }
-                Err(IpcError::Timeout(_)) if Instant::now() < deadline => {}
+                Err(IpcError::Timeout(_) | IpcError::ReadyTimeout { .. })
+                    if Instant::now() < deadline => {}
                 Err(IpcError::Timeout(_)) => {
                     let e = dead_rank(rank, format!("no answer within {timeout:?}"));
                     set_dead(&self.dead, e.clone());

@@ -2,7 +2,9 @@
 
 use omni_protocol::{ModelRunnerOutput, SchedulerOutput, WorkerCommand, WorkerResponse};
 
-use super::{EngineError, ExecutorStartError, LocalWorker, StartupSpec, plan_num_blocks};
+use super::{
+    EngineError, ExecutorStartError, LocalWorker, StartupSpec, kv_budget_bytes, plan_num_blocks,
+};
 use crate::Executor;
 
 /// Drives one in-process [`LocalWorker`] (rank 0, no tensor parallelism across processes).
@@ -30,15 +32,17 @@ fn unexpected(resp: Option<WorkerResponse>, what: &str) -> EngineError {
 impl<W: LocalWorker> UniprocExecutor<W> {
     /// Loads the model, sizes the KV cache from the spec's budget and allocates it.
     pub fn start(mut worker: W, spec: &StartupSpec) -> Result<Self, ExecutorStartError> {
-        let kv_bytes_per_block = match worker.handle(&WorkerCommand::LoadModel(spec.load.clone())) {
-            Some(WorkerResponse::ModelLoaded {
-                kv_bytes_per_block, ..
-            }) => kv_bytes_per_block,
-            other => return Err(unexpected(other, "LoadModel").into()),
-        };
+        let (kv_bytes_per_block, available) =
+            match worker.handle(&WorkerCommand::LoadModel(spec.load.clone())) {
+                Some(WorkerResponse::ModelLoaded {
+                    kv_bytes_per_block,
+                    available_memory_bytes,
+                }) => (kv_bytes_per_block, available_memory_bytes),
+                other => return Err(unexpected(other, "LoadModel").into()),
+            };
         let num_blocks = plan_num_blocks(
             kv_bytes_per_block,
-            spec.kv_cache_memory_bytes,
+            kv_budget_bytes(spec, &[available]),
             spec.num_blocks_override,
         )?;
         match worker.handle(&WorkerCommand::InitCache {

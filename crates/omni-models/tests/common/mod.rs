@@ -12,10 +12,16 @@ pub const ARCHS: &[&str] = &["llama", "llama3-rope-bf16", "qwen3", "qwen3-moe"];
 pub const BLOCK_SIZE: usize = 4;
 pub const NUM_BLOCKS: usize = 128;
 
+/// A fixture directory. Test binaries built here and run elsewhere (the GPU machine runs them
+/// from a copy of the repository) fall back to the path relative to the working directory.
 pub fn dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let base = if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("crates/omni-models/tests/fixtures")
+    };
+    base.join(name)
 }
 
 #[derive(Debug, serde::Deserialize)]

@@ -1,0 +1,690 @@
+//! The fused per-layer kernels of the decoder on the GPU (bf16 in and out, f32 math):
+//!
+//! - [`CudaContext::fused_add_rms_norm`]: `residual += delta; out = rms_norm(residual)`
+//!   (vLLM's `fused_add_rms_norm`) on an f32 residual stream, one pass per sub-block;
+//! - [`CudaContext::qkv_rope_cache_bf16`]: splits the fused QKV projection, applies the optional
+//!   per-head RMSNorm of Qwen3 and RoPE from a precomputed `inv_freq` table (so every scaling
+//!   variant of [`crate::rope::Rope`] works), writes Q out and K/V into the paged cache
+//!   (vLLM's `rotary_embedding` + `reshape_and_cache` in one launch);
+//! - [`CudaContext::embedding_ids_bf16`]: the embedding gather with ids already on the device;
+//! - [`CudaContext::add_bias_bf16`], [`CudaContext::bf16_to_f32`],
+//!   [`CudaContext::fill_uniform_bf16`] (dummy weights made on the device: a 60 GB model never
+//!   passes through the host), and [`CudaContext::matmul_nt_bf16_f32`] (the `lm_head` GEMM with f32
+//!   logits).
+//!
+//! Every launch here depends only on host scalars and device buffers, never on host reads of
+//! device data, so they can all be captured in a CUDA graph.
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::kernels::BF16_HELPERS;
+use super::{CudaContext, CudaError, CudaResult, elementwise_cfg, to_i32, to_i64};
+
+/// Block reduction of a float sum over up to 1024 threads (`blockDim.x` a multiple of 32).
+const BLOCK_SUM: &str = r#"
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    v = (threadIdx.x < (blockDim.x >> 5)) ? sh[lane] : 0.f;
+    if (wid == 0) for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+"#;
+
+const LAYERS_BODY: &str = r#"
+// The residual stream is f32. mode 0: residual unchanged; 1: residual = bf16 `init` (the
+// embedding); 2: residual += f32 `delta`. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
+extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
+        const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
+        const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
+        float* __restrict__ out32, int dim, float eps) {
+    __shared__ float sh[32];
+    const size_t base = (size_t)blockIdx.x * dim;
+    float* x = residual + base;
+    unsigned short* y = out + base;
+    float ss = 0.f;
+    if ((dim & 3) == 0) {
+        for (int i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
+            float4 v;
+            if (mode == 1) {
+                const unsigned short* s = init + base + i;
+                v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
+            } else {
+                v = *reinterpret_cast<const float4*>(x + i);
+                if (mode == 2) {
+                    float4 d = *reinterpret_cast<const float4*>(delta + base + i);
+                    v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+                }
+            }
+            if (mode != 0) *reinterpret_cast<float4*>(x + i) = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            float v = mode == 1 ? bf2f(init[base + i]) : x[i];
+            if (mode == 2) v += delta[base + i];
+            if (mode != 0) x[i] = v;
+            ss += v * v;
+        }
+    }
+    float inv = rsqrtf(block_sum(ss, sh) / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = bf2f(w[i]) * (x[i] * inv);
+        y[i] = f2bf(v);
+        if (out32) out32[base + i] = v;
+    }
+}
+
+extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned short* __restrict__ b,
+        long long cols, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] += bf2f(b[i % cols]);
+}
+
+// One block per (token, head) over q heads then kv heads of this rank. Thread i < hd/2 owns the
+// rotary pair (i, i + hd/2). qkv row = [q heads | k heads | v heads] * hd.
+extern "C" __global__ void qkv_rope_cache_bf16(const unsigned short* __restrict__ qkv,
+        unsigned short* __restrict__ q_out, unsigned short* __restrict__ k_cache,
+        unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
+        const long long* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+        const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
+        int lq, int lkv, int hd, float eps) {
+    __shared__ float sh[32];
+    const int heads = lq + lkv;
+    const int t = blockIdx.x / heads, hh = blockIdx.x - t * heads;
+    const int half = hd >> 1, i = threadIdx.x;
+    const size_t row = (size_t)(lq + 2 * lkv) * hd;
+    const unsigned short* src;
+    const unsigned short* nw;
+    if (hh < lq) { src = qkv + t * row + (size_t)hh * hd; nw = q_norm; }
+    else { src = qkv + t * row + (size_t)(lq + (hh - lq)) * hd; nw = k_norm; }
+    float a = 0.f, b = 0.f;
+    if (i < half) { a = bf2f(src[i]); b = bf2f(src[i + half]); }
+    if (nw) {
+        float inv = rsqrtf(block_sum(a * a + b * b, sh) / (float)hd + eps);
+        if (i < half) { a = a * inv * bf2f(nw[i]); b = b * inv * bf2f(nw[i + half]); }
+    }
+    const float p = (float)positions[t];
+    float ra = 0.f, rb = 0.f;
+    if (i < half) {
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        ra = a * c - b * s;
+        rb = b * c + a * s;
+    }
+    if (hh < lq) {
+        unsigned short* dst = q_out + ((size_t)t * lq + hh) * hd;
+        if (i < half) { dst[i] = f2bf(ra); dst[i + half] = f2bf(rb); }
+        return;
+    }
+    const long long slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int j = hh - lq;
+    unsigned short* kd = k_cache + ((size_t)slot * lkv + j) * hd;
+    unsigned short* vd = v_cache + ((size_t)slot * lkv + j) * hd;
+    const unsigned short* vs = qkv + t * row + (size_t)(lq + lkv + j) * hd;
+    if (i < half) {
+        kd[i] = f2bf(ra); kd[i + half] = f2bf(rb);
+        vd[i] = vs[i]; vd[i + half] = vs[i + half];
+    }
+}
+
+extern "C" __global__ void embedding_ids_bf16(const unsigned short* __restrict__ table, const int* __restrict__ ids,
+        unsigned short* __restrict__ out, long long hidden, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / hidden, j = i - t * hidden;
+        out[i] = table[(long long)ids[t] * hidden + j];
+    }
+}
+
+extern "C" __global__ void add_bias_bf16(unsigned short* __restrict__ x, const unsigned short* __restrict__ b,
+        long long cols, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = f2bf(bf2f(x[i]) + bf2f(b[i % cols]));
+}
+
+extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ x, float* __restrict__ y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = bf2f(x[i]);
+}
+
+// Uniform in [lo, hi) from a stateless hash of (seed, index): the same buffer for the same seed on
+// every run and every device.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+extern "C" __global__ void fill_uniform_bf16(unsigned short* __restrict__ x, long long n,
+        unsigned long long seed, float lo, float hi) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        unsigned long long r = mix64(seed ^ mix64((unsigned long long)i));
+        float u = (float)(r >> 40) * (1.0f / 16777216.0f);
+        x[i] = f2bf(lo + (hi - lo) * u);
+    }
+}
+"#;
+
+const FUSED_ADD_RMSNORM_FN: &str = "fused_add_rmsnorm_f32res";
+const ADD_BIAS_F32_FN: &str = "add_bias_f32";
+const QKV_ROPE_CACHE_FN: &str = "qkv_rope_cache_bf16";
+const EMBEDDING_IDS_FN: &str = "embedding_ids_bf16";
+const ADD_BIAS_FN: &str = "add_bias_bf16";
+const BF16_TO_F32_FN: &str = "bf16_to_f32";
+const FILL_UNIFORM_FN: &str = "fill_uniform_bf16";
+
+fn layers_source() -> String {
+    format!("{BF16_HELPERS}{BLOCK_SUM}{LAYERS_BODY}")
+}
+
+/// The shape of one [`CudaContext::qkv_rope_cache_bf16`] call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QkvShape {
+    /// Tokens in the batch.
+    pub tokens: usize,
+    /// Query heads on this rank.
+    pub q_heads: usize,
+    /// KV heads on this rank.
+    pub kv_heads: usize,
+    /// Elements per head (even, at most 2048).
+    pub head_dim: usize,
+    /// Epsilon of the per-head RMSNorm (unused without norm weights).
+    pub eps: f32,
+}
+
+/// Device buffers one [`CudaContext::qkv_rope_cache_bf16`] call reads and writes.
+#[derive(Debug)]
+pub struct QkvBuffers<'a, Q, O, K, V, P, S, F, N>
+where
+    Q: DevicePtr<bf16>,
+    O: DevicePtrMut<bf16>,
+    K: DevicePtrMut<bf16>,
+    V: DevicePtrMut<bf16>,
+    P: DevicePtr<i32>,
+    S: DevicePtr<i64>,
+    F: DevicePtr<f32>,
+    N: DevicePtr<bf16>,
+{
+    /// `[tokens, (q_heads + 2 kv_heads) * head_dim]`: the fused projection output.
+    pub qkv: &'a Q,
+    /// `[tokens, q_heads, head_dim]`: normed, rotated queries.
+    pub q_out: &'a mut O,
+    /// One layer's K cache, `[num_blocks, block_size, kv_heads, head_dim]`.
+    pub k_cache: &'a mut K,
+    /// One layer's V cache, same layout.
+    pub v_cache: &'a mut V,
+    /// `[tokens]` absolute positions.
+    pub positions: &'a P,
+    /// `[tokens]` cache slots (`block * block_size + offset`), negative = skip.
+    pub slot_mapping: &'a S,
+    /// `[head_dim / 2]` RoPE inverse frequencies (with any scaling applied).
+    pub inv_freq: &'a F,
+    /// Qwen3's per-head RMSNorm weights for queries and keys (`[head_dim]` each), or `None`.
+    pub qk_norm: Option<(&'a N, &'a N)>,
+}
+
+fn block_threads(work: usize, max: usize) -> u32 {
+    (work.div_ceil(32).clamp(1, max / 32) * 32) as u32
+}
+
+fn u32_of(what: &'static str, value: usize) -> CudaResult<u32> {
+    u32::try_from(value).map_err(|_| CudaError::TooLarge { what, value })
+}
+
+impl CudaContext {
+    /// The pre-norm of a decoder sub-block on an f32 residual stream: updates `residual` by
+    /// `update`, then `out = rms_norm(residual) * weight` (bf16) per row of width `dim`
+    /// (Hugging Face `RMSNorm`, f32 math).
+    #[allow(clippy::too_many_arguments)]
+    pub fn fused_add_rms_norm(
+        &self,
+        residual: &mut impl DevicePtrMut<f32>,
+        update: ResidualUpdate<'_>,
+        weight: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> CudaResult<()> {
+        self.fused_add_rms_norm_f32_out(residual, update, weight, out, None, rows, dim, eps)
+    }
+
+    /// [`CudaContext::fused_add_rms_norm`] that also writes the normed rows unrounded to
+    /// `out32` (f32), for consumers that need more than bf16 (the MoE router: a top-k over
+    /// nearly equal logits flips on bf16 rounding).
+    #[allow(clippy::too_many_arguments)]
+    pub fn fused_add_rms_norm_f32_out(
+        &self,
+        residual: &mut impl DevicePtrMut<f32>,
+        update: ResidualUpdate<'_>,
+        weight: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        out32: Option<&mut CudaViewMut<'_, f32>>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> CudaResult<()> {
+        crate::check_len("cuda rms_norm weight", weight.len(), dim)?;
+        let n = rows * dim;
+        check_at_least("cuda rms_norm residual", residual.len(), n)?;
+        check_at_least("cuda rms_norm out", out.len(), n)?;
+        let s = &self.stream;
+        let (mode, init, delta) = match &update {
+            ResidualUpdate::Keep => (0i32, 0u64, 0u64),
+            ResidualUpdate::Set(v) => {
+                check_at_least("cuda rms_norm init", v.len(), n)?;
+                (1, v.device_ptr(s).0, 0)
+            }
+            ResidualUpdate::Add(v) => {
+                check_at_least("cuda rms_norm delta", v.len(), n)?;
+                (2, 0, v.device_ptr(s).0)
+            }
+        };
+        if rows == 0 || dim == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of("rows", rows)?, 1, 1),
+            block_dim: (block_threads(dim.div_ceil(4), 1024), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let o32 = match out32 {
+            Some(o) => {
+                check_at_least("cuda rms_norm out32", o.len(), n)?;
+                o.device_ptr_mut(s).0
+            }
+            None => 0u64,
+        };
+        let dim_i = to_i32("dim", dim)?;
+        let f = self.function(layers_source, FUSED_ADD_RMSNORM_FN)?;
+        let (x, _gx) = residual.device_ptr_mut(s);
+        let (w, _gw) = weight.device_ptr(s);
+        let (y, _gy) = out.device_ptr_mut(s);
+        let mut launch = s.launch_builder(&f);
+        launch
+            .arg(&x)
+            .arg(&init)
+            .arg(&delta)
+            .arg(&mode)
+            .arg(&w)
+            .arg(&y)
+            .arg(&o32)
+            .arg(&dim_i)
+            .arg(&eps);
+        // SAFETY: the arguments match `fused_add_rmsnorm_f32res(float*, const u16*, const
+        // float*, int, const u16*, u16*, float*, int, float)`; residual, out, out32 (or null)
+        // and the buffer of the mode
+        // (the others are null and unread) hold at least rows * dim elements and weight dim
+        // (checked above); one block per row, block size a multiple of 32 and at most 1024 as
+        // `block_sum` requires. float4 accesses are only taken when dim is a multiple of 4, so
+        // rows start 16-byte aligned in the (256-byte aligned) f32 allocations.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `x[r, :] += bias` on f32 rows (`bias` bf16, `[cols]`).
+    pub fn add_bias_f32(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        bias: &impl DevicePtr<bf16>,
+        rows: usize,
+    ) -> CudaResult<()> {
+        let cols = bias.len();
+        let n = rows * cols;
+        check_at_least("cuda add_bias x", x.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (c, n_i) = (to_i64("cols", cols)?, to_i64("n", n)?);
+        let f = self.function(layers_source, ADD_BIAS_F32_FN)?;
+        let (xp, _g1) = x.device_ptr_mut(&self.stream);
+        let (bp, _g2) = bias.device_ptr(&self.stream);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&bp).arg(&c).arg(&n_i);
+        // SAFETY: the arguments match `add_bias_f32(float*, const u16*, long long, long long)`;
+        // x holds at least n = rows * cols elements and bias cols (checked above).
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// Splits the fused QKV rows, applies Qwen3's per-head RMSNorm (when given) and RoPE
+    /// (`rotate_half` convention, angles `position * inv_freq[i]` in f32) to queries and keys,
+    /// writes queries to `q_out` and keys / values to their cache slots.
+    #[allow(clippy::type_complexity)]
+    pub fn qkv_rope_cache_bf16<Q, O, K, V, P, S, F, N>(
+        &self,
+        shape: QkvShape,
+        bufs: QkvBuffers<'_, Q, O, K, V, P, S, F, N>,
+    ) -> CudaResult<()>
+    where
+        Q: DevicePtr<bf16>,
+        O: DevicePtrMut<bf16>,
+        K: DevicePtrMut<bf16>,
+        V: DevicePtrMut<bf16>,
+        P: DevicePtr<i32>,
+        S: DevicePtr<i64>,
+        F: DevicePtr<f32>,
+        N: DevicePtr<bf16>,
+    {
+        let QkvShape {
+            tokens,
+            q_heads,
+            kv_heads,
+            head_dim,
+            eps,
+        } = shape;
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 2048 {
+            return Err(crate::Error::Shape {
+                what: "cuda qkv head_dim (even, at most 2048)",
+                expected: 128,
+                got: head_dim,
+            }
+            .into());
+        }
+        check_at_least(
+            "cuda qkv input",
+            bufs.qkv.len(),
+            tokens * (q_heads + 2 * kv_heads) * head_dim,
+        )?;
+        check_at_least(
+            "cuda qkv q_out",
+            bufs.q_out.len(),
+            tokens * q_heads * head_dim,
+        )?;
+        check_at_least("cuda qkv positions", bufs.positions.len(), tokens)?;
+        check_at_least("cuda qkv slot_mapping", bufs.slot_mapping.len(), tokens)?;
+        crate::check_len("cuda qkv inv_freq", bufs.inv_freq.len(), head_dim / 2)?;
+        crate::check_len("cuda qkv v_cache", bufs.v_cache.len(), bufs.k_cache.len())?;
+        if let Some((qn, kn)) = &bufs.qk_norm {
+            crate::check_len("cuda qkv q_norm", qn.len(), head_dim)?;
+            crate::check_len("cuda qkv k_norm", kn.len(), head_dim)?;
+        }
+        let blocks = tokens * (q_heads + kv_heads);
+        if blocks == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of("tokens * heads", blocks)?, 1, 1),
+            block_dim: (block_threads(head_dim / 2, 1024), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (lq, lkv, hd) = (
+            to_i32("q_heads", q_heads)?,
+            to_i32("kv_heads", kv_heads)?,
+            to_i32("head_dim", head_dim)?,
+        );
+        let f = self.function(layers_source, QKV_ROPE_CACHE_FN)?;
+        let s = &self.stream;
+        let (qkv, _g1) = bufs.qkv.device_ptr(s);
+        let (q, _g2) = bufs.q_out.device_ptr_mut(s);
+        let (kc, _g3) = bufs.k_cache.device_ptr_mut(s);
+        let (vc, _g4) = bufs.v_cache.device_ptr_mut(s);
+        let (pos, _g5) = bufs.positions.device_ptr(s);
+        let (slots, _g6) = bufs.slot_mapping.device_ptr(s);
+        let (freq, _g7) = bufs.inv_freq.device_ptr(s);
+        let (qn, kn) = match &bufs.qk_norm {
+            Some((qn, kn)) => (qn.device_ptr(s).0, kn.device_ptr(s).0),
+            None => (0u64, 0u64),
+        };
+        let mut launch = s.launch_builder(&f);
+        launch
+            .arg(&qkv)
+            .arg(&q)
+            .arg(&kc)
+            .arg(&vc)
+            .arg(&pos)
+            .arg(&slots)
+            .arg(&freq)
+            .arg(&qn)
+            .arg(&kn)
+            .arg(&lq)
+            .arg(&lkv)
+            .arg(&hd)
+            .arg(&eps);
+        // SAFETY: the arguments match `qkv_rope_cache_bf16`'s parameter list; qkv, q_out,
+        // positions and slot_mapping hold at least `tokens` rows (checked above); inv_freq holds
+        // head_dim / 2 and the norms head_dim entries (or are null, which the kernel tests). The
+        // caller guarantees every non-negative slot is inside the caches (they are produced by
+        // the block manager from block ids validated against the cache size). One block per
+        // (token, head), threads >= head_dim / 2 and a multiple of 32, at most 1024.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Gathers embedding rows for device-resident `ids` (`[tokens]` i32, each `< vocab`: the
+    /// caller validates ids on the host before uploading them).
+    pub fn embedding_ids_bf16(
+        &self,
+        table: &impl DevicePtr<bf16>,
+        hidden: usize,
+        ids: &impl DevicePtr<i32>,
+        tokens: usize,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> CudaResult<()> {
+        check_at_least("cuda embedding ids", ids.len(), tokens)?;
+        check_at_least("cuda embedding out", out.len(), tokens * hidden)?;
+        let n = tokens * hidden;
+        if n == 0 {
+            return Ok(());
+        }
+        let (h, n_i) = (to_i64("hidden", hidden)?, to_i64("n", n)?);
+        let f = self.function(layers_source, EMBEDDING_IDS_FN)?;
+        let (t, _g1) = table.device_ptr(&self.stream);
+        let (i, _g2) = ids.device_ptr(&self.stream);
+        let (o, _g3) = out.device_ptr_mut(&self.stream);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&t).arg(&i).arg(&o).arg(&h).arg(&n_i);
+        // SAFETY: the arguments match `embedding_ids_bf16(const u16*, const int*, u16*, long
+        // long, long long)`; out and ids hold at least n / hidden rows (checked above); ids are
+        // `< vocab` by the caller's contract, so every table row read is inside the table.
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// `x[r, :] += bias` for every row of `x` (`[rows, cols]`).
+    pub fn add_bias_bf16(
+        &self,
+        x: &mut impl DevicePtrMut<bf16>,
+        bias: &impl DevicePtr<bf16>,
+        rows: usize,
+    ) -> CudaResult<()> {
+        let cols = bias.len();
+        let n = rows * cols;
+        check_at_least("cuda add_bias x", x.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (c, n_i) = (to_i64("cols", cols)?, to_i64("n", n)?);
+        let f = self.function(layers_source, ADD_BIAS_FN)?;
+        let (xp, _g1) = x.device_ptr_mut(&self.stream);
+        let (bp, _g2) = bias.device_ptr(&self.stream);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&bp).arg(&c).arg(&n_i);
+        // SAFETY: the arguments match `add_bias_bf16(u16*, const u16*, long long, long long)`;
+        // x holds at least n = rows * cols elements and bias cols (checked above).
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// Widens `n` bf16 values to f32.
+    pub fn bf16_to_f32(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<f32>,
+        n: usize,
+    ) -> CudaResult<()> {
+        check_at_least("cuda bf16_to_f32 input", x.len(), n)?;
+        check_at_least("cuda bf16_to_f32 output", y.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = to_i64("n", n)?;
+        let f = self.function(layers_source, BF16_TO_F32_FN)?;
+        let (xp, _g1) = x.device_ptr(&self.stream);
+        let (yp, _g2) = y.device_ptr_mut(&self.stream);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&yp).arg(&n_i);
+        // SAFETY: the arguments match `bf16_to_f32(const u16*, float*, long long)`; both buffers
+        // hold at least n elements (checked above).
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// Fills `x` with values uniform in `[lo, hi)` from a stateless hash of `(seed, index)`:
+    /// dummy weights made on the device, the same for the same seed everywhere.
+    pub fn fill_uniform_bf16(
+        &self,
+        x: &mut impl DevicePtrMut<bf16>,
+        seed: u64,
+        lo: f32,
+        hi: f32,
+    ) -> CudaResult<()> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = to_i64("n", n)?;
+        let f = self.function(layers_source, FILL_UNIFORM_FN)?;
+        let (xp, _g) = x.device_ptr_mut(&self.stream);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&xp).arg(&n_i).arg(&seed).arg(&lo).arg(&hi);
+        // SAFETY: the arguments match `fill_uniform_bf16(u16*, long long, unsigned long long,
+        // float, float)`; x holds n elements and the grid-stride loop stays below n.
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// `out[m, n] = a[m, k] @ w[n, k]^T` with bf16 inputs and **f32** output (cuBLAS
+    /// `gemm_ex`, f32 compute): the `lm_head` GEMM, so logits keep f32 precision for sampling.
+    pub fn matmul_nt_bf16_f32(
+        &self,
+        a: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> CudaResult<()> {
+        check_at_least("cuda matmul lhs", a.len(), m * k)?;
+        crate::check_len("cuda matmul weight", w.len(), n * k)?;
+        check_at_least("cuda matmul out", out.len(), m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (mi, ki, ni) = (to_i32("m", m)?, to_i32("k", k)?, to_i32("n", n)?);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (ap, _g1) = a.device_ptr(&self.stream);
+        let (wp, _g2) = w.device_ptr(&self.stream);
+        let (op, _g3) = out.device_ptr_mut(&self.stream);
+        // SAFETY: the handle is bound to this context's stream; the three pointers are device
+        // allocations whose lengths were checked above against the shapes and leading dimensions
+        // (see `matmul_nt_bf16` for the row-major to column-major mapping); alpha and beta are
+        // f32 as CUBLAS_COMPUTE_32F requires and outlive the call.
+        unsafe {
+            blas_result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                ni,
+                mi,
+                ki,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                ki.max(1),
+                ap as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                ki.max(1),
+                (&beta) as *const f32 as *const _,
+                op as *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                ni,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+}
+
+impl CudaContext {
+    /// `out[m, n] = a[m, k] @ w[n, k]^T` all in f32 (cuBLAS SGEMM, no TF32): small GEMMs whose
+    /// result decides something discrete (MoE routing).
+    pub fn matmul_nt_f32(
+        &self,
+        a: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> CudaResult<()> {
+        check_at_least("cuda sgemm lhs", a.len(), m * k)?;
+        crate::check_len("cuda sgemm weight", w.len(), n * k)?;
+        check_at_least("cuda sgemm out", out.len(), m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (mi, ki, ni) = (to_i32("m", m)?, to_i32("k", k)?, to_i32("n", n)?);
+        let cfg = cudarc::cublas::GemmConfig {
+            transa: blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            transb: blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            m: ni,
+            n: mi,
+            k: ki,
+            alpha: 1.0f32,
+            lda: ki.max(1),
+            ldb: ki.max(1),
+            beta: 0.0f32,
+            ldc: ni,
+        };
+        // SAFETY: the buffers are device allocations whose lengths were checked above against
+        // the shape and leading dimensions (the row-major to column-major mapping of
+        // `matmul_nt_bf16`).
+        unsafe { cudarc::cublas::Gemm::gemm(&self.blas, cfg, w, a, out) }?;
+        Ok(())
+    }
+}
+
+/// How [`CudaContext::fused_add_rms_norm`] updates the residual stream before the norm.
+#[derive(Debug)]
+pub enum ResidualUpdate<'a> {
+    /// Leave it.
+    Keep,
+    /// Start it from bf16 rows (the embedding output).
+    Set(CudaView<'a, bf16>),
+    /// Add f32 rows (the previous sub-block's all-reduced output).
+    Add(CudaView<'a, f32>),
+}
+
+/// `got >= want` for buffers sized for a maximum batch.
+pub(crate) fn check_at_least(what: &'static str, got: usize, want: usize) -> CudaResult<()> {
+    if got < want {
+        return Err(crate::Error::Shape {
+            what,
+            expected: want,
+            got,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::kernels::check_compiles;
+
+    #[test]
+    fn layer_kernels_compile_for_sm90() {
+        check_compiles("layers", &layers_source());
+    }
+}
