@@ -584,9 +584,31 @@ pub struct DecoderModel {
     norm: Vec<f32>,
     layers: Vec<DecoderLayer>,
     rope: Rope,
+    /// When enabled, each token's smallest MoE routing margin of the last forward.
+    routing_trace: std::sync::Mutex<Option<Vec<f32>>>,
 }
 
 impl DecoderModel {
+    /// Starts recording, for every token of each forward, the smallest routing margin over the
+    /// MoE layers: `ln p_k - ln p_(k+1)`, the log-probability gap between the last expert chosen
+    /// and the first one left out. A small margin is a near-tie that any rounding (a bf16 device)
+    /// may flip; reference tests use it to tell such tokens from errors.
+    pub fn enable_routing_trace(&self) {
+        if let Ok(mut t) = self.routing_trace.lock() {
+            *t = Some(Vec::new());
+        }
+    }
+
+    /// Per token of the last forward, the smallest MoE routing margin (`f32::INFINITY` for a
+    /// dense model); empty unless [`DecoderModel::enable_routing_trace`] was called.
+    pub fn routing_margins(&self) -> Vec<f32> {
+        self.routing_trace
+            .lock()
+            .ok()
+            .and_then(|t| t.clone())
+            .unwrap_or_default()
+    }
+
     /// Loads rank `tp.rank`'s share of the weights in `ws`.
     pub fn load(
         spec: DecoderSpec,
@@ -632,6 +654,7 @@ impl DecoderModel {
             norm,
             layers,
             rope,
+            routing_trace: std::sync::Mutex::new(None),
         })
     }
 
@@ -705,6 +728,14 @@ impl DecoderModel {
             order.extend(0..ne);
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
             let top = &order[..m.top_k.min(ne)];
+            if let Some(&next) = order.get(m.top_k)
+                && let Ok(mut trace) = self.routing_trace.lock()
+                && let Some(trace) = trace.as_mut()
+                && let Some(slot) = trace.get_mut(tok)
+            {
+                let margin = row[top[top.len() - 1]].ln() - row[next].ln();
+                *slot = slot.min(margin);
+            }
             let sum: f32 = top.iter().map(|&e| row[e]).sum();
             for &e in top {
                 let w = if m.norm_topk_prob {
@@ -790,6 +821,12 @@ impl CausalLm for DecoderModel {
             return Err(ModelError::Batch(format!(
                 "logits index {bad} out of {t} tokens"
             )));
+        }
+        if let Ok(mut trace) = self.routing_trace.lock()
+            && let Some(trace) = trace.as_mut()
+        {
+            trace.clear();
+            trace.resize(t, f32::INFINITY);
         }
         let mut x = vec![0.0; t * h];
         ops::embedding(&self.embed, h, &batch.input_ids, &mut x)?;

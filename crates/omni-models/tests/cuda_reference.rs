@@ -4,6 +4,10 @@
 //! - logits at every prompt position within bf16 tolerance of the reference (rel err <= 2e-2);
 //! - greedy tokens along the reference continuation equal the reference wherever the CPU
 //!   backend's top-2 margin exceeds that tolerance;
+//! - for MoE models both checks stop at the first token whose expert choice is a near-tie on the
+//!   f32 CPU backend (routing margin `ln p_k - ln p_(k+1)` below [`ROUTE_TOL`]): rounding flips
+//!   such a choice, and with it that token's hidden state and every later position that attends
+//!   to it. How many positions that leaves out is printed.
 //! - a batch of sequences equals each sequence alone; decode steps replayed from CUDA graphs equal
 //!   eager steps.
 #![cfg(feature = "cuda")]
@@ -18,9 +22,36 @@ use omni_backend::cuda::{CudaContext, driver_status};
 use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
 use omni_models::hf_dir::SafetensorsDir;
 use omni_models::registry::decoder_spec;
-use omni_models::{ForwardBatch, HostTensor, SeqChunk, TpContext, WeightSource};
+use omni_models::{
+    CausalLm, DecoderModel, ForwardBatch, HostTensor, SeqChunk, TpContext, WeightSource,
+};
 
 const TOL: f32 = 2e-2;
+/// Routing margins below this are near-ties a bf16 device may flip.
+const ROUTE_TOL: f32 = 0.05;
+/// Greedy tokens generated per prompt.
+const NEW_TOKENS: usize = 32;
+
+/// The f32 CPU model with its routing trace on.
+fn load_cpu_traced(name: &str) -> DecoderModel {
+    let ws = SafetensorsDir::open(&dir(name)).unwrap();
+    let m = DecoderModel::load(
+        decoder_spec(&config(name)).unwrap(),
+        &ws,
+        TpContext::single(),
+    )
+    .unwrap();
+    m.enable_routing_trace();
+    m
+}
+
+/// Index of the first token whose routing margin is a near-tie, or `len`.
+fn first_near_tie(margins: &[f32]) -> usize {
+    margins
+        .iter()
+        .position(|&m| m < ROUTE_TOL)
+        .unwrap_or(margins.len())
+}
 
 fn gpu_or_skip(test: &str) -> Option<Arc<CudaContext>> {
     match driver_status() {
@@ -105,6 +136,7 @@ fn gpu_logits_match_transformers_reference() {
         let r = reference(name);
         let mut m = load_gpu(&cx, name, 256);
         let cpu_bf16 = load_bf16_rounded(name);
+        let cpu = load_cpu_traced(name);
         let mut blocks = Blocks::new();
         let mut worst = 0f32;
         let v = vocab_of(name);
@@ -123,20 +155,34 @@ fn gpu_logits_match_transformers_reference() {
             m.forward(&batch).unwrap();
             let got = m.logits_to_host().unwrap();
             let (want, _) = reference_logits(name, i);
-            let e = rel_err(&got, &want);
-            let fro = fro_err(&got, &want);
+            let mut cpu_kv = fresh_cache(&cpu);
+            cpu.forward(&batch, &mut cpu_kv).unwrap();
+            let keep = first_near_tie(&cpu.routing_margins());
+            if keep < ids.len() {
+                println!(
+                    "gpu logits {name} prompt {i}: routing near-tie at position {keep}: \
+                     comparing positions 0..{keep} of {}",
+                    ids.len()
+                );
+            }
+            if keep == 0 {
+                continue;
+            }
+            let (got, want) = (&got[..keep * v], &want[..keep * v]);
+            let e = rel_err(got, want);
+            let fro = fro_err(got, want);
             // What rounding the weights alone to bf16 costs on the (f32) CPU backend.
             let bf16_cpu = {
                 let mut kv = fresh_cache(cpu_bf16.as_ref());
                 let logits = cpu_bf16.forward(&batch, &mut kv).unwrap().data;
-                rel_err(&logits, &want)
+                rel_err(&logits[..keep * v], want)
             };
             println!(
                 "gpu logits {name} prompt {i}: max-abs rel err {e:.2e}, frobenius rel err {fro:.2e}; \
                  CPU with bf16-rounded weights: max-abs rel err {bf16_cpu:.2e}"
             );
             worst = worst.max(fro);
-            let last = ids.len() - 1;
+            let last = keep - 1;
             let (g, w) = (
                 &got[last * v..(last + 1) * v],
                 &want[last * v..(last + 1) * v],
@@ -156,30 +202,54 @@ fn gpu_logits_match_transformers_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// Greedy decoding one token per step along the reference continuation (teacher forcing): the
-/// GPU's argmax must equal the reference token wherever the CPU backend's top-2 logit margin
-/// exceeds the tolerance.
+/// Greedy decoding, one token per step, teacher-forced with the f32 CPU backend's greedy tokens
+/// (which equal the transformers reference: the CPU tests check that): the GPU's argmax must
+/// equal the CPU's wherever the CPU's top-2 logit margin exceeds the tolerance. A prompt is cut
+/// before its first near-tie expert choice, and a continuation stops at the first generated one.
 #[test]
-fn gpu_greedy_matches_reference_where_margin_allows() {
-    let Some(cx) = gpu_or_skip("gpu_greedy_matches_reference_where_margin_allows") else {
+fn gpu_greedy_matches_cpu_where_margin_allows() {
+    let Some(cx) = gpu_or_skip("gpu_greedy_matches_cpu_where_margin_allows") else {
         return;
     };
     let mut failures = Vec::new();
     for &name in ARCHS {
         let r = reference(name);
-        let cpu = load(name, TpContext::single());
-        let mut cpu_kv = fresh_cache(cpu.as_ref());
+        let cpu = load_cpu_traced(name);
         let mut m = load_gpu(&cx, name, 256);
         let v = vocab_of(name);
         let mut blocks = Blocks::new();
-        let (mut checked, mut skipped) = (0, 0);
+        let (mut checked, mut under_margin, mut near_ties) = (0, 0, 0);
         for (i, prompt) in r.input_ids.iter().enumerate() {
-            let full: Vec<u32> = prompt.iter().chain(&r.greedy[i]).copied().collect();
-            let table = blocks.table(full.len());
+            // Where the prompt's first near-tie is (a whole-prompt CPU pass).
+            let probe = blocks.table(prompt.len());
+            let batch = ForwardBatch::from_chunks(
+                &[SeqChunk {
+                    tokens: prompt,
+                    start_pos: 0,
+                    block_table: &probe,
+                }],
+                BLOCK_SIZE,
+            )
+            .unwrap();
+            cpu.forward(&batch, &mut fresh_cache(&cpu)).unwrap();
+            let keep = first_near_tie(&cpu.routing_margins());
+            if keep < prompt.len() {
+                println!(
+                    "gpu greedy {name} prompt {i}: cut to {keep} of {} tokens (routing near-tie)",
+                    prompt.len()
+                );
+            }
+            if keep == 0 {
+                near_ties += 1;
+                continue;
+            }
+            let mut tokens: Vec<u32> = prompt[..keep].to_vec();
+            let table = blocks.table(keep + NEW_TOKENS + 1);
+            let mut cpu_kv = fresh_cache(&cpu);
             let mut start = 0;
-            for (step, end) in (prompt.len()..full.len()).enumerate() {
+            for step in 0..NEW_TOKENS {
                 let chunk = SeqChunk {
-                    tokens: &full[start..end],
+                    tokens: &tokens[start..],
                     start_pos: start,
                     block_table: &table,
                 };
@@ -187,27 +257,43 @@ fn gpu_greedy_matches_reference_where_margin_allows() {
                 m.forward(&batch).unwrap();
                 let gpu = m.logits_to_host().unwrap();
                 let cpu_logits = cpu.forward(&batch, &mut cpu_kv).unwrap().data;
+                if first_near_tie(&cpu.routing_margins()) < tokens.len() - start {
+                    println!(
+                        "gpu greedy {name} prompt {i}: stopped at step {step} (routing near-tie)"
+                    );
+                    near_ties += 1;
+                    break;
+                }
                 let mut sorted = cpu_logits.clone();
                 sorted.sort_by(|a, b| b.total_cmp(a));
                 let scale = cpu_logits.iter().fold(0f32, |a, x| a.max(x.abs()));
                 let margin = (sorted[0] - sorted[1]) / scale;
-                let want = r.greedy[i][step];
+                let want = argmax(&cpu_logits);
                 if margin > TOL {
                     let got = argmax(&gpu[..v]);
                     if got != want {
                         failures.push(format!(
-                            "{name} prompt {i} step {step}: gpu {got}, reference {want}, margin {margin}"
+                            "{name} prompt {i} step {step}: gpu {got}, cpu {want}, margin {margin}"
                         ));
                     }
                     checked += 1;
                 } else {
-                    skipped += 1;
+                    under_margin += 1;
                 }
-                start = end;
+                start = tokens.len();
+                tokens.push(want);
             }
         }
-        println!("gpu greedy {name}: {checked} tokens checked, {skipped} under the margin");
-        assert!(checked > skipped, "{name}: too few tokens above the margin");
+        println!(
+            "gpu greedy {name}: {checked} tokens equal the CPU's, {under_margin} under the top-2 margin, \
+             {near_ties} prompts cut by routing near-ties"
+        );
+        // The MoE fixture's random router leaves near-ties early in every prompt: 11 tokens
+        // remain comparable there (2026-11-29); the dense fixtures give 83-93.
+        assert!(
+            checked >= 8 && checked > under_margin,
+            "{name}: too few tokens checked ({checked}, {under_margin} under the margin)"
+        );
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
