@@ -13,6 +13,8 @@
 #           (OMNI_CUDA_PROFILE), both shapes, one GPU
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
+#   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
+#           plus `bench latency` -tp 8 (SERVE_TP / SERVE_MODELS override)
 #
 # Results go to $OUT (a temp dir when unset): the JSON of each benchmark, summary.log (what this
 # prints), and logs.tgz with every step's full log. Exit code: non-zero if any step failed.
@@ -89,6 +91,11 @@ if want profile; then
   done
 fi
 
+SERVE_TP=${SERVE_TP:-1}
+if want tp8 && [ "$NGPU" -ge 8 ]; then
+  for m in qwen3-30b-a3b llama-3-70b; do latency "$m" 8; done
+fi
+want tp8 && [ "$NGPU" -ge 8 ] && { SERVE_TP=8; SERVE_MODELS=${SERVE_MODELS:-qwen3-30b-a3b llama-3-70b}; STEPS+=(serve); }
 if want serve; then
   for m in ${SERVE_MODELS:-qwen3-8b qwen3-30b-a3b}; do
     port=8100
@@ -96,7 +103,7 @@ if want serve; then
     mdir=$(mktemp -d)/$m; mkdir -p "$mdir"; cp "bench/models/$m/config.json" "$mdir/"
     vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$mdir/config.json")
     python3 scripts/make_bench_tokenizer.py "$vocab" > "$mdir/tokenizer.json"
-    "$BIN/omni-engine" serve "$mdir" --served-model-name "$m" --load-format dummy --device cuda --port $port \
+    "$BIN/omni-engine" serve "$mdir" --served-model-name "$m" --load-format dummy --device cuda --port $port -tp "$SERVE_TP" \
       --max-model-len 2048 --max-num-seqs 64 > "$LOGS/serve-$m.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 240); do
@@ -106,10 +113,10 @@ if want serve; then
     done
     for c in ${SERVE_CONCURRENCY:-1 16 32 64}; do
       n=$((c * 2)); [ $n -lt 8 ] && n=8
-      step "serve-$m-c$c" "$BIN/omni-engine" bench serve --base-url "http://localhost:$port" \
+      step "serve-$m-tp$SERVE_TP-c$c" "$BIN/omni-engine" bench serve --base-url "http://localhost:$port" \
         --model "$m" --dataset-name random --random-input-len 1000 \
         --random-output-len 256 --ignore-eos --num-prompts $n --max-concurrency $c \
-        --tokenizer "$mdir" --save-result "$LOGS/serve-$m-c$c.json"
+        --tokenizer "$mdir" --save-result "$LOGS/serve-$m-tp$SERVE_TP-c$c.json"
     done
     curl -s "localhost:$port/metrics" > "$LOGS/metrics-$m.txt" 2>&1
     kill -INT $pid; wait $pid
