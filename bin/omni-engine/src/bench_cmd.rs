@@ -365,7 +365,6 @@ fn decode_iteration(
     prompts: Vec<Vec<u32>>,
     output_len: usize,
 ) -> anyhow::Result<DecodeIteration> {
-    use std::task::Poll;
     use std::time::Instant;
 
     let params = bench_params(output_len)?;
@@ -380,42 +379,22 @@ fn decode_iteration(
     }
     let mut got = vec![0usize; n];
     let mut first: Vec<Option<Instant>> = vec![None; n];
-    let mut done = vec![false; n];
     let mut cached = 0u64;
     let mut last_token = t0;
     let mut all_first: Option<(Instant, usize)> = None;
-    while done.iter().any(|d| !d) {
-        let mut progressed = false;
-        for (i, stream) in streams.iter_mut().enumerate() {
-            while !done[i] {
-                match stream.try_next() {
-                    Poll::Pending => break,
-                    Poll::Ready(None) => done[i] = true,
-                    Poll::Ready(Some(item)) => {
-                        progressed = true;
-                        let out = item.map_err(|e| anyhow::anyhow!("request {tag}-{i}: {e}"))?;
-                        if !out.new_token_ids.is_empty() {
-                            let now = Instant::now();
-                            first[i].get_or_insert(now);
-                            got[i] += out.new_token_ids.len();
-                            last_token = now;
-                        }
-                        cached += u64::from(out.num_cached_tokens);
-                        if out.finished() {
-                            done[i] = true;
-                        }
-                    }
-                }
+    crate::generate_cmd::drain_streams(&mut streams, |i, out, now| {
+        if !out.new_token_ids.is_empty() {
+            first[i].get_or_insert(now);
+            got[i] += out.new_token_ids.len();
+            last_token = now;
+            // The moment the last request gets its first token: decode timing starts here.
+            if all_first.is_none() && first.iter().all(Option::is_some) {
+                all_first = Some((now, got.iter().sum()));
             }
         }
-        if all_first.is_none() && first.iter().all(Option::is_some) {
-            let t = first.iter().flatten().max().copied().unwrap_or(t0);
-            all_first = Some((t, got.iter().sum()));
-        }
-        if !progressed {
-            std::thread::sleep(std::time::Duration::from_micros(100));
-        }
-    }
+        cached += u64::from(out.num_cached_tokens);
+    })
+    .with_context(|| format!("bench requests {tag}-*"))?;
     if let Some(i) = got.iter().position(|&g| g != output_len) {
         anyhow::bail!(
             "request {tag}-{i} produced {} of {output_len} tokens (is --max-model-len large enough?)",

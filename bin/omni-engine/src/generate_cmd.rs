@@ -379,6 +379,39 @@ pub fn resolve_device(args: &EngineArgs) -> anyhow::Result<Device> {
     }
 }
 
+/// Reads every stream to its end, round-robin so the arrival time of each output is seen when
+/// it arrives: `on_output(request index, output, arrival time)` for each output. The first
+/// failed request is the error.
+pub fn drain_streams(
+    streams: &mut [omni_core::RequestStream],
+    mut on_output: impl FnMut(usize, &omni_protocol::EngineCoreOutput, Instant),
+) -> anyhow::Result<()> {
+    let mut done = vec![false; streams.len()];
+    while done.iter().any(|d| !d) {
+        let mut progressed = false;
+        for (i, stream) in streams.iter_mut().enumerate() {
+            while !done[i] {
+                match stream.try_next() {
+                    Poll::Pending => break,
+                    Poll::Ready(None) => done[i] = true,
+                    Poll::Ready(Some(item)) => {
+                        progressed = true;
+                        let out = item.map_err(|e| anyhow::anyhow!("request {i} failed: {e}"))?;
+                        on_output(i, &out, Instant::now());
+                        if out.finished() {
+                            done[i] = true;
+                        }
+                    }
+                }
+            }
+        }
+        if !progressed {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+    Ok(())
+}
+
 /// The tokenizer of a HF directory or a GGUF file.
 pub fn load_tokenizer(model: &Path) -> anyhow::Result<Tokenizer> {
     Ok(if model.is_dir() {
@@ -497,31 +530,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         streams.push(client.add_request(req)?);
     }
     let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
-    let mut done = vec![false; prompts.len()];
     let mut first_token_at = t0;
-    // Round-robin over the streams so the time of each first token is seen when it arrives.
-    while done.iter().any(|d| !d) {
-        let mut progressed = false;
-        for (i, stream) in streams.iter_mut().enumerate() {
-            while !done[i] {
-                match stream.try_next() {
-                    Poll::Pending => break,
-                    Poll::Ready(None) => done[i] = true,
-                    Poll::Ready(Some(item)) => {
-                        progressed = true;
-                        let out = item.map_err(|e| anyhow::anyhow!("request {i} failed: {e}"))?;
-                        if outputs[i].is_empty() && !out.new_token_ids.is_empty() {
-                            first_token_at = first_token_at.max(Instant::now());
-                        }
-                        outputs[i].extend(out.new_token_ids);
-                    }
-                }
-            }
+    drain_streams(&mut streams, |i, out, now| {
+        if outputs[i].is_empty() && !out.new_token_ids.is_empty() {
+            first_token_at = first_token_at.max(now);
         }
-        if !progressed {
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
-    }
+        outputs[i].extend_from_slice(&out.new_token_ids);
+    })?;
     let total = t0.elapsed();
     let stats = client.stats();
     engine.shutdown();

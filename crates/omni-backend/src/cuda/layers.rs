@@ -337,6 +337,18 @@ impl CudaContext {
         bias: &impl DevicePtr<bf16>,
         rows: usize,
     ) -> CudaResult<()> {
+        self.add_bias_rows(x, bias, rows, ADD_BIAS_F32_FN)
+    }
+
+    /// Launches the bias kernel `name`, whose signature is `(T*, const u16*, long long, long
+    /// long)` with `T` the element type of `x` (`add_bias_bf16` or `add_bias_f32`).
+    fn add_bias_rows<T>(
+        &self,
+        x: &mut impl DevicePtrMut<T>,
+        bias: &impl DevicePtr<bf16>,
+        rows: usize,
+        name: &'static str,
+    ) -> CudaResult<()> {
         let cols = bias.len();
         let n = rows * cols;
         check_at_least("cuda add_bias x", x.len(), n)?;
@@ -344,13 +356,14 @@ impl CudaContext {
             return Ok(());
         }
         let (c, n_i) = (to_i64("cols", cols)?, to_i64("n", n)?);
-        let f = self.function(layers_source, ADD_BIAS_F32_FN)?;
+        let f = self.function(layers_source, name)?;
         let (xp, _g1) = x.device_ptr_mut(&self.stream);
         let (bp, _g2) = bias.device_ptr(&self.stream);
         let mut launch = self.stream.launch_builder(&f);
         launch.arg(&xp).arg(&bp).arg(&c).arg(&n_i);
-        // SAFETY: the arguments match `add_bias_f32(float*, const u16*, long long, long long)`;
-        // x holds at least n = rows * cols elements and bias cols (checked above).
+        // SAFETY: the arguments match the kernel `name`'s `(T*, const u16*, long long, long
+        // long)` (the callers pair each name with its element type); x holds at least
+        // n = rows * cols elements and bias cols (checked above).
         unsafe { launch.launch(elementwise_cfg(n)) }?;
         Ok(())
     }
@@ -496,22 +509,7 @@ impl CudaContext {
         bias: &impl DevicePtr<bf16>,
         rows: usize,
     ) -> CudaResult<()> {
-        let cols = bias.len();
-        let n = rows * cols;
-        check_at_least("cuda add_bias x", x.len(), n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (c, n_i) = (to_i64("cols", cols)?, to_i64("n", n)?);
-        let f = self.function(layers_source, ADD_BIAS_FN)?;
-        let (xp, _g1) = x.device_ptr_mut(&self.stream);
-        let (bp, _g2) = bias.device_ptr(&self.stream);
-        let mut launch = self.stream.launch_builder(&f);
-        launch.arg(&xp).arg(&bp).arg(&c).arg(&n_i);
-        // SAFETY: the arguments match `add_bias_bf16(u16*, const u16*, long long, long long)`;
-        // x holds at least n = rows * cols elements and bias cols (checked above).
-        unsafe { launch.launch(elementwise_cfg(n)) }?;
-        Ok(())
+        self.add_bias_rows(x, bias, rows, ADD_BIAS_FN)
     }
 
     /// Widens `n` bf16 values to f32.
