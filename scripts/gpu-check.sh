@@ -9,6 +9,7 @@
 #   bench   `omni-engine bench latency` (decode at batch 1/8/32/64 with 1k context, prefill of
 #           2k tokens, roofline fractions) for Qwen3-8B and Qwen3-30B-A3B shapes (dummy
 #           weights), -tp 1 and -tp 2 when there are 2 GPUs
+#   nccl    `omni-engine bench nccl` over every GPU (also part of bench)
 #   profile per-kernel GPU time of eager decode steps (batch 1 and 64) and of a 2k prefill
 #           (OMNI_CUDA_PROFILE), both shapes, one GPU
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
@@ -58,7 +59,7 @@ step() { # name, command...
   timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
-  grep -E '^(SKIP|attention (decode|prefill)|moe (decode|prefill|topk T)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  B=|\|)|profile |GPU blocks|captured CUDA graphs' "$LOGS/$name.log" | grep -v 'attention check' | head -100
+  grep -E '^(SKIP|NCCL|\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  B=|\|)|profile |GPU blocks|captured CUDA graphs' "$LOGS/$name.log" | grep -v 'attention check' | head -100
   [ $rc -ne 0 ] && fail=1
   return 0
 }
@@ -75,6 +76,9 @@ latency() { # model tp
     --max-num-batched-tokens 4096 --batch-sizes 1,8,32,64 --input-len 1024 --output-len 64 \
     --prefill-len 2048 --json "$LOGS/latency-$1-tp$2.json"
 }
+if want bench || want nccl; then
+  [ "$NGPU" -ge 2 ] && step nccl "$BIN/omni-engine" bench nccl --json "$LOGS/nccl.json"
+fi
 if want bench; then
   for m in qwen3-8b qwen3-30b-a3b; do
     latency "$m" 1
@@ -93,6 +97,7 @@ fi
 
 SERVE_TP=${SERVE_TP:-1}
 if want tp8 && [ "$NGPU" -ge 8 ]; then
+  step nccl-8 "$BIN/omni-engine" bench nccl --gpus 8 --json "$LOGS/nccl-8.json"
   for m in qwen3-30b-a3b llama-3-70b; do latency "$m" 8; done
 fi
 want tp8 && [ "$NGPU" -ge 8 ] && { SERVE_TP=8; SERVE_MODELS=${SERVE_MODELS:-qwen3-30b-a3b llama-3-70b}; STEPS+=(serve); }

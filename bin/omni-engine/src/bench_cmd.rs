@@ -18,6 +18,9 @@ pub enum BenchCommand {
     /// This machine's memory bandwidth (read with all cores; single-threaded copy): the
     /// ceiling of CPU decode, which streams every weight once per step.
     Mem(MemArgs),
+    /// NCCL all-reduce over this machine's GPUs (one thread per GPU, bf16, in place): time,
+    /// algorithm and bus bandwidth per size, as nccl-tests prints them.
+    Nccl(NcclArgs),
     /// Offline latency of the engine (vLLM's `bench latency`): decode tok/s and ms per step
     /// for each batch size, prefill tok/s, each against its roofline bound on this device.
     Latency(Box<LatencyArgs>),
@@ -47,6 +50,26 @@ pub struct IpcArgs {
     /// How long a waiting reader spins before parking, microseconds.
     #[arg(long, default_value_t = 2000)]
     spin_us: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct NcclArgs {
+    /// GPUs (ranks); default: every GPU the driver sees.
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// Sizes in bytes per rank (comma separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "16384,262144,1048576,16777216,268435456,1073741824"
+    )]
+    sizes: Vec<usize>,
+    /// Timed calls per size.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Write the rows as JSON to this path.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -112,6 +135,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        BenchCommand::Nccl(a) => run_nccl(a),
         BenchCommand::Mem(a) => {
             let m = omni_bench::mem::measure(a.mib << 20, a.reps.max(1));
             println!("{}", serde_json::to_string(&m)?);
@@ -636,6 +660,54 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     }
     print!("{}", report.format_table());
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn run_nccl(a: NcclArgs) -> anyhow::Result<()> {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        eprintln!(
+            "bench nccl: NCCL_NVLS_ENABLE is unset (set it to 0 where NVLink multicast is unsupported)"
+        );
+    }
+    let info = omni_backend::cuda::driver_status()?;
+    let gpus = a.gpus.unwrap_or(info.device_count);
+    if gpus > info.device_count {
+        anyhow::bail!("--gpus {gpus}: the driver sees {} GPUs", info.device_count);
+    }
+    let rows = omni_backend::cuda::measure_all_reduce(gpus, &a.sizes, a.iters)?;
+    println!(
+        "NCCL all-reduce, bf16 sum in place, {gpus} x {} ({} timed calls)",
+        info.name, a.iters
+    );
+    println!(
+        "{:>14} {:>12} {:>14} {:>14}",
+        "bytes", "time us", "algbw GB/s", "busbw GB/s"
+    );
+    let mut json = Vec::new();
+    for r in &rows {
+        println!(
+            "{:>14} {:>12.1} {:>14.1} {:>14.1}",
+            r.bytes,
+            r.seconds * 1e6,
+            r.algbw / 1e9,
+            r.busbw / 1e9
+        );
+        json.push(serde_json::json!({
+            "bytes": r.bytes, "seconds": r.seconds, "algbw_gbs": r.algbw / 1e9, "busbw_gbs": r.busbw / 1e9,
+        }));
+    }
+    if let Some(path) = a.json {
+        let doc =
+            serde_json::json!({"gpus": gpus, "device": info.name, "iters": a.iters, "rows": json});
+        std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_nccl(_a: NcclArgs) -> anyhow::Result<()> {
+    anyhow::bail!("this omni-engine was built without the CUDA backend (feature `cuda`)")
 }
 
 #[cfg(test)]

@@ -394,30 +394,6 @@ mod tests {
                             assert_eq!(*g, want, "rank {rank} len {len} element {i}");
                         }
                     }
-                    for bytes in [16usize << 10, 256 << 20] {
-                        let len = bytes / 2;
-                        let mut buf = cx.zeros_bf16(len).unwrap();
-                        let iters = if bytes < (1 << 20) { 200 } else { 20 };
-                        for _ in 0..5 {
-                            comm.all_reduce_sum_bf16_in_place(&mut buf, len).unwrap();
-                        }
-                        cx.synchronize().unwrap();
-                        let t = std::time::Instant::now();
-                        for _ in 0..iters {
-                            comm.all_reduce_sum_bf16_in_place(&mut buf, len).unwrap();
-                        }
-                        cx.synchronize().unwrap();
-                        let s = t.elapsed().as_secs_f64() / iters as f64;
-                        let algbw = bytes as f64 / s / 1e9;
-                        let busbw = algbw * 2.0 * (world - 1) as f64 / world as f64;
-                        if rank == 0 {
-                            println!(
-                                "nccl all-reduce bf16 {} KiB x{world}: {:.1} us, algbw {algbw:.1} GB/s, busbw {busbw:.1} GB/s",
-                                bytes >> 10,
-                                s * 1e6
-                            );
-                        }
-                    }
                     drop(comm);
                 })
             })
@@ -425,6 +401,16 @@ mod tests {
         drop(tx);
         for h in handles {
             h.join().expect("rank thread panicked");
+        }
+        let rows = crate::cuda::measure_all_reduce(world, &[16 << 10, 256 << 20], 50).unwrap();
+        for r in rows {
+            println!(
+                "nccl all-reduce bf16 {} KiB x{world}: {:.1} us, algbw {:.1} GB/s, busbw {:.1} GB/s",
+                r.bytes >> 10,
+                r.seconds * 1e6,
+                r.algbw / 1e9,
+                r.busbw / 1e9
+            );
         }
     }
 }

@@ -96,6 +96,93 @@ fn pseudo_random_bf16(len: usize, seed: u64) -> Vec<bf16> {
     v
 }
 
+/// One size of [`measure_all_reduce`], as nccl-tests reports it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AllReduceRow {
+    /// Bytes reduced per rank (bf16 elements × 2).
+    pub bytes: usize,
+    /// Mean time of one all-reduce, seconds (rank 0's stream).
+    pub seconds: f64,
+    /// `bytes / seconds`.
+    pub algbw: f64,
+    /// `algbw × 2 (n − 1) / n`: what every link must carry, comparable across rank counts.
+    pub busbw: f64,
+}
+
+/// Times an in-place bf16 sum all-reduce over GPUs `0..gpus` (one thread and one NCCL rank
+/// each, as the engine's worker processes use them) for each size in `sizes` (bytes): 5
+/// warm-up calls, then `iters` timed calls back to back; the time is rank 0's, between events
+/// around the timed calls. Needs `NCCL_NVLS_ENABLE=0` on machines without NVLink multicast
+/// (the caller's environment).
+pub fn measure_all_reduce(
+    gpus: usize,
+    sizes: &[usize],
+    iters: usize,
+) -> Result<Vec<AllReduceRow>, super::NcclError> {
+    use super::{NcclComm, NcclError};
+    if gpus == 0 {
+        return Err(NcclError::InvalidArgument("0 GPUs".into()));
+    }
+    let id = NcclComm::unique_id()?;
+    let iters = iters.max(1);
+    let sizes = sizes.to_vec();
+    let run = move |rank: usize| -> Result<Vec<AllReduceRow>, NcclError> {
+        let cx = CudaContext::new(rank)
+            .map_err(|e| NcclError::InvalidArgument(format!("GPU {rank}: {e}")))?;
+        let comm = NcclComm::new(&cx, rank, gpus, &id)?;
+        let cuda = |e: super::CudaError| NcclError::InvalidArgument(format!("GPU {rank}: {e}"));
+        let mut rows = Vec::new();
+        for &bytes in &sizes {
+            let len = (bytes / 2).max(1);
+            let mut buf = cx.zeros_bf16(len).map_err(cuda)?;
+            for _ in 0..5 {
+                comm.all_reduce_sum_bf16_in_place(&mut buf, len)?;
+            }
+            let start = timing_event(&cx).map_err(cuda)?;
+            for _ in 0..iters {
+                comm.all_reduce_sum_bf16_in_place(&mut buf, len)?;
+            }
+            let end = timing_event(&cx).map_err(cuda)?;
+            let seconds = elapsed_s(&start, &end).map_err(cuda)? / iters as f64;
+            let algbw = (len * 2) as f64 / seconds;
+            rows.push(AllReduceRow {
+                bytes: len * 2,
+                seconds,
+                algbw,
+                busbw: algbw * 2.0 * (gpus - 1) as f64 / gpus as f64,
+            });
+        }
+        Ok(rows)
+    };
+    let handles: Vec<_> = (0..gpus)
+        .map(|rank| {
+            let run = run.clone();
+            std::thread::spawn(move || run(rank))
+        })
+        .collect();
+    let mut rank0 = None;
+    let mut first_err = None;
+    for (rank, h) in handles.into_iter().enumerate() {
+        match h.join() {
+            Ok(Ok(rows)) if rank == 0 => rank0 = Some(rows),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                first_err.get_or_insert(NcclError::InvalidArgument(format!(
+                    "rank {rank}'s thread panicked"
+                )));
+            }
+        }
+    }
+    match (first_err, rank0) {
+        (Some(e), _) => Err(e),
+        (None, Some(rows)) => Ok(rows),
+        (None, None) => Err(NcclError::InvalidArgument("rank 0 returned nothing".into())),
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
