@@ -237,3 +237,48 @@ fn bad_config_is_rejected_with_every_problem() {
         "{err}"
     );
 }
+
+/// The executor waits for its workers in short slices (checking for dead children between
+/// them): a slice that ends names the readers still missing with a typed error, and the next
+/// call goes on waiting for them, keeping those that already attached.
+#[test]
+fn ready_wait_in_slices_names_the_missing_reader_then_completes() {
+    let spec = QueueSpec::local(&omni_ipc::shm::new_instance_id(), "slices", 2, small());
+    let mut q = MessageQueue::create(spec).unwrap();
+    let h = q.handle();
+    let h1 = h.clone();
+    let first = std::thread::spawn(move || {
+        let mut r = MessageQueueReader::attach(&h1, ReaderId::Local(0)).unwrap();
+        r.wait_until_ready(Duration::from_secs(10)).unwrap();
+        r
+    });
+    // Reader 0 attaches; reader 1 has not started: every slice names reader 1 only.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let missing = loop {
+        match q.wait_until_ready(Duration::from_millis(50)) {
+            Err(IpcError::ReadyTimeout { missing, .. }) if missing.len() == 1 => break missing,
+            Err(IpcError::ReadyTimeout { .. }) if Instant::now() < deadline => continue,
+            other => panic!("expected a ready timeout naming one reader, got {other:?}"),
+        }
+    };
+    assert_eq!(missing, vec![ReaderId::Local(1)]);
+    let second = std::thread::spawn(move || {
+        let mut r = MessageQueueReader::attach(&h, ReaderId::Local(1)).unwrap();
+        r.wait_until_ready(Duration::from_secs(10)).unwrap();
+        r
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match q.wait_until_ready(Duration::from_millis(50)) {
+            Ok(()) => break,
+            Err(IpcError::ReadyTimeout { .. }) if Instant::now() < deadline => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let (mut r0, mut r1) = (first.join().unwrap(), second.join().unwrap());
+    q.enqueue(&7u32, &[]).unwrap();
+    for r in [&mut r0, &mut r1] {
+        let m = r.dequeue(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(m.header::<u32>().unwrap(), 7);
+    }
+}

@@ -258,3 +258,23 @@ impl StepModel for CudaStepModel {
             .map(Some)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::decode_graph_sizes;
+
+    #[test]
+    fn decode_graph_sizes_cover_every_batch_up_to_max_num_seqs() {
+        assert_eq!(decode_graph_sizes(1), vec![1]);
+        assert_eq!(decode_graph_sizes(6), vec![1, 2, 4, 6]);
+        let v = decode_graph_sizes(256);
+        assert_eq!(&v[..5], &[1, 2, 4, 8, 16]);
+        assert_eq!(v.last(), Some(&256));
+        assert!(v.windows(2).all(|w| w[0] < w[1]), "{v:?}");
+        // Every batch size has a graph at least as large (the padded replay).
+        for b in 1..=256 {
+            assert!(v.iter().any(|&g| g >= b), "batch {b}");
+        }
+        assert_eq!(decode_graph_sizes(1000).last(), Some(&512));
+    }
+}
