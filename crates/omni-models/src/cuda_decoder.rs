@@ -56,6 +56,15 @@ pub struct StepLimits {
     pub max_seqs: usize,
     /// Longest sequence (`max_model_len`).
     pub max_model_len: usize,
+    /// Tokens per KV block (sizes the block tables).
+    pub block_size: usize,
+}
+
+impl StepLimits {
+    /// Entries of one sequence's block table: enough blocks for `max_model_len` tokens.
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.max_model_len.div_ceil(self.block_size.max(1)).max(1)
+    }
 }
 
 /// How the weights are made.
@@ -181,12 +190,10 @@ pub struct CudaDecoderModel {
     layers: Vec<DLayer>,
     inv_freq: CudaSlice<f32>,
     limits: StepLimits,
-    max_blocks_per_seq: usize,
     inputs: StepInputs,
     act: Activations,
     /// Per layer, K and V: `[num_blocks, block_size, local_kv_heads, head_dim]`.
     kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
-    block_size: usize,
     num_blocks: usize,
     /// Decode graphs by padded batch size.
     graphs: BTreeMap<usize, DecodeGraph>,
@@ -431,9 +438,7 @@ impl CudaDecoderModel {
         };
         let rope = Rope::new(spec.head_dim, spec.rope_theta, &spec.rope_scaling)?;
         let inv_freq = cx.stream().clone_htod(rope.inv_freq())?;
-        // Until init_cache knows the block size, size the tables for blocks of one token.
-        let max_blocks_per_seq = limits.max_model_len.max(1);
-        let (inputs, act) = Self::alloc_step_buffers(&cx, &spec, &heads, &layers, limits, 1)?;
+        let (inputs, act) = Self::alloc_step_buffers(&cx, &spec, &heads, &layers, limits)?;
         let profiler = StepProfiler::from_env(&cx);
         cx.synchronize()?;
         tracing::info!(
@@ -456,11 +461,9 @@ impl CudaDecoderModel {
             layers,
             inv_freq,
             limits,
-            max_blocks_per_seq,
             inputs,
             act,
             kv: Vec::new(),
-            block_size: 0,
             num_blocks: 0,
             graphs: BTreeMap::new(),
             last_rows: 0,
@@ -474,12 +477,11 @@ impl CudaDecoderModel {
         heads: &HeadLayout,
         layers: &[DLayer],
         limits: StepLimits,
-        block_size: usize,
     ) -> Result<(StepInputs, Activations), ModelError> {
         let s = cx.stream();
         let (t, n) = (limits.max_tokens.max(1), limits.max_seqs.max(1));
         let (h, hd) = (spec.hidden_size, spec.head_dim);
-        let mbps = limits.max_model_len.div_ceil(block_size).max(1);
+        let mbps = limits.max_blocks_per_seq();
         let mut inter = 0;
         let mut moe_shape: Option<MoeShape> = None;
         for l in layers {
@@ -511,7 +513,7 @@ impl CudaDecoderModel {
                     num_heads: heads.local_heads,
                     num_kv_heads: heads.local_kv_heads,
                     head_dim: hd,
-                    block_size,
+                    block_size: limits.block_size,
                     max_blocks_per_seq: mbps,
                     max_query_len: 1,
                     max_seq_len: limits.max_model_len,
@@ -597,8 +599,9 @@ impl CudaDecoderModel {
         Ok(budget.saturating_sub(used).saturating_sub(reserve))
     }
 
-    /// Allocates `num_blocks` zeroed KV blocks per layer and re-sizes the block tables for
-    /// `block_size`. Drops any captured graphs (they point at the old buffers).
+    /// Allocates `num_blocks` zeroed KV blocks per layer (and the block tables again if
+    /// `block_size` differs from the limits'). Drops any captured graphs (they point at the old
+    /// buffers).
     pub fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
         if num_blocks == 0 || block_size == 0 {
             return Err(ModelError::Batch(format!(
@@ -613,18 +616,19 @@ impl CudaDecoderModel {
             let v = self.cx.zeros_bf16(per_layer)?;
             self.kv.push((k, v));
         }
-        self.max_blocks_per_seq = self.limits.max_model_len.div_ceil(block_size).max(1);
-        let (inputs, act) = Self::alloc_step_buffers(
-            &self.cx,
-            &self.spec,
-            &self.heads,
-            &self.layers,
-            self.limits,
-            block_size,
-        )?;
-        self.inputs = inputs;
-        self.act = act;
-        self.block_size = block_size;
+        if block_size != self.limits.block_size {
+            // The block tables were sized for another block size at load.
+            self.limits.block_size = block_size;
+            let (inputs, act) = Self::alloc_step_buffers(
+                &self.cx,
+                &self.spec,
+                &self.heads,
+                &self.layers,
+                self.limits,
+            )?;
+            self.inputs = inputs;
+            self.act = act;
+        }
         self.num_blocks = num_blocks;
         self.cx.synchronize()?;
         Ok(())
@@ -678,7 +682,7 @@ impl CudaDecoderModel {
         g: usize,
         real: &[DecodeRow<'_>],
     ) -> Result<StepShape, ModelError> {
-        let mbps = self.max_blocks_per_seq;
+        let mbps = self.limits.max_blocks_per_seq();
         let mut ids = vec![0i32; g];
         let mut pos = vec![0i32; g];
         let mut slots = vec![-1i64; g];
@@ -750,7 +754,9 @@ impl CudaDecoderModel {
         }
         let t = batch.input_ids.len();
         let n = batch.attn.num_seqs();
-        batch.attn.validate(self.block_size, self.num_blocks)?;
+        batch
+            .attn
+            .validate(self.limits.block_size, self.num_blocks)?;
         let rows = batch.output_rows();
         if t == 0 || t != batch.positions.len() || batch.attn.num_tokens() != t {
             return Err(ModelError::Batch(format!(
@@ -818,7 +824,7 @@ impl CudaDecoderModel {
             self.last_rows = t;
             return Ok(t);
         }
-        let mbps = self.max_blocks_per_seq;
+        let mbps = self.limits.max_blocks_per_seq();
         let mut tables = vec![0i32; n * mbps];
         for (s, bt) in batch.attn.block_tables.iter().enumerate() {
             for (j, &b) in bt.iter().take(mbps).enumerate() {
@@ -939,8 +945,8 @@ impl CudaDecoderModel {
             num_heads: lq,
             num_kv_heads: lkv,
             head_dim: hd,
-            block_size: self.block_size,
-            max_blocks_per_seq: self.max_blocks_per_seq,
+            block_size: self.limits.block_size,
+            max_blocks_per_seq: self.limits.max_blocks_per_seq(),
             max_query_len: st.max_query_len,
             max_seq_len: st.max_seq_len,
             scale: 1.0 / (hd as f32).sqrt(),

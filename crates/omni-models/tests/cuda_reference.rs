@@ -78,6 +78,7 @@ fn load_gpu(cx: &Arc<CudaContext>, name: &str, max_seqs: usize) -> CudaDecoderMo
             max_tokens: 512,
             max_seqs,
             max_model_len: 256,
+            block_size: BLOCK_SIZE,
         },
         &|_, _| {},
     )

@@ -151,6 +151,7 @@ pub fn load_cuda_model(
         max_tokens: spec.max_num_batched_tokens.max(1) as usize,
         max_seqs: spec.max_num_seqs.max(1) as usize,
         max_model_len: spec.max_model_len.max(1) as usize,
+        block_size: spec.block_size.max(1) as usize,
     };
     let all_reduce = comm.clone().map(|c| c as Arc<dyn DeviceAllReduce>);
     let sampled = cx

@@ -24,6 +24,9 @@ struct CachedRequestState {
     block_ids: Vec<BlockId>,
     params: SamplingParams,
     eos_token_id: Option<TokenId>,
+    /// Seed of the request's device sampling stream: its own, or one derived once from the
+    /// worker seed and the prompt (the same on every rank).
+    sampling_seed: u64,
 }
 
 /// A loaded model with its KV cache and the requests it is serving.
@@ -189,10 +192,8 @@ impl ModelRunner {
             .filter(|(_, s)| **s)
             .filter_map(|(id, _)| self.requests.get(*id))
             .collect();
-        let device_rows: Option<Vec<DeviceSample>> = states
-            .iter()
-            .map(|st| device_sample(st, self.seed))
-            .collect();
+        let device_rows: Option<Vec<DeviceSample>> =
+            states.iter().map(|st| device_sample(st)).collect();
         if let Some(rows) = device_rows
             && let Some(tokens) = self.model.sample_on_device(&rows)?
         {
@@ -239,6 +240,10 @@ impl ModelRunner {
                     block_ids: new.block_ids.clone(),
                     params: new.sampling_params.clone(),
                     eos_token_id: new.eos_token_id,
+                    sampling_seed: new
+                        .sampling_params
+                        .seed
+                        .unwrap_or_else(|| prompt_seed(self.seed, &new.prompt_token_ids)),
                 },
             );
         }
@@ -284,9 +289,8 @@ impl ModelRunner {
 }
 
 /// The device sampler's settings for a request, or `None` when it needs the CPU sampler
-/// (penalties, logprobs, or EOS still masked by `min_tokens`). Unseeded requests get a stream
-/// from the worker seed and the request's prompt, the same on every rank.
-fn device_sample(st: &CachedRequestState, worker_seed: u64) -> Option<DeviceSample> {
+/// (penalties, logprobs, or EOS still masked by `min_tokens`).
+fn device_sample(st: &CachedRequestState) -> Option<DeviceSample> {
     let p = &st.params;
     let outputs = st.tokens.len() - st.num_prompt_tokens;
     let plain = p.presence_penalty == 0.0
@@ -297,19 +301,22 @@ fn device_sample(st: &CachedRequestState, worker_seed: u64) -> Option<DeviceSamp
     if !plain {
         return None;
     }
-    let seed = p.seed.unwrap_or_else(|| {
-        use std::hash::{DefaultHasher, Hash, Hasher};
-        let mut h = DefaultHasher::new();
-        worker_seed.hash(&mut h);
-        st.tokens[..st.num_prompt_tokens].hash(&mut h);
-        h.finish()
-    });
     Some(DeviceSample {
         temperature: p.temperature,
         top_k: p.top_k.map_or(0, |k| k.min(i32::MAX as u32) as i32),
         top_p: p.top_p,
         min_p: p.min_p,
-        seed,
+        seed: st.sampling_seed,
         offset: outputs as u64,
     })
+}
+
+/// The sampling stream of an unseeded request: the worker seed and the prompt, hashed once when
+/// the request arrives.
+fn prompt_seed(worker_seed: u64, prompt: &[TokenId]) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    worker_seed.hash(&mut h);
+    prompt.hash(&mut h);
+    h.finish()
 }

@@ -186,17 +186,6 @@ extern "C" __global__ void silu_mul_bf16(const unsigned short* __restrict__ gu, 
 }
 "#;
 
-/// Embedding gather: `out[t, :] = table[ids[t], :]` (ids validated on the host).
-const EMBEDDING_BODY: &str = r#"
-extern "C" __global__ void embedding_bf16(const unsigned short* __restrict__ table, const unsigned int* __restrict__ ids,
-                                          unsigned short* __restrict__ out, long long hidden, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        long long t = i / hidden, j = i - t * hidden;
-        out[i] = table[(long long)ids[t] * hidden + j];
-    }
-}
-"#;
-
 /// Residual add in place: `x += y` (f32 math, one bf16 rounding).
 const ADD_BODY: &str = r#"
 extern "C" __global__ void add_bf16(unsigned short* __restrict__ x, const unsigned short* __restrict__ y, long long n) {
@@ -249,8 +238,6 @@ extern "C" __global__ void argmax_f32_rows(const float* __restrict__ logits, int
 pub(crate) const ROPE_FN: &str = "rope_neox_bf16";
 /// The SiLU-and-mul kernel's entry point.
 pub(crate) const SILU_MUL_FN: &str = "silu_mul_bf16";
-/// The embedding kernel's entry point.
-pub(crate) const EMBEDDING_FN: &str = "embedding_bf16";
 /// The residual-add kernel's entry point.
 pub(crate) const ADD_FN: &str = "add_bf16";
 /// The argmax kernel's entry point.
@@ -264,11 +251,6 @@ pub(crate) fn rope_source() -> String {
 /// Full source of the SiLU-and-mul module.
 pub(crate) fn silu_mul_source() -> String {
     format!("{BF16_HELPERS}{SILU_MUL_BODY}")
-}
-
-/// Full source of the embedding module.
-pub(crate) fn embedding_source() -> String {
-    format!("{BF16_HELPERS}{EMBEDDING_BODY}")
 }
 
 /// Full source of the residual-add module.
@@ -313,7 +295,6 @@ mod compile_tests {
             ("rmsnorm", rmsnorm_source()),
             ("rope", rope_source()),
             ("silu_mul", silu_mul_source()),
-            ("embedding", embedding_source()),
             ("add", add_source()),
             ("argmax", argmax_source()),
         ] {

@@ -39,8 +39,8 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 "#;
 
 const LAYERS_BODY: &str = r#"
-// The residual stream is f32. mode 0: residual unchanged; 1: residual = bf16 `init` (the
-// embedding); 2: residual += f32 `delta`. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
+// The residual stream is f32. mode 1: residual = bf16 `init` (the embedding); 2: residual +=
+// f32 `delta`. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
 extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
         const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
         const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
@@ -58,19 +58,16 @@ extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual
                 v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
             } else {
                 v = *reinterpret_cast<const float4*>(x + i);
-                if (mode == 2) {
-                    float4 d = *reinterpret_cast<const float4*>(delta + base + i);
-                    v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
-                }
+                float4 d = *reinterpret_cast<const float4*>(delta + base + i);
+                v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
             }
-            if (mode != 0) *reinterpret_cast<float4*>(x + i) = v;
+            *reinterpret_cast<float4*>(x + i) = v;
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
     } else {
         for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-            float v = mode == 1 ? bf2f(init[base + i]) : x[i];
-            if (mode == 2) v += delta[base + i];
-            if (mode != 0) x[i] = v;
+            float v = mode == 1 ? bf2f(init[base + i]) : x[i] + delta[base + i];
+            x[i] = v;
             ss += v * v;
         }
     }
@@ -278,10 +275,9 @@ impl CudaContext {
         check_at_least("cuda rms_norm out", out.len(), n)?;
         let s = &self.stream;
         let (mode, init, delta) = match &update {
-            ResidualUpdate::Keep => (0i32, 0u64, 0u64),
             ResidualUpdate::Set(v) => {
                 check_at_least("cuda rms_norm init", v.len(), n)?;
-                (1, v.device_ptr(s).0, 0)
+                (1i32, v.device_ptr(s).0, 0u64)
             }
             ResidualUpdate::Add(v) => {
                 check_at_least("cuda rms_norm delta", v.len(), n)?;
@@ -655,8 +651,6 @@ impl CudaContext {
 /// How [`CudaContext::fused_add_rms_norm`] updates the residual stream before the norm.
 #[derive(Debug)]
 pub enum ResidualUpdate<'a> {
-    /// Leave it.
-    Keep,
     /// Start it from bf16 rows (the embedding output).
     Set(CudaView<'a, bf16>),
     /// Add f32 rows (the previous sub-block's all-reduced output).

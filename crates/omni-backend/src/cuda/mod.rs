@@ -595,21 +595,12 @@ impl CudaContext {
         if n == 0 {
             return Ok(());
         }
-        let dids = self.stream.clone_htod(ids)?;
-        let (hidden_i, n_i) = (to_i64("hidden", hidden)?, to_i64("n", n)?);
-        let f = self.function(kernels::embedding_source, kernels::EMBEDDING_FN)?;
-        let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(table)
-            .arg(&dids)
-            .arg(out)
-            .arg(&hidden_i)
-            .arg(&n_i);
-        // SAFETY: the arguments match `embedding_bf16(const u16*, const u32*, u16*, long long,
-        // long long)`; every id is < vocab (checked above), so each row read lies inside the
-        // table; out holds ids.len() * hidden = n elements and the loop stays below n.
-        unsafe { launch.launch(elementwise_cfg(n)) }?;
-        Ok(())
+        let dids: Vec<i32> = ids
+            .iter()
+            .map(|&id| to_i32("token id", id as usize))
+            .collect::<CudaResult<_>>()?;
+        let dids = self.stream.clone_htod(&dids)?;
+        self.embedding_ids_bf16(table, hidden, &dids, ids.len(), out)
     }
 
     /// Residual add in place, `x += y` (bf16, f32 math): the GPU twin of
