@@ -20,6 +20,10 @@ pub struct MessageQueueConfig {
     pub enqueue_timeout: Option<Duration>,
     /// Largest message accepted from the network (remote readers / overflow frames).
     pub max_message_bytes: usize,
+    /// How often a blocked call (parked on the ring or stalled in a socket transfer)
+    /// re-checks its deadline and its peer's liveness: a dead peer is noticed within this.
+    /// Cancellation, shutdown and new messages wake a parked call at once, not at this pace.
+    pub liveness_interval: Duration,
 }
 
 impl Default for MessageQueueConfig {
@@ -31,6 +35,7 @@ impl Default for MessageQueueConfig {
             warn_interval: Duration::from_secs(60),
             enqueue_timeout: None,
             max_message_bytes: 8 << 30,
+            liveness_interval: Duration::from_millis(50),
         }
     }
 }
@@ -50,6 +55,9 @@ impl MessageQueueConfig {
         }
         if self.max_message_bytes < self.max_chunk_bytes {
             problems.push("max_message_bytes must be at least max_chunk_bytes".to_string());
+        }
+        if self.liveness_interval.is_zero() {
+            problems.push("liveness_interval must be positive".to_string());
         }
         if problems.is_empty() {
             Ok(())

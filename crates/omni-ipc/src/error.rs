@@ -117,6 +117,16 @@ pub enum IpcError {
         /// Its process id.
         pid: u32,
     },
+    /// A transfer was cut off in the middle of a message (a deadline, a cancel, a dead or
+    /// stalled peer), so the connection's framing is lost: every later call on it fails
+    /// with this instead of reading garbage or waiting for bytes that never come.
+    #[error("{what} is unusable: {reason}")]
+    Unusable {
+        /// The connection or queue (names the peer).
+        what: String,
+        /// What cut it off.
+        reason: String,
+    },
     /// The writer waited `waited` for a free slot; these readers are behind.
     #[error("no free slot after {waited:?}: waiting for {}", lagging.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "))]
     EnqueueTimeout {

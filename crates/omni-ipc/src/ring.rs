@@ -350,56 +350,107 @@ impl ShmRingBuffer {
     }
 
     /// Parks the calling reader until the writer publishes, shuts down, or `timeout` passes,
-    /// unless `ready()` already holds.
+    /// unless `ready()` already holds. `ready` must include every reason to stop waiting that
+    /// is signalled with a [`Self::notify_readers`] (a new message, cancel, shutdown, close).
     ///
     /// Lost-wakeup argument (all SeqCst, so there is one total order S over them): the reader
     /// does `readers_parked += 1`, loads `e = write_epoch`, re-checks `ready()`, then
-    /// `futex_wait(write_epoch, e)`. The writer publishes, does `write_epoch += 1`, then loads
-    /// `readers_parked` and wakes if non-zero. If the writer's increment precedes the reader's
-    /// load of `e` in S, the load synchronizes with it and the re-check sees the message. If it
-    /// follows, the reader's `readers_parked += 1` precedes the writer's load in S, so the writer
-    /// wakes; and the kernel's atomic compare in FUTEX_WAIT returns at once if the epoch already
-    /// moved. Either way the reader does not sleep through a message.
+    /// `futex_wait(write_epoch, e)`. A notifier first stores what it signals (publishes the
+    /// slot, or sets a cancel / shutdown / close flag), does `write_epoch += 1`, then loads
+    /// `readers_parked` and wakes if non-zero (or always, when forced). If the increment precedes
+    /// the reader's load of `e` in S, the load synchronizes with it and the re-check sees what
+    /// was signalled. If it follows, the reader's `readers_parked += 1` precedes the notifier's
+    /// load in S, so the notifier wakes; and the kernel's atomic compare in FUTEX_WAIT returns
+    /// at once if the epoch already moved. Either way the reader does not sleep through it.
+    /// `tests::loom_park_*` model-check this, with a futex modelled by a mutex and a condvar.
     pub(crate) fn park_reader(&self, timeout: Duration, ready: impl Fn() -> bool) {
         let h = self.header();
-        park(&h.write_epoch, &h.readers_parked, timeout, ready);
+        park(&ShmWords(&h.write_epoch, &h.readers_parked), timeout, ready);
     }
 
     /// After a publish (or shutdown): bump the epoch and wake parked readers, if any.
     pub(crate) fn notify_readers(&self, force: bool) {
         let h = self.header();
-        notify(&h.write_epoch, &h.readers_parked, force);
+        notify(&ShmWords(&h.write_epoch, &h.readers_parked), force);
     }
 
     /// The writer's mirror of [`Self::park_reader`], on `read_epoch` / `writer_parked`.
     pub(crate) fn park_writer(&self, timeout: Duration, ready: impl Fn() -> bool) {
         let h = self.header();
-        park(&h.read_epoch, &h.writer_parked, timeout, ready);
+        park(&ShmWords(&h.read_epoch, &h.writer_parked), timeout, ready);
     }
 
     /// After a release: bump the epoch and wake the writer if it is parked.
     pub(crate) fn notify_writer(&self) {
         let h = self.header();
-        notify(&h.read_epoch, &h.writer_parked, false);
+        notify(&ShmWords(&h.read_epoch, &h.writer_parked), false);
+    }
+}
+
+/// The two words of one side of the parking protocol: the epoch a sleeper waits on and the
+/// number of parties that may be asleep on it. Implemented over a shared-memory futex here,
+/// and over loom's mutex and condvar in the model check, so both run the same `park`/`notify`.
+pub(crate) trait ParkWords {
+    /// `parked += 1` (SeqCst).
+    fn announce(&self);
+    /// `parked -= 1` (SeqCst).
+    fn retire(&self);
+    /// SeqCst load of the epoch.
+    fn epoch(&self) -> u32;
+    /// `epoch += 1` (SeqCst).
+    fn bump(&self);
+    /// SeqCst load of `parked != 0`.
+    fn anyone_parked(&self) -> bool;
+    /// Sleeps while the epoch equals `expected` (atomically checked), at most `timeout`.
+    fn sleep(&self, expected: u32, timeout: Duration);
+    /// Wakes every sleeper.
+    fn wake(&self);
+}
+
+/// The ring header's futex words (epoch, parked).
+struct ShmWords<'a>(&'a AtomicU32, &'a AtomicU32);
+
+impl ParkWords for ShmWords<'_> {
+    fn announce(&self) {
+        self.1.fetch_add(1, StdOrdering::SeqCst);
+    }
+    fn retire(&self) {
+        self.1.fetch_sub(1, StdOrdering::SeqCst);
+    }
+    fn epoch(&self) -> u32 {
+        self.0.load(StdOrdering::SeqCst)
+    }
+    fn bump(&self) {
+        self.0.fetch_add(1, StdOrdering::SeqCst);
+    }
+    fn anyone_parked(&self) -> bool {
+        self.1.load(StdOrdering::SeqCst) != 0
+    }
+    fn sleep(&self, expected: u32, timeout: Duration) {
+        crate::futex::wait(self.0, expected, timeout);
+    }
+    fn wake(&self) {
+        crate::futex::wake_all(self.0);
     }
 }
 
 /// One side of the parking protocol (argument on `park_reader`): announce,
 /// read the epoch, re-check, sleep only while the epoch is unchanged.
-fn park(epoch: &AtomicU32, parked: &AtomicU32, timeout: Duration, ready: impl Fn() -> bool) {
-    parked.fetch_add(1, StdOrdering::SeqCst);
-    let e = epoch.load(StdOrdering::SeqCst);
+pub(crate) fn park(w: &impl ParkWords, timeout: Duration, ready: impl Fn() -> bool) {
+    w.announce();
+    let e = w.epoch();
     if !ready() {
-        crate::futex::wait(epoch, e, timeout);
+        w.sleep(e, timeout);
     }
-    parked.fetch_sub(1, StdOrdering::SeqCst);
+    w.retire();
 }
 
-/// The other side: bump the epoch, then wake only if someone announced it may sleep.
-fn notify(epoch: &AtomicU32, parked: &AtomicU32, force: bool) {
-    epoch.fetch_add(1, StdOrdering::SeqCst);
-    if force || parked.load(StdOrdering::SeqCst) != 0 {
-        crate::futex::wake_all(epoch);
+/// The other side: bump the epoch, then wake if someone announced it may sleep (or always,
+/// when `force`d: cancel, shutdown and close wake unconditionally).
+pub(crate) fn notify(w: &impl ParkWords, force: bool) {
+    w.bump();
+    if force || w.anyone_parked() {
+        w.wake();
     }
 }
 
@@ -498,5 +549,134 @@ mod tests {
     #[test]
     fn loom_two_readers_one_slot() {
         run(2, 1, 2);
+    }
+
+    /// A futex in the model: the compare and the enqueue are atomic with respect to a wake
+    /// (the mutex). The one notifier of a scenario sets `done` (under the mutex) after its
+    /// notify; a sleep whose compare succeeds after that would never be woken: it is recorded
+    /// in `lost` (and returns, so the model stays finite).
+    struct ModelWords {
+        epoch: loom::sync::atomic::AtomicU32,
+        parked: loom::sync::atomic::AtomicU32,
+        /// (notifier done, real wakes so far)
+        lock: loom::sync::Mutex<(bool, u32)>,
+        cv: loom::sync::Condvar,
+        lost: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl ModelWords {
+        fn new(lost: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Self {
+            Self {
+                epoch: loom::sync::atomic::AtomicU32::new(0),
+                parked: loom::sync::atomic::AtomicU32::new(0),
+                lock: loom::sync::Mutex::new((false, 0)),
+                cv: loom::sync::Condvar::new(),
+                lost,
+            }
+        }
+
+        /// Ends the scenario's notifications; also wakes any sleeper, which then finds no
+        /// real wake since it fell asleep and reports itself lost.
+        fn notifier_done(&self) {
+            self.lock.lock().unwrap().0 = true;
+            self.cv.notify_all();
+        }
+    }
+
+    // Loom treats SeqCst accesses as AcqRel (its documented limitation), which would let both
+    // sides of the store-then-load pattern (announce then read the epoch; bump then read
+    // `parked`) miss each other, a false alarm. The single SeqCst order that the real atomics
+    // guarantee is modelled with SeqCst fences after the two RMWs, which loom does implement.
+    impl ParkWords for ModelWords {
+        fn announce(&self) {
+            self.parked.fetch_add(1, Ordering::SeqCst);
+            loom::sync::atomic::fence(Ordering::SeqCst);
+        }
+        fn retire(&self) {
+            self.parked.fetch_sub(1, Ordering::SeqCst);
+        }
+        fn epoch(&self) -> u32 {
+            self.epoch.load(Ordering::SeqCst)
+        }
+        fn bump(&self) {
+            self.epoch.fetch_add(1, Ordering::SeqCst);
+            loom::sync::atomic::fence(Ordering::SeqCst);
+        }
+        fn anyone_parked(&self) -> bool {
+            self.parked.load(Ordering::SeqCst) != 0
+        }
+        fn sleep(&self, expected: u32, _timeout: Duration) {
+            let g = self.lock.lock().unwrap();
+            if self.epoch.load(Ordering::SeqCst) != expected {
+                return;
+            }
+            let wakes = g.1;
+            let g = if g.0 { g } else { self.cv.wait(g).unwrap() };
+            if g.1 == wakes {
+                self.lost.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        fn wake(&self) {
+            self.lock.lock().unwrap().1 += 1;
+            self.cv.notify_all();
+        }
+    }
+
+    /// A reader parked for a message; another thread publishes it (unforced notify) or
+    /// cancels it (forced notify). `check_cancel` is whether the reader's wake condition
+    /// includes the cancel flag, as `dequeue_local`'s does. Returns whether any interleaving
+    /// put the reader to sleep with no wake-up left to come.
+    fn park_model(check_cancel: bool, publish: bool) -> bool {
+        let lost = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let lost2 = lost.clone();
+        loom::model(move || {
+            let w = Arc::new(ModelWords::new(lost2.clone()));
+            let readable = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+            let cancelled = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+            let reader = {
+                let (w, readable, cancelled) = (w.clone(), readable.clone(), cancelled.clone());
+                loom::thread::spawn(move || {
+                    // As `dequeue_local`: check the flags, then park on a condition that
+                    // (with `check_cancel`) includes them again.
+                    loop {
+                        if readable.load(Ordering::SeqCst) || cancelled.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        park(&*w, Duration::MAX, || {
+                            readable.load(Ordering::SeqCst)
+                                || (check_cancel && cancelled.load(Ordering::SeqCst))
+                        });
+                    }
+                })
+            };
+            if publish {
+                readable.store(true, Ordering::SeqCst);
+                notify(&*w, false);
+            } else {
+                cancelled.store(true, Ordering::SeqCst);
+                notify(&*w, true);
+            }
+            w.notifier_done();
+            reader.join().unwrap();
+        });
+        lost.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[test]
+    fn loom_park_never_sleeps_through_a_message() {
+        assert!(!park_model(true, true));
+    }
+
+    #[test]
+    fn loom_park_never_sleeps_through_a_cancel() {
+        assert!(!park_model(true, false));
+    }
+
+    /// The model catches the bug it is there for: a reader that checks the cancel flag only
+    /// before parking, not in its wake condition, sleeps through a cancel that lands between
+    /// that check and its epoch load.
+    #[test]
+    fn loom_park_that_checks_cancel_only_before_parking_sleeps_through_it() {
+        assert!(park_model(false, false));
     }
 }

@@ -36,6 +36,22 @@ const SOCKET_BUFFER: libc::c_int = 4 << 20;
 pub struct Stream {
     sock: Sock,
     pool: BufferPool,
+    /// Set when a transfer ended in the middle of a message: the framing is lost, so every
+    /// later send or receive fails with [`IpcError::Unusable`] naming this reason.
+    broken: Option<String>,
+}
+
+/// Called each time a blocked transfer has moved no byte for one socket timeout (see
+/// [`Stream::set_write_timeout`] and the `stall_slice` of [`Stream::recv_watched`]). It checks
+/// deadlines, cancellation and the peer's liveness; an error it returns ends the transfer (and,
+/// once part of the message has moved, marks the stream unusable).
+pub type OnStall<'a> = &'a mut dyn FnMut() -> Result<(), IpcError>;
+
+fn is_stall(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 #[derive(Debug)]
@@ -123,6 +139,7 @@ impl Stream {
         Self {
             sock: Sock::Unix(s),
             pool: BufferPool::default(),
+            broken: None,
         }
     }
 
@@ -130,6 +147,7 @@ impl Stream {
         Self {
             sock: Sock::Tcp(s),
             pool: BufferPool::default(),
+            broken: None,
         }
     }
 
@@ -152,6 +170,37 @@ impl Stream {
             Sock::Unix(s) => s.set_read_timeout(t),
             Sock::Tcp(s) => s.set_read_timeout(t),
         }
+    }
+
+    /// Sets the send timeout: a send that moves no byte for this long calls its stall check
+    /// (None: block, and the stall check is never called).
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
+        match &self.sock {
+            Sock::Unix(s) => s.set_write_timeout(t),
+            Sock::Tcp(s) => s.set_write_timeout(t),
+        }
+    }
+
+    /// The reason this stream is unusable, if a transfer was cut off mid-message.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+
+    fn usable(&self) -> Result<(), IpcError> {
+        match &self.broken {
+            Some(reason) => Err(IpcError::Unusable {
+                what: "the connection".into(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the stream unusable and shuts it down, so the peer's blocked transfer fails at
+    /// once instead of waiting for bytes that will never come.
+    fn cut_off(&mut self, reason: String) {
+        self.broken = Some(reason);
+        self.shutdown();
     }
 
     fn raw_fd(&self) -> std::os::fd::RawFd {
@@ -280,10 +329,15 @@ impl Stream {
     fn read_frame_header(&mut self, bound: usize) -> Result<(u8, usize), IpcError> {
         let mut b = [0u8; 1];
         self.io().read_exact(&mut b).map_err(read_err)?;
-        self.read_frame_len(b[0], bound)
+        self.read_frame_len(b[0], bound, &mut || Ok(()))
     }
 
-    fn read_frame_len(&mut self, flags: u8, bound: usize) -> Result<(u8, usize), IpcError> {
+    fn read_frame_len(
+        &mut self,
+        flags: u8,
+        bound: usize,
+        on_stall: OnStall<'_>,
+    ) -> Result<(u8, usize), IpcError> {
         if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
             return Err(IpcError::MalformedFrame(format!(
                 "reserved frame flag bits set: {flags:#x}"
@@ -291,11 +345,11 @@ impl Stream {
         }
         let len = if flags & FLAG_LONG != 0 {
             let mut l = [0u8; 8];
-            self.io().read_exact(&mut l).map_err(read_err)?;
+            self.read_full(&mut l, on_stall)?;
             u64::from_be_bytes(l)
         } else {
             let mut l = [0u8; 1];
-            self.io().read_exact(&mut l).map_err(read_err)?;
+            self.read_full(&mut l, on_stall)?;
             u64::from(l[0])
         };
         // The bound is checked before anything is allocated for the frame.
@@ -307,8 +361,58 @@ impl Stream {
         Ok((flags, len as usize))
     }
 
-    /// Sends one multipart message, writing every frame straight from its slice.
+    /// Fills `buf` (a message is under way: a socket timeout is a stall, not an idle wait).
+    fn read_full(&mut self, buf: &mut [u8], on_stall: OnStall<'_>) -> Result<(), IpcError> {
+        let mut got = 0;
+        while got < buf.len() {
+            match self.io().read(&mut buf[got..]) {
+                Ok(0) => return Err(closed_mid_message()),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if is_stall(&e) => on_stall()?,
+                Err(e) => return Err(zerr("recv", e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads exactly `len` bytes into `buf`'s reserved capacity (no zero-fill first).
+    fn read_body(
+        &mut self,
+        buf: &mut Vec<u8>,
+        len: usize,
+        on_stall: OnStall<'_>,
+    ) -> Result<(), IpcError> {
+        while buf.len() < len {
+            let want = (len - buf.len()) as u64;
+            let before = buf.len();
+            // `take` + `read_to_end` reads straight into the reserved capacity; on a timeout
+            // it returns the error with what it read so far already appended to `buf`.
+            match self.io().take(want).read_to_end(buf) {
+                Ok(_) if buf.len() == before => return Err(closed_mid_message()),
+                Ok(_) => {}
+                Err(e) if is_stall(&e) => on_stall()?,
+                Err(e) => return Err(zerr("recv", e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends one multipart message, writing every frame straight from its slice. Blocks until
+    /// the peer has taken it (see [`Self::send_watched`] for a bounded send).
     pub fn send(&mut self, frames: &[&[u8]]) -> Result<(), IpcError> {
+        self.send_watched(frames, &mut || Ok(()))
+    }
+
+    /// [`Self::send`] that calls `on_stall` whenever the peer takes no byte for one write
+    /// timeout ([`Self::set_write_timeout`]); its error ends the send. A send cut off after
+    /// its first byte leaves the stream unusable (the peer would read a torn message).
+    pub fn send_watched(
+        &mut self,
+        frames: &[&[u8]],
+        on_stall: OnStall<'_>,
+    ) -> Result<(), IpcError> {
+        self.usable()?;
         let mut headers = Vec::with_capacity(frames.len() * 9);
         let mut offsets = Vec::with_capacity(frames.len());
         for (i, f) in frames.iter().enumerate() {
@@ -320,6 +424,7 @@ impl Stream {
             );
         }
         offsets.push(headers.len());
+        let total = headers.len() + frames.iter().map(|f| f.len()).sum::<usize>();
         let mut slices = Vec::with_capacity(frames.len() * 2);
         for (i, f) in frames.iter().enumerate() {
             slices.push(IoSlice::new(&headers[offsets[i]..offsets[i + 1]]));
@@ -328,12 +433,26 @@ impl Stream {
             }
         }
         let mut bufs: &mut [IoSlice<'_>] = &mut slices;
+        let mut sent = 0usize;
         while !bufs.is_empty() {
-            match self.io().write_vectored(bufs) {
-                Ok(0) => return Err(zerr("send", "peer closed the connection")),
-                Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(zerr("send", e)),
+            let step = match self.io().write_vectored(bufs) {
+                Ok(0) => Err(zerr("send", "peer closed the connection")),
+                Ok(n) => {
+                    sent += n;
+                    IoSlice::advance_slices(&mut bufs, n);
+                    Ok(())
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+                Err(e) if is_stall(&e) => on_stall(),
+                Err(e) => Err(zerr("send", e)),
+            };
+            if let Err(e) = step {
+                if sent > 0 {
+                    self.cut_off(format!(
+                        "a message was cut off after {sent} of {total} bytes ({e})"
+                    ));
+                }
+                return Err(e);
             }
         }
         Ok(())
@@ -348,6 +467,22 @@ impl Stream {
         max_bytes: usize,
         max_frames: usize,
     ) -> Result<Option<Vec<bytes::Bytes>>, IpcError> {
+        self.recv_watched(deadline, max_bytes, max_frames, None, &mut || Ok(()))
+    }
+
+    /// [`Self::recv`] that, once a message has started, waits for the rest in slices of
+    /// `stall_slice` (None: without a timeout) and calls `on_stall` after each slice in which
+    /// no byte arrived; its error ends the receive and leaves the stream unusable, since the
+    /// rest of the cut-off message would otherwise be read as the next one.
+    pub fn recv_watched(
+        &mut self,
+        deadline: Option<Instant>,
+        max_bytes: usize,
+        max_frames: usize,
+        stall_slice: Option<Duration>,
+        on_stall: OnStall<'_>,
+    ) -> Result<Option<Vec<bytes::Bytes>>, IpcError> {
+        self.usable()?;
         let wait = match deadline {
             Some(d) => match d.checked_duration_since(Instant::now()) {
                 Some(t) if !t.is_zero() => Some(t),
@@ -365,46 +500,50 @@ impl Stream {
                 });
             }
             Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) =>
-            {
+            Err(e) if is_stall(&e) || e.kind() == std::io::ErrorKind::Interrupted => {
                 return Ok(None);
             }
             Err(e) => return Err(zerr("recv", e)),
         }
-        // A message has started: read the rest without a deadline (the writer is mid-write;
-        // if it dies the socket closes and the read fails).
-        self.set_read_timeout(None).map_err(|e| zerr("recv", e))?;
-        let mut frames = Vec::new();
+        // A message has started: the rest comes under the stall rules.
+        if wait != stall_slice {
+            self.set_read_timeout(stall_slice)
+                .map_err(|e| zerr("recv", e))?;
+        }
         let mut total = 0usize;
-        let mut flags = first[0];
+        match self.recv_rest(first[0], max_bytes, max_frames, on_stall, &mut total) {
+            Ok(frames) => Ok(Some(frames)),
+            Err(e) => {
+                self.cut_off(format!(
+                    "a message was cut off after {} bytes ({e})",
+                    total + 1
+                ));
+                Err(e)
+            }
+        }
+    }
+
+    fn recv_rest(
+        &mut self,
+        mut flags: u8,
+        max_bytes: usize,
+        max_frames: usize,
+        on_stall: OnStall<'_>,
+        total: &mut usize,
+    ) -> Result<Vec<bytes::Bytes>, IpcError> {
+        let mut frames = Vec::new();
         loop {
             if flags & FLAG_COMMAND != 0 {
                 return Err(IpcError::MalformedFrame("unexpected command frame".into()));
             }
-            let (_, len) = self.read_frame_len(flags, max_bytes - total)?;
-            total += len;
+            let (_, len) = self.read_frame_len(flags, max_bytes - *total, on_stall)?;
             let mut buf = self.pool.take(len);
-            // `take` + `read_to_end` reads straight into the reserved capacity.
-            let got = self
-                .io()
-                .take(len as u64)
-                .read_to_end(&mut buf)
-                .map_err(|e| zerr("recv", e))?;
-            if got != len {
-                return Err(IpcError::Zmq {
-                    op: "recv",
-                    message: "connection closed mid-message".into(),
-                });
-            }
+            let read = self.read_body(&mut buf, len, on_stall);
+            *total += buf.len();
+            read?;
             frames.push(self.pool.wrap(buf));
             if flags & FLAG_MORE == 0 {
-                return Ok(Some(frames));
+                return Ok(frames);
             }
             if frames.len() >= max_frames {
                 return Err(IpcError::MalformedFrame(format!(
@@ -412,7 +551,7 @@ impl Stream {
                 )));
             }
             let mut b = [0u8; 1];
-            self.io().read_exact(&mut b).map_err(read_err)?;
+            self.read_full(&mut b, on_stall)?;
             flags = b[0];
         }
     }
@@ -420,6 +559,13 @@ impl Stream {
 
 trait ReadWrite: Read + Write {}
 impl<T: Read + Write> ReadWrite for T {}
+
+fn closed_mid_message() -> IpcError {
+    IpcError::Zmq {
+        op: "recv",
+        message: "connection closed mid-message".into(),
+    }
+}
 
 fn read_err(e: std::io::Error) -> IpcError {
     if e.kind() == std::io::ErrorKind::UnexpectedEof {

@@ -15,6 +15,7 @@ pub fn spawn_child(role: &str, handle: Option<&Handle>, env: &[(&str, String)]) 
     let mut cmd = Command::new(exe);
     cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
     if let Some(h) = handle {
