@@ -365,6 +365,18 @@ fn hostile_cases() -> Vec<Case> {
             400,
         ),
         case(
+            "33 stop strings",
+            CHAT,
+            chat(json!({"stop": (0..33).map(|i| format!("s{i}")).collect::<Vec<_>>()})),
+            400,
+        ),
+        case(
+            "a 300-byte stop string",
+            CMPL,
+            cmpl(json!({"stop": "x".repeat(300)})),
+            400,
+        ),
+        case(
             "prompt longer than the context",
             CMPL,
             cmpl(json!({"prompt": long_prompt})),

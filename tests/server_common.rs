@@ -92,6 +92,11 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
+    /// `127.0.0.1:<port>`, for raw TCP connections.
+    pub fn addr(&self) -> String {
+        self.base.trim_start_matches("http://").to_string()
+    }
+
     pub fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
     }
@@ -260,4 +265,55 @@ pub fn streamed_text(chunks: &[Value]) -> String {
         }
     }
     out
+}
+
+/// Reads from `s` until the peer closes it (EOF or reset) or `limit` passes; when it closed.
+/// Bytes that arrive first (a response) are skipped.
+pub async fn closed_within(s: &mut tokio::net::TcpStream, limit: Duration) -> Option<Instant> {
+    use tokio::io::AsyncReadExt;
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0) | Err(_)) => return Some(Instant::now()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Sends `GET <path>` on a raw connection and reads one response (Content-Length bodies only);
+/// returns the status, the header block and the body. Bounded by 10 s.
+pub async fn raw_get(s: &mut tokio::net::TcpStream, path: &str) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let request = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut buf = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let head = text[..end].to_string();
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())?
+                })
+                .unwrap_or(0);
+            if got.len() >= end + 4 + len {
+                let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+                let body = text[end + 4..end + 4 + len].to_string();
+                return (status, head, body);
+            }
+        }
+        let n = tokio::time::timeout_at(deadline, s.read(&mut buf))
+            .await
+            .expect("no whole response within 10 s")
+            .unwrap();
+        assert!(n > 0, "closed before a whole response: {text:?}");
+        got.extend_from_slice(&buf[..n]);
+    }
 }

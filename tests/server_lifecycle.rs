@@ -1,7 +1,7 @@
 //! `omni-engine serve` when things end: kill -9 of a worker turns `/health` and new requests
 //! into 503s naming the rank within 5 s (and the in-flight stream into an error event), with no
 //! shared memory left; SIGTERM aborts in-flight requests, stops the workers and exits 0 with no
-//! shared memory left.
+//! shared memory left, and does not wait for connections that are idle or half sent.
 
 #![allow(clippy::unwrap_used)]
 
@@ -133,4 +133,36 @@ async fn sigterm_aborts_in_flight_requests_and_leaves_no_shared_memory() {
     );
     assert_eq!(segments_of(pid), Vec::<String>::new());
     assert!(children_named(pid, "omni-worker-0").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_closes_idle_and_half_sent_connections_and_exits_at_once() {
+    use tokio::io::AsyncWriteExt;
+    let mut server = Server::tiny(&[]);
+    let mut conns = Vec::new();
+    for i in 0..20 {
+        let mut s = tokio::net::TcpStream::connect(server.addr()).await.unwrap();
+        if i % 2 == 1 {
+            s.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                .await
+                .unwrap();
+        }
+        conns.push(s);
+    }
+    let (status, _) = server.get("/health").await;
+    assert_eq!(status, 200);
+    let t0 = Instant::now();
+    server.signal(Signal::SIGTERM);
+    // Well inside the 5 s keep-alive: the shutdown closed them, not the timeout.
+    for (i, s) in conns.iter_mut().enumerate() {
+        assert!(
+            closed_within(s, Duration::from_secs(3)).await.is_some(),
+            "connection {i} still open 3 s after SIGTERM"
+        );
+    }
+    let status = server
+        .wait_exit(Duration::from_secs(3))
+        .unwrap_or_else(|| panic!("still running 3 s after SIGTERM\n{}", server.log()));
+    assert!(status.success(), "{status:?}\n{}", server.log());
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use omni_server::{CacheInfo, EngineClient as _, ServerConfig, Tokenizer};
+use omni_server::{CacheInfo, ConnectionLimits, EngineClient as _, ServerConfig, Tokenizer};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::engine_adapter::CoreEngineClient;
@@ -65,6 +65,35 @@ pub struct ServerArgs {
     /// Chat template: a Jinja file, or the template itself. Default: the model's own.
     #[arg(long)]
     pub chat_template: Option<String>,
+    /// Close a connection that has no request in flight after this many seconds without a byte
+    /// from the client (uvicorn's `--timeout-keep-alive`; vLLM reads it from
+    /// VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+        default_value_t = ConnectionLimits::DEFAULT_TIMEOUT_KEEP_ALIVE.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub timeout_keep_alive: u64,
+    /// Close a connection whose request header is still incomplete this many seconds after its
+    /// first byte (a client trickling its header).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = ConnectionLimits::DEFAULT_HEADER_READ_TIMEOUT.as_secs(),
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub header_read_timeout: u64,
+    /// Most connections open at once (uvicorn's `--limit-concurrency`): a connection beyond it
+    /// gets a 503 error and is closed. Keep it below the open-file limit (`ulimit -n`).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = ConnectionLimits::DEFAULT_LIMIT_CONCURRENCY,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
+    pub limit_concurrency: usize,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -96,6 +125,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         host = %config.host,
         port = config.port,
         api_key = config.api_key.is_some(),
+        timeout_keep_alive = ?config.connections.timeout_keep_alive,
+        header_read_timeout = ?config.connections.header_read_timeout,
+        limit_concurrency = config.connections.limit_concurrency,
         tensor_parallel_size = e.tensor_parallel_size,
         executor = ?e.executor,
         load_format = ?e.load_format,
@@ -162,6 +194,11 @@ fn server_config(args: &Args, given: Option<&Path>) -> ServerConfig {
         served_model_names: names,
         api_key: args.server.api_key.clone(),
         max_model_len: args.engine.max_model_len,
+        connections: ConnectionLimits {
+            timeout_keep_alive: Duration::from_secs(args.server.timeout_keep_alive),
+            header_read_timeout: Duration::from_secs(args.server.header_read_timeout),
+            limit_concurrency: args.server.limit_concurrency,
+        },
         ..ServerConfig::default()
     }
 }
@@ -199,6 +236,7 @@ async fn serve_until_signal(
     if let Err(cause) = engine.is_healthy() {
         bail!("the engine died during start-up: {cause}");
     }
+    let limits = config.connections.clone();
     let app = omni_server::router(config, engine, Arc::new(tokenizer));
     tracing::info!("listening on http://{local} (press CTRL+C to quit)");
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
@@ -210,7 +248,7 @@ async fn serve_until_signal(
         core.shutdown();
         let _ = drain_tx.send(());
     };
-    let server = omni_server::serve_on(listener, app, shutdown);
+    let server = omni_server::serve_on(listener, app, limits, shutdown);
     let drain_deadline = async move {
         match drain_rx.await {
             Ok(()) => tokio::time::sleep(DRAIN_TIMEOUT).await,
@@ -218,7 +256,7 @@ async fn serve_until_signal(
         }
     };
     tokio::select! {
-        r = server => r.context("serving"),
+        () = server => Ok(()),
         () = drain_deadline => {
             tracing::warn!("connections still open {DRAIN_TIMEOUT:?} after the signal: closing them");
             Ok(())

@@ -67,6 +67,19 @@ impl ApiError {
         }
     }
 
+    /// 503 for a connection beyond the listener's bound
+    /// ([`ConnectionLimits::limit_concurrency`](crate::ConnectionLimits::limit_concurrency)).
+    pub fn too_many_connections(limit: usize) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: format!(
+                "The server is at its limit of {limit} open connections; retry after one closes."
+            ),
+            param: None,
+            code: Some("too_many_connections"),
+        }
+    }
+
     /// 500.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::with_status(StatusCode::INTERNAL_SERVER_ERROR, message)

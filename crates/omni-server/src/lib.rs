@@ -4,7 +4,8 @@
 //! SSE streaming), `GET /v1/models`, `/health`, `/version` and `/metrics` (vLLM's metric names).
 //! Tokenization, chat templating, incremental detokenization and stop strings happen here; the
 //! engine receives token ids through the [`EngineClient`] trait and never sees text. Every error
-//! is one [`ApiError`] rendered as OpenAI's error JSON.
+//! is one [`ApiError`] rendered as OpenAI's error JSON. The listener ([`serve_on`]) closes idle
+//! and half-sent connections and bounds how many are open ([`ConnectionLimits`]).
 //!
 //! ```no_run
 //! # async fn run(engine: std::sync::Arc<dyn omni_server::EngineClient>) -> Result<(), omni_server::ServeError> {
@@ -20,6 +21,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod config;
+mod connection;
 mod engine;
 mod error;
 mod generate;
@@ -42,7 +44,7 @@ use axum::routing::{get, post};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-pub use config::ServerConfig;
+pub use config::{ConnectionLimits, ServerConfig};
 pub use engine::{CacheInfo, EngineClient, EngineError, OutputReceiver};
 pub use error::ApiError;
 pub use metrics::{ITL_BUCKETS, Metrics, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS};
@@ -62,9 +64,6 @@ pub enum ServeError {
         /// Why.
         source: std::io::Error,
     },
-    /// The server stopped with an I/O error.
-    #[error("serving: {0}")]
-    Io(#[from] std::io::Error),
 }
 
 /// Shared state of every handler.
@@ -112,7 +111,8 @@ pub fn router(
         .with_state(state)
 }
 
-/// Binds `config.host:config.port` and serves until the process ends.
+/// Binds `config.host:config.port` and serves until the process ends, under
+/// `config.connections`.
 pub async fn serve(
     config: ServerConfig,
     engine: Arc<dyn EngineClient>,
@@ -126,32 +126,30 @@ pub async fn serve(
             source,
         })?;
     tracing::info!(%addr, model = config.model_name(), "omni-api listening");
+    let limits = config.connections.clone();
     serve_on(
         listener,
         router(config, engine, tokenizer),
+        limits,
         std::future::pending(),
     )
-    .await
+    .await;
+    Ok(())
 }
 
-/// Serves `app` on an already bound listener until `shutdown` resolves (then drains in-flight
-/// requests). Tests bind port 0 and pass the listener here.
+/// Serves `app` on an already bound listener until `shutdown` resolves, then closes idle
+/// connections and waits for the busy ones to finish their response. Connections are HTTP/1.1
+/// under `limits`: idle ones close after `timeout_keep_alive`, a request header must arrive
+/// whole within `header_read_timeout` of its first byte, and beyond `limit_concurrency` open
+/// connections a new one gets a `503` and is closed. Tests bind port 0 and pass the listener
+/// here.
 pub async fn serve_on(
     listener: tokio::net::TcpListener,
     app: Router,
+    limits: ConnectionLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
-    use axum::serve::ListenerExt;
-    // Streamed tokens are small writes: without TCP_NODELAY, Nagle + delayed ACK add ~40 ms.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("TCP_NODELAY: {e}");
-        }
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
-    Ok(())
+) {
+    connection::serve(listener, app, limits, shutdown).await;
 }
 
 async fn check_api_key(

@@ -14,6 +14,14 @@ pub enum StopSpec {
 }
 
 impl StopSpec {
+    /// The strings, without copying them.
+    pub fn as_slice(&self) -> &[String] {
+        match self {
+            StopSpec::One(s) => std::slice::from_ref(s),
+            StopSpec::Many(v) => v,
+        }
+    }
+
     /// As a list.
     pub fn into_vec(self) -> Vec<String> {
         match self {
@@ -48,7 +56,7 @@ pub struct CommonParams {
     pub min_p: Option<f32>,
     /// Per-request seed.
     pub seed: Option<i64>,
-    /// Stop strings.
+    /// Stop strings: at most 32, each at most 256 bytes of UTF-8 (more is a 400 naming `stop`).
     pub stop: Option<StopSpec>,
     /// Stop token ids.
     pub stop_token_ids: Option<Vec<u32>>,

@@ -59,6 +59,12 @@ pub struct Prepared {
 const MAX_LOGPROBS: u32 = 20;
 /// Largest number of engine requests (prompts x n) one HTTP request may fan out to.
 const MAX_CHOICES: usize = 1024;
+/// Most stop strings in one request (OpenAI allows 4; vLLM sets no bound). Every new piece of
+/// text is matched against each of them, so this bounds that work per token.
+const MAX_STOP_STRINGS: usize = 32;
+/// Longest stop string, in bytes of UTF-8. Matching costs grow with the square of the length, and
+/// text that may begin a stop string is held back from the stream until it cannot.
+const MAX_STOP_STRING_BYTES: usize = 256;
 
 fn check_model(config: &ServerConfig, model: &Option<String>) -> Result<String, ApiError> {
     match model {
@@ -98,6 +104,7 @@ fn base_params(
         // EOS ids beyond the primary one (generation_config.json's list, GGUF's EOT).
         stop_token_ids.extend(tokenizer.eos_token_ids().iter().skip(1));
     }
+    check_stop(c)?;
     let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     let params = SamplingParams {
         temperature: c.temperature.unwrap_or(d.temperature),
@@ -119,6 +126,35 @@ fn base_params(
     Ok(params)
 }
 
+/// Bounds the number and length of the stop strings.
+fn check_stop(c: &CommonParams) -> Result<(), ApiError> {
+    let stops = c.stop.as_ref().map(|s| s.as_slice()).unwrap_or_default();
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::bad_param(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                stops.len()
+            ),
+        ));
+    }
+    if let Some((i, s)) = stops
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_STRING_BYTES)
+    {
+        return Err(ApiError::bad_param(
+            "stop",
+            format!(
+                "stop string {i} is {} bytes long; a stop string may be at most \
+                 {MAX_STOP_STRING_BYTES} bytes",
+                s.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn check_common(config: &ServerConfig, c: &CommonParams) -> Result<(), ApiError> {
     let n = c.n.unwrap_or(1);
     if n == 0 || n > config.max_n {
@@ -136,9 +172,11 @@ fn check_common(config: &ServerConfig, c: &CommonParams) -> Result<(), ApiError>
     Ok(())
 }
 
-/// Resolves `max_tokens` against the context length for one prompt.
+/// Resolves `max_tokens` against the context length for one prompt. `field` is the request field
+/// the prompt came from (`messages` or `prompt`): the error names it.
 fn fit_prompt(
     config: &ServerConfig,
+    field: &'static str,
     prompt_len: usize,
     max_tokens: Option<u32>,
     base: &SamplingParams,
@@ -150,11 +188,11 @@ fn fit_prompt(
     let requested = u64::from(max_tokens.unwrap_or(0));
     if prompt_len as u64 >= max_len || prompt_len as u64 + requested > max_len {
         return Err(ApiError::bad_param(
-            "messages",
+            field,
             format!(
                 "This model's maximum context length is {max_len} tokens. However, you requested \
-                 {} tokens ({prompt_len} in the messages, {requested} in the completion). Please \
-                 reduce the length of the messages or completion.",
+                 {} tokens ({prompt_len} in the {field}, {requested} in the completion). Please \
+                 reduce the length of the {field} or completion.",
                 prompt_len as u64 + requested
             ),
         ));
@@ -250,7 +288,7 @@ pub fn prepare_chat(
         .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let base = base_params(&req.common, max_tokens, logprobs, tokenizer)?;
-    let params = fit_prompt(config, ids.len(), max_tokens, &base)?;
+    let params = fit_prompt(config, "messages", ids.len(), max_tokens, &base)?;
     Ok(Prepared {
         endpoint: Endpoint::Chat,
         model,
@@ -343,11 +381,7 @@ pub fn prepare_completion(
     let prompts = raw
         .into_iter()
         .map(|(ids, echo)| {
-            let params =
-                fit_prompt(config, ids.len(), max_tokens, &base).map_err(|e| ApiError {
-                    param: Some("prompt".into()),
-                    ..e
-                })?;
+            let params = fit_prompt(config, "prompt", ids.len(), max_tokens, &base)?;
             Ok(PreparedPrompt { ids, params, echo })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;

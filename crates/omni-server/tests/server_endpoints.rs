@@ -270,8 +270,10 @@ async fn spawn_server(engine: Arc<FakeEngine>) -> (String, tokio::sync::oneshot:
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = app(engine, config());
-    tokio::spawn(omni_server::serve_on(listener, app, async move {
+    let config = config();
+    let limits = config.connections.clone();
+    let app = app(engine, config);
+    tokio::spawn(omni_server::serve_on(listener, app, limits, async move {
         let _ = rx.await;
     }));
     (format!("http://{addr}"), tx)

@@ -105,6 +105,83 @@ async fn malformed_and_out_of_range_requests_get_4xx_and_server_keeps_serving() 
 }
 
 #[tokio::test]
+async fn stop_lists_beyond_32_strings_or_256_bytes_get_a_400_naming_stop() {
+    let engine = Arc::new(FakeEngine::default());
+    let app = app(engine.clone(), config());
+    let body = |path: &str, stop: Value| {
+        let mut b = if path == CHAT {
+            serde_json::json!({"messages": [{"role": "user", "content": "Hi"}]})
+        } else {
+            serde_json::json!({"prompt": "Hi"})
+        };
+        b["max_tokens"] = 2.into();
+        b["stop"] = stop;
+        b.to_string()
+    };
+    let many: Vec<String> = (0..33).map(|i| format!("stop-{i}")).collect();
+    let long = "é".repeat(129); // 258 bytes, 129 characters
+    for path in [CHAT, CMPL] {
+        for (what, stop) in [
+            ("33 strings", serde_json::json!(many)),
+            ("a 258-byte string", serde_json::json!(long)),
+            (
+                "a 258-byte string in a list",
+                serde_json::json!(["\n", long]),
+            ),
+        ] {
+            let (status, v, text) = call(&app, "POST", path, Some(&body(path, stop)), &[]).await;
+            assert_eq!(status, 400, "{path} {what}: {text}");
+            assert_openai_error(&v, what);
+            assert_eq!(v["error"]["param"], "stop", "{path} {what}: {v}");
+        }
+        // At the bounds: 32 strings of 256 bytes are accepted.
+        let most: Vec<String> = (0..32).map(|i| format!("{i:0>256}")).collect();
+        let (status, v, _) = call(
+            &app,
+            "POST",
+            path,
+            Some(&body(path, serde_json::json!(most))),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 200, "{path} at the bounds: {v}");
+    }
+    assert_eq!(
+        engine.requests.lock().unwrap().len(),
+        2,
+        "only the two at the bounds ran"
+    );
+}
+
+#[tokio::test]
+async fn a_prompt_past_the_context_is_named_the_prompt_and_messages_the_messages() {
+    let app = app(Arc::new(FakeEngine::default()), config());
+    // max_model_len is 256; one token per byte.
+    let prompt = "a".repeat(300);
+    for body in [
+        serde_json::json!({"prompt": prompt}),
+        serde_json::json!({"prompt": ["short", prompt]}),
+        serde_json::json!({"prompt": "short", "max_tokens": 1000}),
+    ] {
+        let (status, v, text) = call(&app, "POST", CMPL, Some(&body.to_string()), &[]).await;
+        assert_eq!(status, 400, "{text}");
+        assert_eq!(v["error"]["param"], "prompt", "{v}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("in the prompt") && message.contains("length of the prompt"),
+            "{message}"
+        );
+        assert!(!message.contains("messages"), "{message}");
+    }
+    let chat = serde_json::json!({"messages": [{"role": "user", "content": prompt}]});
+    let (status, v, _) = call(&app, "POST", CHAT, Some(&chat.to_string()), &[]).await;
+    assert_eq!(status, 400);
+    assert_eq!(v["error"]["param"], "messages", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("in the messages"), "{message}");
+}
+
+#[tokio::test]
 async fn wrong_routes_methods_and_content_types_get_openai_errors() {
     let app = app(Arc::new(FakeEngine::default()), config());
     for (method, path, want) in [
