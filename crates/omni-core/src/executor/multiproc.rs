@@ -86,8 +86,12 @@ pub struct MultiprocConfig {
     pub worker_args: Vec<String>,
     /// Ranks (processes).
     pub tensor_parallel_size: u32,
-    /// Queue sizes and timings (broadcast and responses).
+    /// Sizes and timings of the broadcast queue (`VLLM_MQ_MAX_CHUNK_BYTES_MB` sets its slot size).
     pub ipc: MessageQueueConfig,
+    /// Sizes and timings of each worker's response queue, sent to the workers in the handshake
+    /// (default [`MultiprocConfig::default_response_queue`]). Independent of [`Self::ipc`], as
+    /// vLLM's `worker_response_mq` ignores the chunk-size variable.
+    pub response: MessageQueueConfig,
     /// Model and KV cache sizing.
     pub startup: StartupSpec,
     /// Longest wait for any start-up step (handshake, model load).
@@ -106,10 +110,25 @@ impl MultiprocConfig {
             worker_args: vec!["worker".into()],
             tensor_parallel_size,
             ipc: MessageQueueConfig::default(),
+            response: Self::default_response_queue(),
             startup,
             startup_timeout: Duration::from_secs(300),
             execute_timeout: Duration::from_secs(300),
             all_reduce_segment_bytes: (4 << 20) * tensor_parallel_size.max(1) as usize + 65536,
+        }
+    }
+
+    /// The response queue's defaults: 4 slots of 2 MiB (8 MiB of `/dev/shm` per worker).
+    ///
+    /// The executor reads every rank's answer before it broadcasts the next command, so one
+    /// slot is in use at a time; 4 leave room for pipelined batches. A step's
+    /// `ModelRunnerOutput` is a few KB (about 45 KB for 256 requests with 20 top logprobs each);
+    /// a larger answer (hidden states) takes the overflow path.
+    pub fn default_response_queue() -> MessageQueueConfig {
+        MessageQueueConfig {
+            max_chunk_bytes: 2 << 20,
+            max_chunks: 4,
+            ..MessageQueueConfig::default()
         }
     }
 }
@@ -233,7 +252,7 @@ impl MultiprocExecutor {
                 world_size: world as u32,
                 parent_pid: std::process::id(),
                 broadcast: handle.clone(),
-                response_queue: cfg.ipc.clone(),
+                response_queue: cfg.response.clone(),
                 all_reduce_segment: ex.all_reduce.as_ref().map(|s| s.name().to_string()),
                 ready_timeout: cfg.startup_timeout,
             };
