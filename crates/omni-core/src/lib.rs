@@ -2,7 +2,7 @@
 //!
 //! Layer L2: depends on `omni-protocol` and `omni-ipc`; no model or GPU code lives here. The
 //! [`Executor`] trait is the seam to whatever runs the model: [`UniprocExecutor`] drives an
-//! in-process [`LocalWorker`], [`MultiprocExecutor`] spawns one worker process per rank
+//! in-process [`omni_protocol::WorkerBase`], [`MultiprocExecutor`] spawns one worker process per rank
 //! and talks to them over `omni-ipc`. [`EngineLoop`] runs the busy loop on its own thread;
 //! [`EngineClient`] is the handle servers and offline inference use.
 //!
@@ -54,9 +54,8 @@ pub use config::{SchedulerConfig, SchedulerConfigError};
 pub use engine_core::EngineCore;
 pub use engine_loop::{EngineClient, EngineLoop, RequestError, RequestOutput, RequestStream};
 pub use executor::{
-    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineError, Executor, ExecutorStartError, LocalWorker,
-    MultiprocConfig, MultiprocExecutor, StartupSpec, UniprocExecutor, WorkerHandshake, WorkerHello,
-    plan_num_blocks,
+    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineError, Executor, ExecutorStartError, MultiprocConfig,
+    MultiprocExecutor, StartupSpec, UniprocExecutor, plan_num_blocks,
 };
 pub use kv_cache_manager::{ComputedBlocks, KvCacheManager};
 pub use request::{Request, RequestStatus};

@@ -1,6 +1,7 @@
 //! Every type that crosses a process boundary, versioned and checked at handshake.
 //!
-//! Layer L0: plain serde types and no engine logic. The IPC layer (`omni-ipc`) encodes them with
+//! Layer L0 (above `omni-ipc`, whose queue handles the handshake carries): plain serde types
+//! and no engine logic. The IPC layer (`omni-ipc`) encodes them with
 //! bincode 2 (`bincode::serde::encode_to_vec(.., bincode::config::standard())`); large tensors
 //! (multimodal features, hidden states) do not go through serde at all: they travel as out-of-band
 //! byte buffers of the same IPC message, and the serde header only names them with [`TensorRef`]s.
@@ -14,8 +15,10 @@
 //! omni-engine-core ◀──WorkerResponse (one queue/rank)─── omni-worker-<rank>
 //! ```
 //!
-//! Both ends of every connection exchange [`PROTOCOL_VERSION`] first and refuse a peer whose
-//! version differs ([`check_protocol_version`]).
+//! A worker process starts with a [`WorkerHandshake`] / [`WorkerHello`] JSON line pair on its
+//! stdin and stdout ([`handshake`]), which names those queues. Both ends of every connection
+//! exchange [`PROTOCOL_VERSION`] first and refuse a peer whose version differs
+//! ([`check_protocol_version`]). [`WorkerBase`] is what an executor drives on the other side.
 //!
 //! ```
 //! use omni_protocol::{EngineCoreRequest, SamplingParams, WorkerCommand, PROTOCOL_VERSION};
@@ -31,6 +34,7 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod handshake;
 mod output;
 mod request;
 mod sampling;
@@ -38,14 +42,15 @@ mod scheduler_output;
 mod tensor;
 mod worker;
 
+pub use handshake::{WorkerHandshake, WorkerHello};
 pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, StopReason};
 pub use request::{EngineCoreInput, EngineCoreRequest};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use tensor::{DType, TensorRef};
 pub use worker::{
-    Device, LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput, TokenLogprobs, WorkerCommand,
-    WorkerResponse,
+    Device, LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput, TokenLogprobs, WorkerBase,
+    WorkerCommand, WorkerResponse,
 };
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode

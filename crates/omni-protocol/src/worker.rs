@@ -154,3 +154,15 @@ pub enum WorkerResponse {
         message: String,
     },
 }
+
+/// One rank's command handler, as an executor drives it (vLLM's `WorkerBase`): in this process
+/// (`omni_core::UniprocExecutor`) or behind the queues of a worker process
+/// (`omni_worker::process`). `omni_worker::Worker` is the implementation that runs models.
+pub trait WorkerBase: Send {
+    /// Answers one command; `None` for [`WorkerCommand::Shutdown`] (which has no answer).
+    fn handle(&mut self, cmd: &WorkerCommand) -> Option<WorkerResponse>;
+
+    /// Runs one step: the same as `handle(&WorkerCommand::ExecuteModel(..))`, without moving
+    /// the batch into a command.
+    fn execute_model(&mut self, scheduler_output: &SchedulerOutput) -> WorkerResponse;
+}

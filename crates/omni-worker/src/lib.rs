@@ -5,7 +5,8 @@
 //! Layer L3: links the models (L2) and talks to the engine core only over `omni-ipc`: it reads
 //! [`omni_protocol::WorkerCommand`]s from the engine's broadcast queue and writes
 //! [`omni_protocol::WorkerResponse`]s to its own response queue ([`run_worker_process`]). The same
-//! [`Worker`] also runs in-process behind `omni_core::UniprocExecutor`.
+//! [`Worker`] also runs in-process behind `omni_core::UniprocExecutor`, through the
+//! [`omni_protocol::WorkerBase`] trait; this crate does not link the engine core.
 //!
 //! ```no_run
 //! use std::sync::Arc;

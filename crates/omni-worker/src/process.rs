@@ -15,9 +15,8 @@
 use std::io::{BufRead, Read, Write};
 use std::time::Duration;
 
-use omni_core::{WorkerHandshake, WorkerHello};
 use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec, ReaderId};
-use omni_protocol::{PROTOCOL_VERSION, WorkerCommand};
+use omni_protocol::{PROTOCOL_VERSION, WorkerCommand, WorkerHandshake, WorkerHello};
 
 use crate::{ShmAllReduceError, Worker};
 

@@ -212,7 +212,7 @@ impl Worker {
     }
 }
 
-impl omni_core::LocalWorker for Worker {
+impl omni_protocol::WorkerBase for Worker {
     fn handle(&mut self, cmd: &WorkerCommand) -> Option<WorkerResponse> {
         Worker::handle(self, cmd)
     }

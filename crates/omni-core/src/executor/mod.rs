@@ -1,21 +1,27 @@
 //! The seam between the engine core and whatever runs the model (vLLM's `Executor`).
 //!
-//! - [`UniprocExecutor`]: one [`LocalWorker`] in this process (tests, single-rank runs).
+//! - [`UniprocExecutor`]: one [`omni_protocol::WorkerBase`] in this process (tests, single-rank
+//!   runs).
 //! - [`MultiprocExecutor`]: one worker process per rank; broadcasts
 //!   [`omni_protocol::WorkerCommand::ExecuteModel`] to every worker and reads the output rank's
 //!   [`omni_protocol::WorkerResponse::ModelRunnerOutput`].
 //!
-//! Both start the same way ([`plan_num_blocks`]): `LoadModel` on every rank, which reports the KV
-//! bytes of one block; the number of blocks follows from a byte budget (or an explicit
-//! override); then `InitCache`.
+//! Files: `multiproc.rs` and `uniproc.rs` (the two executors), `startup.rs` (the one start-up
+//! sequence both run: `LoadModel` on every rank, which reports the KV bytes of one block; the
+//! number of blocks from a byte budget or an explicit override, [`plan_num_blocks`]; then
+//! `InitCache`), `workers/` (the multi-process side: `launch.rs` starts a worker and does the
+//! stdin/stdout handshake, `monitor.rs` watches the processes, `mod.rs` is the group: queues
+//! and RPC).
 
 mod multiproc;
+mod startup;
 mod uniproc;
+mod workers;
 
-pub use multiproc::{MultiprocConfig, MultiprocExecutor, WorkerHandshake, WorkerHello};
+pub use multiproc::{MultiprocConfig, MultiprocExecutor};
 pub use uniproc::UniprocExecutor;
 
-use omni_protocol::{ModelRunnerOutput, SchedulerOutput, WorkerCommand, WorkerResponse};
+use omni_protocol::{ModelRunnerOutput, SchedulerOutput};
 
 /// Why the engine cannot go on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -63,23 +69,6 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
 
     fn shutdown(&mut self) {
         (**self).shutdown()
-    }
-}
-
-/// A worker that runs in this process, driven by [`UniprocExecutor`] (`omni_worker::Worker`
-/// implements it; the trait keeps model code out of this crate).
-pub trait LocalWorker: Send {
-    /// Answers one command; `None` for [`WorkerCommand::Shutdown`].
-    fn handle(&mut self, cmd: &WorkerCommand) -> Option<WorkerResponse>;
-
-    /// Runs one step; the same as `handle(&WorkerCommand::ExecuteModel(so.clone()))` without
-    /// the copy.
-    fn execute_model(&mut self, so: &SchedulerOutput) -> WorkerResponse {
-        self.handle(&WorkerCommand::ExecuteModel(so.clone()))
-            .unwrap_or(WorkerResponse::Error {
-                rank: 0,
-                message: "no answer to ExecuteModel".into(),
-            })
     }
 }
 

@@ -1,13 +1,14 @@
 //! [`UniprocExecutor`]: the model runs in this process, on the calling thread.
 
-use omni_protocol::{ModelRunnerOutput, SchedulerOutput, WorkerCommand, WorkerResponse};
-
-use super::{
-    EngineError, ExecutorStartError, LocalWorker, StartupSpec, kv_budget_bytes, plan_num_blocks,
+use omni_protocol::{
+    ModelRunnerOutput, SchedulerOutput, WorkerBase, WorkerCommand, WorkerResponse,
 };
+
+use super::startup::{load_model_and_init_cache, unexpected};
+use super::{EngineError, ExecutorStartError, StartupSpec};
 use crate::Executor;
 
-/// Drives one in-process [`LocalWorker`] (rank 0, no tensor parallelism across processes).
+/// Drives one in-process [`WorkerBase`] (rank 0, no tensor parallelism across processes).
 #[derive(Debug)]
 pub struct UniprocExecutor<W> {
     worker: W,
@@ -15,46 +16,20 @@ pub struct UniprocExecutor<W> {
     dead: Option<EngineError>,
 }
 
-fn dead(cause: impl Into<String>) -> EngineError {
-    EngineError::EngineDead {
-        rank: 0,
-        cause: cause.into(),
-    }
-}
-
-fn unexpected(resp: Option<WorkerResponse>, what: &str) -> EngineError {
-    match resp {
-        Some(WorkerResponse::Error { message, .. }) => dead(message),
-        other => dead(format!("unexpected answer to {what}: {other:?}")),
-    }
-}
-
-impl<W: LocalWorker> UniprocExecutor<W> {
-    /// Loads the model, sizes the KV cache from the spec's budget and allocates it.
+impl<W: WorkerBase> UniprocExecutor<W> {
+    /// Loads the model, sizes the KV cache from the spec's budget and allocates it (the same
+    /// start-up sequence as the multi-process executor, over one rank).
     pub fn start(mut worker: W, spec: &StartupSpec) -> Result<Self, ExecutorStartError> {
-        let (kv_bytes_per_block, available) =
-            match worker.handle(&WorkerCommand::LoadModel(spec.load.clone())) {
-                Some(WorkerResponse::ModelLoaded {
-                    kv_bytes_per_block,
-                    available_memory_bytes,
-                }) => (kv_bytes_per_block, available_memory_bytes),
-                other => return Err(unexpected(other, "LoadModel").into()),
-            };
-        let num_blocks = plan_num_blocks(
-            kv_bytes_per_block,
-            kv_budget_bytes(spec, &[available]),
-            spec.num_blocks_override,
-        )?;
-        match worker.handle(&WorkerCommand::InitCache {
-            num_blocks,
-            block_size: spec.load.block_size,
-        }) {
-            Some(WorkerResponse::Ready { .. }) => {}
-            other => return Err(unexpected(other, "InitCache").into()),
-        }
+        let layout = load_model_and_init_cache(spec, |cmd| match worker.handle(cmd) {
+            Some(answer) => Ok(vec![answer]),
+            None => Err(EngineError::EngineDead {
+                rank: 0,
+                cause: format!("no answer to {cmd:?}"),
+            }),
+        })?;
         Ok(Self {
             worker,
-            num_blocks,
+            num_blocks: layout.num_blocks,
             dead: None,
         })
     }
@@ -70,7 +45,7 @@ impl<W: LocalWorker> UniprocExecutor<W> {
     }
 }
 
-impl<W: LocalWorker> Executor for UniprocExecutor<W> {
+impl<W: WorkerBase> Executor for UniprocExecutor<W> {
     fn execute_model(
         &mut self,
         scheduler_output: &SchedulerOutput,
@@ -81,7 +56,7 @@ impl<W: LocalWorker> Executor for UniprocExecutor<W> {
         match self.worker.execute_model(scheduler_output) {
             WorkerResponse::ModelRunnerOutput(out) => Ok(out),
             other => {
-                let e = unexpected(Some(other), "ExecuteModel");
+                let e = unexpected(0, "ExecuteModel", other);
                 self.dead = Some(e.clone());
                 Err(e)
             }

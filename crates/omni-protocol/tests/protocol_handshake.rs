@@ -1,0 +1,52 @@
+//! The worker handshake survives the one JSON line it travels as, in both directions.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use omni_ipc::{Handle, MessageQueueConfig};
+use omni_protocol::{PROTOCOL_VERSION, WorkerHandshake, WorkerHello};
+
+fn handle() -> Handle {
+    Handle {
+        version: 1,
+        ring: Some("omni.1x2.bcast".into()),
+        n_local_readers: 3,
+        n_remote_readers: 0,
+        local_endpoint: Some("ipc://@omni.1x2.bcast".into()),
+        remote_endpoint: None,
+        writer_pid: 1,
+        config: MessageQueueConfig::default(),
+    }
+}
+
+#[test]
+fn handshake_and_hello_survive_one_json_line_each() {
+    let hs = WorkerHandshake {
+        protocol_version: PROTOCOL_VERSION,
+        instance: "1x2".into(),
+        rank: 2,
+        world_size: 3,
+        parent_pid: 1,
+        broadcast: handle(),
+        response_queue: MessageQueueConfig {
+            max_chunk_bytes: 2 << 20,
+            ..MessageQueueConfig::default()
+        },
+        all_reduce_segment: Some("omni.1x2.allreduce".into()),
+        ready_timeout: Duration::from_secs(300),
+    };
+    let line = serde_json::to_string(&hs).unwrap();
+    assert!(!line.contains('\n'));
+    assert_eq!(serde_json::from_str::<WorkerHandshake>(&line).unwrap(), hs);
+
+    let hello = WorkerHello {
+        protocol_version: PROTOCOL_VERSION,
+        rank: 2,
+        pid: 42,
+        response: handle(),
+    };
+    let line = serde_json::to_string(&hello).unwrap();
+    assert!(!line.contains('\n'));
+    assert_eq!(serde_json::from_str::<WorkerHello>(&line).unwrap(), hello);
+}
