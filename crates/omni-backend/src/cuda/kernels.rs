@@ -1,9 +1,15 @@
 //! NVRTC kernels: CUDA C++ source compiled at run time to a real-architecture CUBIN (e.g.
 //! `sm_90`), cached per process by source hash + architecture.
 //!
+//! The sources are the files under the crate's `kernels/` folder, embedded with [`kernel_file!`].
+//! A module's source is the concatenation of its files (headers first), built by the Rust module
+//! that launches it; there are no `#include`s, so NVRTC needs no include path. Some modules get
+//! generated text as well: `#define`s of the launch constants (sampling) and the `extern "C"`
+//! entry points instantiating a template per head dimension or tile shape (attention, MoE).
+//!
 //! The sources are header-free: NVRTC 13 ships no built-in `cuda_bf16.h`, so bf16 is moved as
-//! `unsigned short` and converted with the bit tricks below (round to nearest even), with all
-//! arithmetic in f32.
+//! `unsigned short` and converted with the bit tricks of `bf16.cuh` (round to nearest even), with
+//! all arithmetic in f32.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -14,48 +20,26 @@ use cudarc::nvrtc::{result as nr, sys as ns};
 
 use super::CudaError;
 
+/// The text of `kernels/<path>` (relative to the crate root), embedded at compile time.
+macro_rules! kernel_file {
+    ($path:literal) => {
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/", $path))
+    };
+}
+pub(crate) use kernel_file;
+
 /// bf16 <-> f32 helpers shared by every kernel source.
-pub(crate) const BF16_HELPERS: &str = r#"
-__device__ __forceinline__ float bf2f(unsigned short x) { return __uint_as_float(((unsigned int)x) << 16); }
-__device__ __forceinline__ unsigned short f2bf(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u); // quiet NaN
-    u += 0x7FFFu + ((u >> 16) & 1u);   // round to nearest even
-    return (unsigned short)(u >> 16);
-}
-"#;
+pub(crate) const BF16_HELPERS: &str = kernel_file!("bf16.cuh");
 
-/// RMSNorm over bf16 rows with f32 accumulation: one block per row, block size a multiple of 32
-/// (at most 1024). `y = x / sqrt(mean(x^2) + eps) * w` (Hugging Face `LlamaRMSNorm`).
-const RMSNORM_BODY: &str = r#"
-extern "C" __global__ void rmsnorm_bf16(const unsigned short* __restrict__ x, const unsigned short* __restrict__ w,
-                                        unsigned short* __restrict__ y, int hidden, float eps) {
-    const unsigned short* xr = x + (size_t)blockIdx.x * hidden;
-    unsigned short* yr = y + (size_t)blockIdx.x * hidden;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) { float v = bf2f(xr[i]); ss += v * v; }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    __shared__ float sh[32];
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    if (lane == 0) sh[wid] = ss;
-    __syncthreads();
-    if (wid == 0) {
-        ss = (lane < (int)(blockDim.x >> 5)) ? sh[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) sh[0] = ss;
-    }
-    __syncthreads();
-    float inv = rsqrtf(sh[0] / (float)hidden + eps);
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) yr[i] = f2bf(bf2f(w[i]) * (bf2f(xr[i]) * inv));
-}
-"#;
+/// The element-wise kernels (SiLU-and-mul).
+const ELEMENTWISE: &str = kernel_file!("elementwise.cu");
 
-/// The RMSNorm kernel's entry point.
-pub(crate) const RMSNORM_FN: &str = "rmsnorm_bf16";
+/// The SiLU-and-mul kernel's entry point.
+pub(crate) const SILU_MUL_FN: &str = "silu_mul_bf16";
 
-/// Full source of the RMSNorm module.
-pub(crate) fn rmsnorm_source() -> String {
-    format!("{BF16_HELPERS}{RMSNORM_BODY}")
+/// Full source of the element-wise module.
+pub(crate) fn silu_mul_source() -> String {
+    format!("{BF16_HELPERS}{ELEMENTWISE}")
 }
 
 type CubinCache = Mutex<HashMap<(u64, String), Arc<Vec<u8>>>>;
@@ -84,12 +68,6 @@ pub(crate) fn cubin(src: &str, arch: &str) -> Result<Arc<Vec<u8>>, CudaError> {
         .map_err(|_| CudaError::Poisoned)?
         .insert(key, bin.clone());
     Ok(bin)
-}
-
-/// Number of CUBINs in the process-wide cache (for tests).
-#[cfg(test)]
-pub(crate) fn cached_count() -> usize {
-    cache().lock().map(|c| c.len()).unwrap_or(0)
 }
 
 fn compile_cubin(src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
@@ -152,153 +130,121 @@ fn read_cubin(prog: ns::nvrtcProgram) -> Result<Vec<u8>, CudaError> {
     Ok(buf)
 }
 
-/// RoPE in the Hugging Face `rotate_half` (GPT-NeoX) convention, in place on
-/// `[tokens, heads, head_dim]`: one block per (token, head), pairs `(i, i + head_dim / 2)`.
-/// `inv_freq = 1 / theta^(2i / head_dim)` and the angle `pos * inv_freq` are computed in f32, as
-/// in [`crate::rope::Rope`].
-const ROPE_BODY: &str = r#"
-extern "C" __global__ void rope_neox_bf16(unsigned short* __restrict__ x, const unsigned int* __restrict__ pos,
-                                          int heads, int head_dim, float theta) {
-    const int half = head_dim >> 1;
-    const unsigned int token = blockIdx.x / (unsigned int)heads;
-    unsigned short* h = x + (size_t)blockIdx.x * head_dim;
-    const float p = (float)pos[token];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
-        float s, c;
-        sincosf(p * inv_freq, &s, &c);
-        float a = bf2f(h[i]), b = bf2f(h[i + half]);
-        h[i] = f2bf(a * c - b * s);
-        h[i + half] = f2bf(b * c + a * s);
-    }
-}
-"#;
-
-/// SiLU-and-mul on fused rows `[gate | up]` of width `2 * inter` into `[tokens, inter]`.
-const SILU_MUL_BODY: &str = r#"
-extern "C" __global__ void silu_mul_bf16(const unsigned short* __restrict__ gu, unsigned short* __restrict__ out,
-                                         long long inter, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        long long t = i / inter, j = i - t * inter;
-        float g = bf2f(gu[t * 2 * inter + j]), u = bf2f(gu[t * 2 * inter + inter + j]);
-        out[i] = f2bf(g / (1.0f + expf(-g)) * u);
-    }
-}
-"#;
-
-/// Residual add in place: `x += y` (f32 math, one bf16 rounding).
-const ADD_BODY: &str = r#"
-extern "C" __global__ void add_bf16(unsigned short* __restrict__ x, const unsigned short* __restrict__ y, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
-}
-"#;
-
-/// Greedy sampling: per row of `[rows, vocab]` f32 logits, the index of the largest logit that is
-/// `> -inf` (NaN never wins), lowest index on ties, `-1` when there is none (as the CPU sampler's
-/// `argmax`). One block per row; block size a multiple of 32, at most 1024.
-const ARGMAX_BODY: &str = r#"
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    if (i < 0) return false;
-    if (bi < 0) return true;
-    return v > bv || (v == bv && i < bi);
-}
-extern "C" __global__ void argmax_f32_rows(const float* __restrict__ logits, int* __restrict__ out, int vocab) {
-    const float* row = logits + (size_t)blockIdx.x * vocab;
-    float bv = 0.f; int bi = -1;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = row[i];
-        if (v > __int_as_float(0xff800000) && (bi < 0 || v > bv)) { bv = v; bi = i; }
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-    }
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    if (lane == 0) { sv[wid] = bv; si[wid] = bi; }
-    __syncthreads();
-    if (wid == 0) {
-        bool live = lane < (int)(blockDim.x >> 5);
-        bv = live ? sv[lane] : 0.f;
-        bi = live ? si[lane] : -1;
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) out[blockIdx.x] = bi;
-    }
-}
-"#;
-
-/// The RoPE kernel's entry point.
-pub(crate) const ROPE_FN: &str = "rope_neox_bf16";
-/// The SiLU-and-mul kernel's entry point.
-pub(crate) const SILU_MUL_FN: &str = "silu_mul_bf16";
-/// The residual-add kernel's entry point.
-pub(crate) const ADD_FN: &str = "add_bf16";
-/// The argmax kernel's entry point.
-pub(crate) const ARGMAX_FN: &str = "argmax_f32_rows";
-
-/// Full source of the RoPE module.
-pub(crate) fn rope_source() -> String {
-    format!("{BF16_HELPERS}{ROPE_BODY}")
-}
-
-/// Full source of the SiLU-and-mul module.
-pub(crate) fn silu_mul_source() -> String {
-    format!("{BF16_HELPERS}{SILU_MUL_BODY}")
-}
-
-/// Full source of the residual-add module.
-pub(crate) fn add_source() -> String {
-    format!("{BF16_HELPERS}{ADD_BODY}")
-}
-
-/// Full source of the argmax module (f32 only; no bf16 helpers needed).
-pub(crate) fn argmax_source() -> String {
-    ARGMAX_BODY.to_string()
-}
-
 #[cfg(test)]
-/// Whether NVRTC can be loaded (it needs no driver or GPU: `scripts/fetch-nvrtc.sh` provides it
-/// on CPU machines, so kernel sources are compile-checked everywhere the test command runs).
-pub(crate) fn nvrtc_present() -> bool {
-    // SAFETY: querying whether a shared library can be dlopen'ed has no preconditions.
-    unsafe { ns::is_culib_present() }
-}
-
-/// Test helper: compiles `src` for `sm_90` (the lent H200s) and panics with NVRTC's log on
-/// failure; returns `false` (skipped, printed) when NVRTC is not loadable.
-#[cfg(test)]
-pub(crate) fn check_compiles(what: &str, src: &str) -> bool {
-    if !nvrtc_present() {
-        println!("SKIP compile check of {what}: libnvrtc.so not loadable (scripts/fetch-nvrtc.sh)");
-        return false;
-    }
-    if let Err(e) = compile_cubin(src, "sm_90") {
-        panic!("{what} does not compile for sm_90: {e}");
-    }
-    true
-}
-
-#[cfg(test)]
-mod compile_tests {
+#[allow(clippy::unwrap_used)]
+mod tests {
     use super::*;
+    use crate::cuda::{attention, layers, moe, sampling};
+
+    /// Whether NVRTC can be loaded (it needs no driver or GPU: `scripts/fetch-nvrtc.sh` provides
+    /// it on CPU machines, so kernel sources are compile-checked everywhere the test command
+    /// runs).
+    fn nvrtc_present() -> bool {
+        // SAFETY: querying whether a shared library can be dlopen'ed has no preconditions.
+        unsafe { ns::is_culib_present() }
+    }
+
+    /// Test helper: compiles `src` for `sm_90` (the lent H200s) and panics with NVRTC's log on
+    /// failure; returns `false` (skipped, printed) when NVRTC is not loadable.
+    fn check_compiles(what: &str, src: &str) -> bool {
+        if !nvrtc_present() {
+            println!(
+                "SKIP compile check of {what}: libnvrtc.so not loadable (scripts/fetch-nvrtc.sh)"
+            );
+            return false;
+        }
+        if let Err(e) = compile_cubin(src, "sm_90") {
+            panic!("{what} does not compile for sm_90: {e}");
+        }
+        true
+    }
+
+    /// Every module this crate compiles, by name: the head-dimension instances of attention and
+    /// its reduce, the fused layers, MoE, sampling and the element-wise kernels.
+    fn every_module() -> Vec<(String, String)> {
+        let mut v = vec![
+            ("elementwise".to_string(), silu_mul_source()),
+            ("layers".to_string(), layers::layers_source()),
+            (
+                "attention reduce".to_string(),
+                attention::source::reduce_source(),
+            ),
+            ("moe".to_string(), moe::source::moe_source()),
+            ("sampling".to_string(), sampling::sampling_source()),
+        ];
+        for hd in attention::SUPPORTED_HEAD_DIMS {
+            v.push((
+                format!("attention hd{hd}"),
+                attention::source::attn_source(hd),
+            ));
+        }
+        v
+    }
 
     #[test]
-    fn elementwise_kernels_compile_for_sm90() {
-        for (what, src) in [
-            ("rmsnorm", rmsnorm_source()),
-            ("rope", rope_source()),
-            ("silu_mul", silu_mul_source()),
-            ("add", add_source()),
-            ("argmax", argmax_source()),
-        ] {
-            check_compiles(what, &src);
+    fn every_kernel_module_compiles_for_sm90() {
+        for (what, src) in every_module() {
+            if !check_compiles(&what, &src) {
+                return;
+            }
         }
+    }
+
+    /// Runs without NVRTC: a `.cu` / `.cuh` file that no module includes would never be
+    /// compile-checked (nor used).
+    #[test]
+    fn every_kernel_file_is_part_of_a_compiled_module() {
+        let modules = every_module();
+        // A test binary built here and run elsewhere (the GPU machine runs it from a copy of the
+        // repository) falls back to the path relative to the working directory.
+        let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+        let root = if built.is_dir() {
+            built
+        } else {
+            std::path::PathBuf::from("crates/omni-backend/kernels")
+        };
+        let mut dirs = vec![root.clone()];
+        let mut files = 0;
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                    continue;
+                }
+                let rel = path.strip_prefix(&root).unwrap().display().to_string();
+                assert!(
+                    rel.ends_with(".cu") || rel.ends_with(".cuh"),
+                    "kernels/{rel}: only .cu and .cuh files belong here"
+                );
+                let text = std::fs::read_to_string(&path).unwrap();
+                let users: Vec<&str> = modules
+                    .iter()
+                    .filter(|(_, src)| src.contains(&text))
+                    .map(|(name, _)| name.as_str())
+                    .collect();
+                println!("kernels/{rel}: in {users:?}");
+                assert!(!users.is_empty(), "kernels/{rel} is in no compiled module");
+                files += 1;
+            }
+        }
+        assert!(files >= 14, "found only {files} kernel files");
+    }
+
+    #[test]
+    fn a_module_is_compiled_once_per_process() {
+        if !nvrtc_present() {
+            println!("SKIP a_module_is_compiled_once_per_process: libnvrtc.so not loadable");
+            return;
+        }
+        // A source of its own, so no concurrent test inserts the same key.
+        let src = format!(
+            "{}// a_module_is_compiled_once_per_process\n",
+            silu_mul_source()
+        );
+        let first = cubin(&src, "sm_90").unwrap();
+        let again = cubin(&src, "sm_90").unwrap();
+        assert!(Arc::ptr_eq(&first, &again), "the CUBIN cache missed");
+        assert!(!first.is_empty());
     }
 }

@@ -19,156 +19,12 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys};
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::kernels::BF16_HELPERS;
-use super::{CudaContext, CudaError, CudaResult, elementwise_cfg, to_i32, to_i64};
+use super::kernels::{BF16_HELPERS, kernel_file};
+use super::launch::{at_least, block_threads, elementwise_cfg, narrow, shape_err};
+use super::{CudaContext, CudaResult};
 
-/// Block reduction of a float sum over up to 1024 threads (`blockDim.x` a multiple of 32).
-const BLOCK_SUM: &str = r#"
-__device__ __forceinline__ float block_sum(float v, float* sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) sh[wid] = v;
-    __syncthreads();
-    v = (threadIdx.x < (blockDim.x >> 5)) ? sh[lane] : 0.f;
-    if (wid == 0) for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (threadIdx.x == 0) sh[0] = v;
-    __syncthreads();
-    return sh[0];
-}
-"#;
-
-const LAYERS_BODY: &str = r#"
-// The residual stream is f32. mode 1: residual = bf16 `init` (the embedding); 2: residual +=
-// f32 `delta`. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
-extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
-        const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
-        const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
-        float* __restrict__ out32, int dim, float eps) {
-    __shared__ float sh[32];
-    const size_t base = (size_t)blockIdx.x * dim;
-    float* x = residual + base;
-    unsigned short* y = out + base;
-    float ss = 0.f;
-    if ((dim & 3) == 0) {
-        for (int i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
-            float4 v;
-            if (mode == 1) {
-                const unsigned short* s = init + base + i;
-                v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
-            } else {
-                v = *reinterpret_cast<const float4*>(x + i);
-                float4 d = *reinterpret_cast<const float4*>(delta + base + i);
-                v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
-            }
-            *reinterpret_cast<float4*>(x + i) = v;
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-    } else {
-        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-            float v = mode == 1 ? bf2f(init[base + i]) : x[i] + delta[base + i];
-            x[i] = v;
-            ss += v * v;
-        }
-    }
-    float inv = rsqrtf(block_sum(ss, sh) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = bf2f(w[i]) * (x[i] * inv);
-        y[i] = f2bf(v);
-        if (out32) out32[base + i] = v;
-    }
-}
-
-extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned short* __restrict__ b,
-        long long cols, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        x[i] += bf2f(b[i % cols]);
-}
-
-// One block per (token, head) over q heads then kv heads of this rank. Thread i < hd/2 owns the
-// rotary pair (i, i + hd/2). qkv row = [q heads | k heads | v heads] * hd.
-extern "C" __global__ void qkv_rope_cache_bf16(const unsigned short* __restrict__ qkv,
-        unsigned short* __restrict__ q_out, unsigned short* __restrict__ k_cache,
-        unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
-        const long long* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-        const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
-        int lq, int lkv, int hd, float eps) {
-    __shared__ float sh[32];
-    const int heads = lq + lkv;
-    const int t = blockIdx.x / heads, hh = blockIdx.x - t * heads;
-    const int half = hd >> 1, i = threadIdx.x;
-    const size_t row = (size_t)(lq + 2 * lkv) * hd;
-    const unsigned short* src;
-    const unsigned short* nw;
-    if (hh < lq) { src = qkv + t * row + (size_t)hh * hd; nw = q_norm; }
-    else { src = qkv + t * row + (size_t)(lq + (hh - lq)) * hd; nw = k_norm; }
-    float a = 0.f, b = 0.f;
-    if (i < half) { a = bf2f(src[i]); b = bf2f(src[i + half]); }
-    if (nw) {
-        float inv = rsqrtf(block_sum(a * a + b * b, sh) / (float)hd + eps);
-        if (i < half) { a = a * inv * bf2f(nw[i]); b = b * inv * bf2f(nw[i + half]); }
-    }
-    const float p = (float)positions[t];
-    float ra = 0.f, rb = 0.f;
-    if (i < half) {
-        float s, c;
-        sincosf(p * inv_freq[i], &s, &c);
-        ra = a * c - b * s;
-        rb = b * c + a * s;
-    }
-    if (hh < lq) {
-        unsigned short* dst = q_out + ((size_t)t * lq + hh) * hd;
-        if (i < half) { dst[i] = f2bf(ra); dst[i + half] = f2bf(rb); }
-        return;
-    }
-    const long long slot = slot_mapping[t];
-    if (slot < 0) return;
-    const int j = hh - lq;
-    unsigned short* kd = k_cache + ((size_t)slot * lkv + j) * hd;
-    unsigned short* vd = v_cache + ((size_t)slot * lkv + j) * hd;
-    const unsigned short* vs = qkv + t * row + (size_t)(lq + lkv + j) * hd;
-    if (i < half) {
-        kd[i] = f2bf(ra); kd[i + half] = f2bf(rb);
-        vd[i] = vs[i]; vd[i + half] = vs[i + half];
-    }
-}
-
-extern "C" __global__ void embedding_ids_bf16(const unsigned short* __restrict__ table, const int* __restrict__ ids,
-        unsigned short* __restrict__ out, long long hidden, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        long long t = i / hidden, j = i - t * hidden;
-        out[i] = table[(long long)ids[t] * hidden + j];
-    }
-}
-
-extern "C" __global__ void add_bias_bf16(unsigned short* __restrict__ x, const unsigned short* __restrict__ b,
-        long long cols, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        x[i] = f2bf(bf2f(x[i]) + bf2f(b[i % cols]));
-}
-
-extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ x, float* __restrict__ y, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        y[i] = bf2f(x[i]);
-}
-
-// Uniform in [lo, hi) from a stateless hash of (seed, index): the same buffer for the same seed on
-// every run and every device.
-__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-extern "C" __global__ void fill_uniform_bf16(unsigned short* __restrict__ x, long long n,
-        unsigned long long seed, float lo, float hi) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned long long r = mix64(seed ^ mix64((unsigned long long)i));
-        float u = (float)(r >> 40) * (1.0f / 16777216.0f);
-        x[i] = f2bf(lo + (hi - lo) * u);
-    }
-}
-"#;
+/// The fused per-layer kernels (`kernels/layers.cu`).
+const LAYERS: &str = kernel_file!("layers.cu");
 
 const FUSED_ADD_RMSNORM_FN: &str = "fused_add_rmsnorm_f32res";
 const ADD_BIAS_F32_FN: &str = "add_bias_f32";
@@ -178,8 +34,9 @@ const ADD_BIAS_FN: &str = "add_bias_bf16";
 const BF16_TO_F32_FN: &str = "bf16_to_f32";
 const FILL_UNIFORM_FN: &str = "fill_uniform_bf16";
 
-fn layers_source() -> String {
-    format!("{BF16_HELPERS}{BLOCK_SUM}{LAYERS_BODY}")
+/// Full source of the layers module.
+pub(super) fn layers_source() -> String {
+    format!("{BF16_HELPERS}{LAYERS}")
 }
 
 /// The shape of one [`CudaContext::qkv_rope_cache_bf16`] call.
@@ -228,14 +85,6 @@ where
     pub qk_norm: Option<(&'a N, &'a N)>,
 }
 
-fn block_threads(work: usize, max: usize) -> u32 {
-    (work.div_ceil(32).clamp(1, max / 32) * 32) as u32
-}
-
-fn u32_of(what: &'static str, value: usize) -> CudaResult<u32> {
-    u32::try_from(value).map_err(|_| CudaError::TooLarge { what, value })
-}
-
 impl CudaContext {
     /// The pre-norm of a decoder sub-block on an f32 residual stream: updates `residual` by
     /// `update`, then `out = rms_norm(residual) * weight` (bf16) per row of width `dim`
@@ -271,16 +120,16 @@ impl CudaContext {
     ) -> CudaResult<()> {
         crate::check_len("cuda rms_norm weight", weight.len(), dim)?;
         let n = rows * dim;
-        check_at_least("cuda rms_norm residual", residual.len(), n)?;
-        check_at_least("cuda rms_norm out", out.len(), n)?;
+        at_least("cuda rms_norm residual", residual.len(), n)?;
+        at_least("cuda rms_norm out", out.len(), n)?;
         let s = &self.stream;
         let (mode, init, delta) = match &update {
             ResidualUpdate::Set(v) => {
-                check_at_least("cuda rms_norm init", v.len(), n)?;
+                at_least("cuda rms_norm init", v.len(), n)?;
                 (1i32, v.device_ptr(s).0, 0u64)
             }
             ResidualUpdate::Add(v) => {
-                check_at_least("cuda rms_norm delta", v.len(), n)?;
+                at_least("cuda rms_norm delta", v.len(), n)?;
                 (2, 0, v.device_ptr(s).0)
             }
         };
@@ -288,18 +137,18 @@ impl CudaContext {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (u32_of("rows", rows)?, 1, 1),
+            grid_dim: (narrow::<u32>("rows", rows)?, 1, 1),
             block_dim: (block_threads(dim.div_ceil(4), 1024), 1, 1),
             shared_mem_bytes: 0,
         };
         let o32 = match out32 {
             Some(o) => {
-                check_at_least("cuda rms_norm out32", o.len(), n)?;
+                at_least("cuda rms_norm out32", o.len(), n)?;
                 o.device_ptr_mut(s).0
             }
             None => 0u64,
         };
-        let dim_i = to_i32("dim", dim)?;
+        let dim_i = narrow::<i32>("dim", dim)?;
         let f = self.function(layers_source, FUSED_ADD_RMSNORM_FN)?;
         let (x, _gx) = residual.device_ptr_mut(s);
         let (w, _gw) = weight.device_ptr(s);
@@ -347,11 +196,11 @@ impl CudaContext {
     ) -> CudaResult<()> {
         let cols = bias.len();
         let n = rows * cols;
-        check_at_least("cuda add_bias x", x.len(), n)?;
+        at_least("cuda add_bias x", x.len(), n)?;
         if n == 0 {
             return Ok(());
         }
-        let (c, n_i) = (to_i64("cols", cols)?, to_i64("n", n)?);
+        let (c, n_i) = (narrow::<i64>("cols", cols)?, narrow::<i64>("n", n)?);
         let f = self.function(layers_source, name)?;
         let (xp, _g1) = x.device_ptr_mut(&self.stream);
         let (bp, _g2) = bias.device_ptr(&self.stream);
@@ -391,25 +240,24 @@ impl CudaContext {
             eps,
         } = shape;
         if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 2048 {
-            return Err(crate::Error::Shape {
-                what: "cuda qkv head_dim (even, at most 2048)",
-                expected: 128,
-                got: head_dim,
-            }
-            .into());
+            return Err(shape_err(
+                "cuda qkv head_dim (even, at most 2048)",
+                128,
+                head_dim,
+            ));
         }
-        check_at_least(
+        at_least(
             "cuda qkv input",
             bufs.qkv.len(),
             tokens * (q_heads + 2 * kv_heads) * head_dim,
         )?;
-        check_at_least(
+        at_least(
             "cuda qkv q_out",
             bufs.q_out.len(),
             tokens * q_heads * head_dim,
         )?;
-        check_at_least("cuda qkv positions", bufs.positions.len(), tokens)?;
-        check_at_least("cuda qkv slot_mapping", bufs.slot_mapping.len(), tokens)?;
+        at_least("cuda qkv positions", bufs.positions.len(), tokens)?;
+        at_least("cuda qkv slot_mapping", bufs.slot_mapping.len(), tokens)?;
         crate::check_len("cuda qkv inv_freq", bufs.inv_freq.len(), head_dim / 2)?;
         crate::check_len("cuda qkv v_cache", bufs.v_cache.len(), bufs.k_cache.len())?;
         if let Some((qn, kn)) = &bufs.qk_norm {
@@ -421,14 +269,14 @@ impl CudaContext {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (u32_of("tokens * heads", blocks)?, 1, 1),
+            grid_dim: (narrow::<u32>("tokens * heads", blocks)?, 1, 1),
             block_dim: (block_threads(head_dim / 2, 1024), 1, 1),
             shared_mem_bytes: 0,
         };
         let (lq, lkv, hd) = (
-            to_i32("q_heads", q_heads)?,
-            to_i32("kv_heads", kv_heads)?,
-            to_i32("head_dim", head_dim)?,
+            narrow::<i32>("q_heads", q_heads)?,
+            narrow::<i32>("kv_heads", kv_heads)?,
+            narrow::<i32>("head_dim", head_dim)?,
         );
         let f = self.function(layers_source, QKV_ROPE_CACHE_FN)?;
         let s = &self.stream;
@@ -478,13 +326,13 @@ impl CudaContext {
         tokens: usize,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> CudaResult<()> {
-        check_at_least("cuda embedding ids", ids.len(), tokens)?;
-        check_at_least("cuda embedding out", out.len(), tokens * hidden)?;
+        at_least("cuda embedding ids", ids.len(), tokens)?;
+        at_least("cuda embedding out", out.len(), tokens * hidden)?;
         let n = tokens * hidden;
         if n == 0 {
             return Ok(());
         }
-        let (h, n_i) = (to_i64("hidden", hidden)?, to_i64("n", n)?);
+        let (h, n_i) = (narrow::<i64>("hidden", hidden)?, narrow::<i64>("n", n)?);
         let f = self.function(layers_source, EMBEDDING_IDS_FN)?;
         let (t, _g1) = table.device_ptr(&self.stream);
         let (i, _g2) = ids.device_ptr(&self.stream);
@@ -515,12 +363,12 @@ impl CudaContext {
         y: &mut impl DevicePtrMut<f32>,
         n: usize,
     ) -> CudaResult<()> {
-        check_at_least("cuda bf16_to_f32 input", x.len(), n)?;
-        check_at_least("cuda bf16_to_f32 output", y.len(), n)?;
+        at_least("cuda bf16_to_f32 input", x.len(), n)?;
+        at_least("cuda bf16_to_f32 output", y.len(), n)?;
         if n == 0 {
             return Ok(());
         }
-        let n_i = to_i64("n", n)?;
+        let n_i = narrow::<i64>("n", n)?;
         let f = self.function(layers_source, BF16_TO_F32_FN)?;
         let (xp, _g1) = x.device_ptr(&self.stream);
         let (yp, _g2) = y.device_ptr_mut(&self.stream);
@@ -545,7 +393,7 @@ impl CudaContext {
         if n == 0 {
             return Ok(());
         }
-        let n_i = to_i64("n", n)?;
+        let n_i = narrow::<i64>("n", n)?;
         let f = self.function(layers_source, FILL_UNIFORM_FN)?;
         let (xp, _g) = x.device_ptr_mut(&self.stream);
         let mut launch = self.stream.launch_builder(&f);
@@ -567,13 +415,17 @@ impl CudaContext {
         k: usize,
         n: usize,
     ) -> CudaResult<()> {
-        check_at_least("cuda matmul lhs", a.len(), m * k)?;
+        at_least("cuda matmul lhs", a.len(), m * k)?;
         crate::check_len("cuda matmul weight", w.len(), n * k)?;
-        check_at_least("cuda matmul out", out.len(), m * n)?;
+        at_least("cuda matmul out", out.len(), m * n)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let (mi, ki, ni) = (to_i32("m", m)?, to_i32("k", k)?, to_i32("n", n)?);
+        let (mi, ki, ni) = (
+            narrow::<i32>("m", m)?,
+            narrow::<i32>("k", k)?,
+            narrow::<i32>("n", n)?,
+        );
         let (alpha, beta) = (1.0f32, 0.0f32);
         let (ap, _g1) = a.device_ptr(&self.stream);
         let (wp, _g2) = w.device_ptr(&self.stream);
@@ -621,13 +473,17 @@ impl CudaContext {
         k: usize,
         n: usize,
     ) -> CudaResult<()> {
-        check_at_least("cuda sgemm lhs", a.len(), m * k)?;
+        at_least("cuda sgemm lhs", a.len(), m * k)?;
         crate::check_len("cuda sgemm weight", w.len(), n * k)?;
-        check_at_least("cuda sgemm out", out.len(), m * n)?;
+        at_least("cuda sgemm out", out.len(), m * n)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let (mi, ki, ni) = (to_i32("m", m)?, to_i32("k", k)?, to_i32("n", n)?);
+        let (mi, ki, ni) = (
+            narrow::<i32>("m", m)?,
+            narrow::<i32>("k", k)?,
+            narrow::<i32>("n", n)?,
+        );
         let cfg = cudarc::cublas::GemmConfig {
             transa: blas_sys::cublasOperation_t::CUBLAS_OP_T,
             transb: blas_sys::cublasOperation_t::CUBLAS_OP_N,
@@ -655,28 +511,4 @@ pub enum ResidualUpdate<'a> {
     Set(CudaView<'a, bf16>),
     /// Add f32 rows (the previous sub-block's all-reduced output).
     Add(CudaView<'a, f32>),
-}
-
-/// `got >= want` for buffers sized for a maximum batch.
-pub(crate) fn check_at_least(what: &'static str, got: usize, want: usize) -> CudaResult<()> {
-    if got < want {
-        return Err(crate::Error::Shape {
-            what,
-            expected: want,
-            got,
-        }
-        .into());
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cuda::kernels::check_compiles;
-
-    #[test]
-    fn layer_kernels_compile_for_sm90() {
-        check_compiles("layers", &layers_source());
-    }
 }

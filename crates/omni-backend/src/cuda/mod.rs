@@ -8,10 +8,16 @@
 //!
 //! Layouts follow the CPU backend: row-major, weights in Hugging Face `[out, in]` layout, so
 //! [`CudaContext::matmul_nt_bf16`] is the GPU twin of [`crate::linalg::matmul_nt`].
+//!
+//! The kernels are CUDA C++ files under the crate's `kernels/` folder, embedded with
+//! `include_str!` and compiled at run time by NVRTC for the device's architecture (`kernels.rs`).
+//! Each op family is a module here: `layers` (the fused per-layer kernels), `attention`, `moe`,
+//! `sampling`; `launch` holds the checks every launcher makes.
 
 mod attention;
 mod collective;
 mod kernels;
+mod launch;
 mod layers;
 mod moe;
 mod nccl;
@@ -35,10 +41,11 @@ pub use cudarc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as blas_sys};
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut, DriverError,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 pub use half::bf16;
+use launch::{elementwise_cfg, narrow, shape_err};
 
 /// What [`driver_status`] reports about a device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,13 +121,22 @@ pub enum CudaError {
     /// Shapes or lengths do not match.
     #[error(transparent)]
     Shape(#[from] crate::Error),
-    /// A dimension does not fit the 32-bit integers cuBLAS / kernels take.
+    /// A dimension does not fit the integer type cuBLAS or a kernel takes.
     #[error("{what} = {value} does not fit in i32")]
     TooLarge {
         /// Which dimension.
         what: &'static str,
         /// Its value.
         value: usize,
+    },
+    /// A device pointer is not 16-byte aligned (the kernels move 16-byte vectors; views must
+    /// start at a multiple of 16 bytes).
+    #[error("{what}: device pointer {ptr:#x} is not 16-byte aligned")]
+    Misaligned {
+        /// Which operand.
+        what: &'static str,
+        /// The pointer.
+        ptr: u64,
     },
     /// A collective (NCCL) failed.
     #[error("NCCL: {0}")]
@@ -191,10 +207,6 @@ fn info_of(
         total_mem: ctx.total_mem().map_err(e)?,
         driver_version,
     })
-}
-
-fn to_i32(what: &'static str, value: usize) -> CudaResult<i32> {
-    i32::try_from(value).map_err(|_| CudaError::TooLarge { what, value })
 }
 
 /// Sums an f32 buffer over the tensor-parallel group, in place and asynchronously on the
@@ -345,21 +357,9 @@ impl CudaContext {
         Ok(dst)
     }
 
-    /// Rounds `host` to bf16 and uploads it.
-    pub fn upload_f32_as_bf16(&self, host: &[f32]) -> CudaResult<CudaSlice<bf16>> {
-        let v: Vec<bf16> = host.iter().map(|&x| bf16::from_f32(x)).collect();
-        self.upload_bf16(&v)
-    }
-
     /// A zeroed bf16 buffer of `len` elements.
     pub fn zeros_bf16(&self, len: usize) -> CudaResult<CudaSlice<bf16>> {
         Ok(self.stream.alloc_zeros(len)?)
-    }
-
-    /// Downloads a bf16 buffer, widened to f32 (synchronizes the stream).
-    pub fn download_f32(&self, dev: &CudaSlice<bf16>) -> CudaResult<Vec<f32>> {
-        let v = self.stream.clone_dtoh(dev)?;
-        Ok(v.iter().map(|x| x.to_f32()).collect())
     }
 
     /// The linear layer without bias on the GPU: `out[m, n] = a[m, k] @ w[n, k]^T`, all row-major
@@ -383,7 +383,11 @@ impl CudaContext {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let (mi, ki, ni) = (to_i32("m", m)?, to_i32("k", k)?, to_i32("n", n)?);
+        let (mi, ki, ni) = (
+            narrow::<i32>("m", m)?,
+            narrow::<i32>("k", k)?,
+            narrow::<i32>("n", n)?,
+        );
         let cfg = GemmConfig {
             transa: blas_sys::cublasOperation_t::CUBLAS_OP_T,
             transb: blas_sys::cublasOperation_t::CUBLAS_OP_N,
@@ -430,105 +434,6 @@ impl CudaContext {
         Ok(f)
     }
 
-    /// RMSNorm over rows of width `dim` (bf16 in and out, f32 accumulation), the GPU twin of
-    /// [`crate::ops::rms_norm`]. The kernel is compiled by NVRTC for this device's `sm_XY` on
-    /// first use and cached.
-    pub fn rms_norm_bf16(
-        &self,
-        x: &CudaSlice<bf16>,
-        weight: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
-        dim: usize,
-        eps: f32,
-    ) -> CudaResult<()> {
-        crate::check_len("cuda rms_norm weight", weight.len(), dim)?;
-        crate::check_len("cuda rms_norm out", out.len(), x.len())?;
-        if dim == 0 || !x.len().is_multiple_of(dim) {
-            return Err(crate::Error::Shape {
-                what: "cuda rms_norm input (multiple of dim)",
-                expected: dim,
-                got: x.len(),
-            }
-            .into());
-        }
-        let rows = x.len() / dim;
-        if rows == 0 {
-            return Ok(());
-        }
-        let rows_u32 = u32::try_from(rows).map_err(|_| CudaError::TooLarge {
-            what: "rows",
-            value: rows,
-        })?;
-        let hidden = to_i32("dim", dim)?;
-        let threads = dim.div_ceil(32).clamp(1, 32) * 32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows_u32, 1, 1),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.function(kernels::rmsnorm_source, kernels::RMSNORM_FN)?;
-        let mut launch = self.stream.launch_builder(&f);
-        launch.arg(x).arg(weight).arg(out).arg(&hidden).arg(&eps);
-        // SAFETY: the argument list matches `rmsnorm_bf16(const u16*, const u16*, u16*, int,
-        // float)`; x/out hold rows * dim elements and weight dim (checked above); the block size
-        // is a multiple of 32 and at most 1024, as the kernel's warp reduction requires.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// RoPE in the Hugging Face `rotate_half` (GPT-NeoX) convention, in place on `x`
-    /// (`[tokens, heads, head_dim]` bf16) with one position per token (`positions`, `[tokens]`
-    /// on the device). Frequencies `1 / rope_theta^(2i / head_dim)` and angles are computed in
-    /// f32 on the device: the GPU twin of [`crate::rope::Rope`] with
-    /// [`crate::rope::RopeScaling::None`] (scaled variants are not covered yet).
-    pub fn rope_neox_bf16(
-        &self,
-        x: &mut CudaSlice<bf16>,
-        positions: &CudaSlice<u32>,
-        heads: usize,
-        head_dim: usize,
-        rope_theta: f32,
-    ) -> CudaResult<()> {
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(crate::Error::Shape {
-                what: "cuda rope head_dim (even)",
-                expected: head_dim + 1,
-                got: head_dim,
-            }
-            .into());
-        }
-        let tokens = positions.len();
-        crate::check_len("cuda rope input", x.len(), tokens * heads * head_dim)?;
-        let blocks = tokens * heads;
-        if blocks == 0 {
-            return Ok(());
-        }
-        let blocks_u32 = u32::try_from(blocks).map_err(|_| CudaError::TooLarge {
-            what: "tokens * heads",
-            value: blocks,
-        })?;
-        let (heads_i, hd_i) = (to_i32("heads", heads)?, to_i32("head_dim", head_dim)?);
-        let threads = (head_dim / 2).div_ceil(32).clamp(1, 8) * 32;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks_u32, 1, 1),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.function(kernels::rope_source, kernels::ROPE_FN)?;
-        let mut launch = self.stream.launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(positions)
-            .arg(&heads_i)
-            .arg(&hd_i)
-            .arg(&rope_theta);
-        // SAFETY: the arguments match `rope_neox_bf16(u16*, const u32*, int, int, float)`; the
-        // grid has one block per (token, head) and x holds tokens * heads * head_dim elements,
-        // positions one per token (checked above); head_dim is even.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
-    }
-
     /// SiLU-and-mul: `gate_up` (`[tokens, 2 * inter]`, gate half first) into `out`
     /// (`[tokens, inter]`), f32 math: the GPU twin of [`crate::ops::silu_and_mul`].
     pub fn silu_and_mul_bf16(
@@ -538,19 +443,18 @@ impl CudaContext {
         inter: usize,
     ) -> CudaResult<()> {
         if inter == 0 || !gate_up.len().is_multiple_of(2 * inter) {
-            return Err(crate::Error::Shape {
-                what: "cuda silu_and_mul input (multiple of 2 * inter)",
-                expected: 2 * inter,
-                got: gate_up.len(),
-            }
-            .into());
+            return Err(shape_err(
+                "cuda silu_and_mul input (multiple of 2 * inter)",
+                2 * inter,
+                gate_up.len(),
+            ));
         }
         let n = gate_up.len() / 2;
         crate::check_len("cuda silu_and_mul out", out.len(), n)?;
         if n == 0 {
             return Ok(());
         }
-        let (inter_i, n_i) = (to_i64("inter", inter)?, to_i64("n", n)?);
+        let (inter_i, n_i) = (narrow::<i64>("inter", inter)?, narrow::<i64>("n", n)?);
         let f = self.function(kernels::silu_mul_source, kernels::SILU_MUL_FN)?;
         let (gu, _g1) = gate_up.device_ptr(&self.stream);
         let (o, _g2) = out.device_ptr_mut(&self.stream);
@@ -561,125 +465,5 @@ impl CudaContext {
         // stays below n for any grid.
         unsafe { launch.launch(elementwise_cfg(n)) }?;
         Ok(())
-    }
-
-    /// Gathers rows of `table` (`[vocab, hidden]`) for `ids` into `out` (`[ids.len(), hidden]`):
-    /// the GPU twin of [`crate::ops::embedding`]. An id `>= vocab` is an error, reported before
-    /// anything is launched.
-    pub fn embedding_bf16(
-        &self,
-        table: &CudaSlice<bf16>,
-        hidden: usize,
-        ids: &[u32],
-        out: &mut CudaSlice<bf16>,
-    ) -> CudaResult<()> {
-        if hidden == 0 || !table.len().is_multiple_of(hidden) {
-            return Err(crate::Error::Shape {
-                what: "cuda embedding table (multiple of hidden)",
-                expected: hidden,
-                got: table.len(),
-            }
-            .into());
-        }
-        let vocab = table.len() / hidden;
-        let n = ids.len() * hidden;
-        crate::check_len("cuda embedding out", out.len(), n)?;
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(crate::Error::Shape {
-                what: "cuda embedding token id (vocab size)",
-                expected: vocab,
-                got: id as usize,
-            }
-            .into());
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let dids: Vec<i32> = ids
-            .iter()
-            .map(|&id| to_i32("token id", id as usize))
-            .collect::<CudaResult<_>>()?;
-        let dids = self.stream.clone_htod(&dids)?;
-        self.embedding_ids_bf16(table, hidden, &dids, ids.len(), out)
-    }
-
-    /// Residual add in place, `x += y` (bf16, f32 math): the GPU twin of
-    /// [`crate::ops::add_inplace`].
-    pub fn add_residual_bf16(
-        &self,
-        x: &mut CudaSlice<bf16>,
-        y: &CudaSlice<bf16>,
-    ) -> CudaResult<()> {
-        crate::check_len("cuda add operand", y.len(), x.len())?;
-        let n = x.len();
-        if n == 0 {
-            return Ok(());
-        }
-        let n_i = to_i64("n", n)?;
-        let f = self.function(kernels::add_source, kernels::ADD_FN)?;
-        let mut launch = self.stream.launch_builder(&f);
-        launch.arg(x).arg(y).arg(&n_i);
-        // SAFETY: the arguments match `add_bf16(u16*, const u16*, long long)`; x and y both hold
-        // n elements (checked above) and the grid-stride loop stays below n.
-        unsafe { launch.launch(elementwise_cfg(n)) }?;
-        Ok(())
-    }
-
-    /// Greedy sampling on the device: for each row of `logits` (`[rows, vocab]` f32), the index
-    /// of the largest logit, lowest index on ties; `None` for a row with no logit above `-inf`
-    /// (NaN never wins), as the CPU sampler. Synchronizes to read the `rows` results back.
-    pub fn argmax_f32_rows(
-        &self,
-        logits: &CudaSlice<f32>,
-        vocab: usize,
-    ) -> CudaResult<Vec<Option<u32>>> {
-        if vocab == 0 || !logits.len().is_multiple_of(vocab) {
-            return Err(crate::Error::Shape {
-                what: "cuda argmax logits (multiple of vocab)",
-                expected: vocab,
-                got: logits.len(),
-            }
-            .into());
-        }
-        let rows = logits.len() / vocab;
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        let rows_u32 = u32::try_from(rows).map_err(|_| CudaError::TooLarge {
-            what: "rows",
-            value: rows,
-        })?;
-        let vocab_i = to_i32("vocab", vocab)?;
-        let mut out = self.stream.alloc_zeros::<i32>(rows)?;
-        let threads = vocab.div_ceil(32).clamp(1, 32) * 32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows_u32, 1, 1),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let f = self.function(kernels::argmax_source, kernels::ARGMAX_FN)?;
-        let mut launch = self.stream.launch_builder(&f);
-        launch.arg(logits).arg(&mut out).arg(&vocab_i);
-        // SAFETY: the arguments match `argmax_f32_rows(const float*, int*, int)`; logits holds
-        // rows * vocab elements and out rows (one block per row); the block size is a multiple
-        // of 32 and at most 1024, as the kernel's warp reduction requires.
-        unsafe { launch.launch(cfg) }?;
-        let idx = self.stream.clone_dtoh(&out)?;
-        Ok(idx.into_iter().map(|i| u32::try_from(i).ok()).collect())
-    }
-}
-
-fn to_i64(what: &'static str, value: usize) -> CudaResult<i64> {
-    i64::try_from(value).map_err(|_| CudaError::TooLarge { what, value })
-}
-
-/// Launch shape for the grid-stride element-wise kernels: 256 threads, enough blocks to cover
-/// `n` up to a cap (the loop covers the rest).
-fn elementwise_cfg(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 65_535) as u32;
-    LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
     }
 }

@@ -1,5 +1,6 @@
-//! GPU tests against the CPU backend's f32 results. Each one SKIPS (passes, printing why) when
-//! no CUDA driver is present, so they run everywhere; `scripts/gpu-check.sh` runs them on a GPU.
+//! Tests of the context (driver status, GEMM, SiLU-and-mul) against the CPU backend's f32 results,
+//! and the helpers every CUDA test module uses. Each GPU test SKIPS (passes, printing why) when no
+//! CUDA driver is present, so they run everywhere; `scripts/gpu-check.sh` runs them on a GPU.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -32,6 +33,20 @@ pub(crate) fn rand_bf16_f32(n: usize, seed: u64) -> Vec<f32> {
             bf16::from_f32(2.0 * u - 1.0).to_f32()
         })
         .collect()
+}
+
+impl CudaContext {
+    /// Rounds `host` to bf16 and uploads it.
+    pub(crate) fn upload_f32_as_bf16(&self, host: &[f32]) -> CudaResult<CudaSlice<bf16>> {
+        let v: Vec<bf16> = host.iter().map(|&x| bf16::from_f32(x)).collect();
+        self.upload_bf16(&v)
+    }
+
+    /// Downloads a bf16 buffer, widened to f32 (synchronizes the stream).
+    pub(crate) fn download_f32(&self, dev: &CudaSlice<bf16>) -> CudaResult<Vec<f32>> {
+        let v = self.stream.clone_dtoh(dev)?;
+        Ok(v.iter().map(|x| x.to_f32()).collect())
+    }
 }
 
 /// A context on device 0, or `None` (test skipped) when there is no driver.
@@ -103,41 +118,6 @@ fn gemm_bf16_matches_cpu() {
     ));
 }
 
-#[test]
-fn rms_norm_bf16_matches_cpu() {
-    let Some(cx) = ctx_or_skip("rms_norm_bf16_matches_cpu") else {
-        return;
-    };
-    for &(rows, dim) in &[(1, 64), (7, 100), (33, 4096), (3, 5120)] {
-        let x = rand_bf16_f32(rows * dim, 11 + dim as u64);
-        let w: Vec<f32> = rand_bf16_f32(dim, 13)
-            .iter()
-            .map(|v| bf16::from_f32(1.0 + 0.5 * v).to_f32())
-            .collect();
-        let eps = 1e-6;
-        let mut want = vec![0f32; rows * dim];
-        ops::rms_norm(&x, &w, &mut want, dim, eps).unwrap();
-        let dx = cx.upload_f32_as_bf16(&x).unwrap();
-        let dw = cx.upload_f32_as_bf16(&w).unwrap();
-        let mut dout = cx.upload_bf16(&vec![bf16::NAN; rows * dim]).unwrap();
-        cx.rms_norm_bf16(&dx, &dw, &mut dout, dim, eps).unwrap();
-        let got = cx.download_f32(&dout).unwrap();
-        let err = rel_err(&got, &want);
-        println!("rmsnorm bf16 rows={rows} dim={dim}: rel err vs CPU f32 {err:.2e}");
-        assert!(err <= 2e-2, "rows={rows} dim={dim}: rel err {err}");
-    }
-    // The CUBIN was compiled once and cached (keyed by source hash + arch).
-    assert!(kernels::cached_count() >= 1);
-    let before = kernels::cached_count();
-    let again = CudaContext::new(0).unwrap();
-    let dx = again.zeros_bf16(64).unwrap();
-    let dw = again.zeros_bf16(64).unwrap();
-    let mut dout = again.zeros_bf16(64).unwrap();
-    again.rms_norm_bf16(&dx, &dw, &mut dout, 64, 1e-6).unwrap();
-    again.synchronize().unwrap();
-    assert_eq!(kernels::cached_count(), before);
-}
-
 /// Times a 4096^3 bf16 GEMM (TN, f32 accumulation) and spot-checks entries against f64 dots.
 #[test]
 fn gemm_bf16_4096_throughput() {
@@ -192,45 +172,6 @@ fn gemm_bf16_4096_throughput() {
 }
 
 #[test]
-fn rope_neox_bf16_matches_cpu() {
-    let Some(cx) = ctx_or_skip("rope_neox_bf16_matches_cpu") else {
-        return;
-    };
-    for &(tokens, heads, head_dim, theta) in &[
-        (1usize, 1usize, 4usize, 10_000f32),
-        (5, 8, 64, 10_000.0),
-        (17, 32, 128, 1_000_000.0),
-        (3, 4, 256, 500_000.0),
-    ] {
-        let x = rand_bf16_f32(tokens * heads * head_dim, 41 + head_dim as u64);
-        let positions: Vec<usize> = (0..tokens).map(|t| t * 997 % 4099 + t).collect();
-        let rope =
-            crate::rope::Rope::new(head_dim, theta, &crate::rope::RopeScaling::None).unwrap();
-        let mut cs = Vec::new();
-        rope.cos_sin(&positions, &mut cs);
-        let mut want = x.clone();
-        rope.apply(&mut want, heads, &cs).unwrap();
-        let mut dx = cx.upload_f32_as_bf16(&x).unwrap();
-        let pos32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let dpos = cx.stream().clone_htod(&pos32).unwrap();
-        cx.rope_neox_bf16(&mut dx, &dpos, heads, head_dim, theta)
-            .unwrap();
-        let got = cx.download_f32(&dx).unwrap();
-        let err = rel_err(&got, &want);
-        println!(
-            "rope bf16 tokens={tokens} heads={heads} head_dim={head_dim} theta={theta}: rel err vs CPU f32 {err:.2e}"
-        );
-        assert!(err <= 2e-2, "head_dim={head_dim}: rel err {err}");
-    }
-    let mut dx = cx.zeros_bf16(12).unwrap();
-    let dpos = cx.stream().clone_htod(&[0u32, 1]).unwrap();
-    assert!(matches!(
-        cx.rope_neox_bf16(&mut dx, &dpos, 2, 3, 10_000.0),
-        Err(CudaError::Shape(_))
-    ));
-}
-
-#[test]
 fn silu_and_mul_bf16_matches_cpu() {
     let Some(cx) = ctx_or_skip("silu_and_mul_bf16_matches_cpu") else {
         return;
@@ -254,117 +195,6 @@ fn silu_and_mul_bf16_matches_cpu() {
     let mut dout = cx.zeros_bf16(2).unwrap();
     assert!(matches!(
         cx.silu_and_mul_bf16(&dgu, &mut dout, 2),
-        Err(CudaError::Shape(_))
-    ));
-}
-
-#[test]
-fn embedding_bf16_matches_cpu_and_rejects_bad_ids() {
-    let Some(cx) = ctx_or_skip("embedding_bf16_matches_cpu_and_rejects_bad_ids") else {
-        return;
-    };
-    for &(vocab, hidden, n_ids) in &[(1usize, 8usize, 1usize), (50, 100, 9), (1000, 4096, 33)] {
-        let table = rand_bf16_f32(vocab * hidden, 61 + hidden as u64);
-        let ids: Vec<u32> = (0..n_ids)
-            .map(|t| ((t * 7919 + 3) % vocab) as u32)
-            .chain([vocab as u32 - 1, 0])
-            .collect();
-        let mut want = vec![0f32; ids.len() * hidden];
-        ops::embedding(&table, hidden, &ids, &mut want).unwrap();
-        let dt = cx.upload_f32_as_bf16(&table).unwrap();
-        let mut dout = cx
-            .upload_bf16(&vec![bf16::NAN; ids.len() * hidden])
-            .unwrap();
-        cx.embedding_bf16(&dt, hidden, &ids, &mut dout).unwrap();
-        let got = cx.download_f32(&dout).unwrap();
-        let err = rel_err(&got, &want);
-        println!(
-            "embedding bf16 vocab={vocab} hidden={hidden} ids={}: rel err vs CPU f32 {err:.2e}",
-            ids.len()
-        );
-        assert!(err <= 2e-2, "hidden={hidden}: rel err {err}");
-    }
-    // Out-of-range id: an error before any launch, and the output is untouched.
-    let dt = cx.upload_f32_as_bf16(&[1.0; 8]).unwrap();
-    let mut dout = cx.upload_bf16(&[bf16::from_f32(7.0); 4]).unwrap();
-    let r = cx.embedding_bf16(&dt, 2, &[1, 4], &mut dout);
-    assert!(matches!(r, Err(CudaError::Shape(_))), "{r:?}");
-    assert_eq!(cx.download_f32(&dout).unwrap(), vec![7.0; 4]);
-}
-
-#[test]
-fn add_residual_bf16_matches_cpu() {
-    let Some(cx) = ctx_or_skip("add_residual_bf16_matches_cpu") else {
-        return;
-    };
-    for &n in &[1usize, 100, 4096 * 33, 1 << 24] {
-        let x = rand_bf16_f32(n, 71 + n as u64);
-        let y = rand_bf16_f32(n, 73 + n as u64);
-        let mut want = x.clone();
-        ops::add_inplace(&mut want, &y).unwrap();
-        let mut dx = cx.upload_f32_as_bf16(&x).unwrap();
-        let dy = cx.upload_f32_as_bf16(&y).unwrap();
-        cx.add_residual_bf16(&mut dx, &dy).unwrap();
-        let got = cx.download_f32(&dx).unwrap();
-        let err = rel_err(&got, &want);
-        println!("add_residual bf16 n={n}: rel err vs CPU f32 {err:.2e}");
-        assert!(err <= 2e-2, "n={n}: rel err {err}");
-    }
-    let mut dx = cx.zeros_bf16(3).unwrap();
-    let dy = cx.zeros_bf16(4).unwrap();
-    assert!(matches!(
-        cx.add_residual_bf16(&mut dx, &dy),
-        Err(CudaError::Shape(_))
-    ));
-}
-
-/// The CPU sampler's greedy pick (omni-models `sampler::argmax`): the largest logit above
-/// `-inf`, lowest index on ties, `None` when there is none.
-fn cpu_argmax(logits: &[f32]) -> Option<u32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > f32::NEG_INFINITY && best.is_none_or(|(_, b)| l > b) {
-            best = Some((i, l));
-        }
-    }
-    best.map(|(i, _)| i as u32)
-}
-
-#[test]
-fn argmax_f32_rows_matches_cpu_sampler() {
-    let Some(cx) = ctx_or_skip("argmax_f32_rows_matches_cpu_sampler") else {
-        return;
-    };
-    for &(rows, vocab) in &[(1usize, 1usize), (4, 31), (8, 1000), (5, 151_936)] {
-        let mut logits = rand_bf16_f32(rows * vocab, 81 + vocab as u64);
-        if vocab > 10 {
-            // Ties across threads and warps: the lowest index must win.
-            let r0 = &mut logits[..vocab];
-            r0[vocab - 1] = 5.0;
-            r0[vocab / 2] = 5.0;
-            r0[3] = 5.0;
-            // -inf / NaN never win; an all -inf row has no pick.
-            let r1 = &mut logits[vocab..2 * vocab];
-            r1[0] = f32::NAN;
-            r1[1] = f32::INFINITY;
-            let r2 = &mut logits[2 * vocab..3 * vocab];
-            r2.fill(f32::NEG_INFINITY);
-            r2[vocab - 2] = -3.0;
-            logits[3 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
-        }
-        let want: Vec<Option<u32>> = logits.chunks_exact(vocab).map(cpu_argmax).collect();
-        let dl = cx.stream().clone_htod(&logits).unwrap();
-        let got = cx.argmax_f32_rows(&dl, vocab).unwrap();
-        let mismatches = got.iter().zip(&want).filter(|(g, w)| g != w).count();
-        println!(
-            "argmax f32 rows={rows} vocab={vocab}: {mismatches} mismatches vs CPU sampler (rel err 0), picks {:?}",
-            &got[..rows.min(4)]
-        );
-        assert_eq!(got, want, "rows={rows} vocab={vocab}");
-    }
-    let dl = cx.stream().clone_htod(&[0f32; 5]).unwrap();
-    assert!(matches!(
-        cx.argmax_f32_rows(&dl, 2),
         Err(CudaError::Shape(_))
     ));
 }

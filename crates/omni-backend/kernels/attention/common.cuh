@@ -1,0 +1,34 @@
+// Device helpers shared by the attention modules (src/cuda/attention/source.rs).
+// Prepended by the Rust side: bf16.cuh; this file comes next.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define ATTN_NEG_INF __int_as_float(0xff800000)
+#define ATTN_MAXPART 512
+
+// 8 bf16 (one 16-byte load, element 0 in the low half of .x) to f32.
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+    f[0] = __uint_as_float(u.x << 16); f[1] = __uint_as_float(u.x & 0xffff0000u);
+    f[2] = __uint_as_float(u.y << 16); f[3] = __uint_as_float(u.y & 0xffff0000u);
+    f[4] = __uint_as_float(u.z << 16); f[5] = __uint_as_float(u.z & 0xffff0000u);
+    f[6] = __uint_as_float(u.w << 16); f[7] = __uint_as_float(u.w & 0xffff0000u);
+}
+
+// Two f32 to a bf16x2 register (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Cache slot (block * block_size + offset) of context position `key`; indices clamped into the
+// block-table row and the cache so bad metadata cannot fault.
+__device__ __forceinline__ int kv_slot(const int* __restrict__ btab, int key, int bs, int mbps,
+                                       int num_blocks) {
+    int bi = key / bs;
+    const int off = key - bi * bs;
+    bi = min(bi, mbps - 1);
+    int blk = __ldg(btab + bi);
+    blk = min(max(blk, 0), num_blocks - 1);
+    return blk * bs + off;
+}

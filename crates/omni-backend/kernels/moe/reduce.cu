@@ -1,0 +1,37 @@
+// Weighted sum of each token's expert outputs.
+// Prepended by the Rust side: bf16.cuh, moe/ptx.cuh, moe/common.cuh (src/cuda/moe/source.rs).
+
+// ---- weighted reduction: out[t, :] = sum over slots (in order) of w[t, s] * y[t * k + s, :];
+// slots with an expert id outside [0, E) contribute nothing. 8 columns per thread.
+extern "C" __global__ void moe_reduce(
+        const unsigned short* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ wts,
+        unsigned short* __restrict__ out, int tokens, int hidden, int top_k, int num_experts) {
+    const int vpr = hidden >> 3;
+    const long long n = (long long)tokens * vpr;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long t = i / vpr;
+        const int c = (int)(i - t * vpr) * 8;
+        float acc[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+        for (int s = 0; s < top_k; ++s) {
+            const long long p = t * top_k + s;
+            const int e = ids[p];
+            if (e < 0 || e >= num_experts) continue;
+            const float wv = wts[p];
+            const uint4 v = *reinterpret_cast<const uint4*>(y + p * hidden + c);
+            const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                acc[2 * q] += wv * bf2f((unsigned short)(u[q] & 0xffffu));
+                acc[2 * q + 1] += wv * bf2f((unsigned short)(u[q] >> 16));
+            }
+        }
+        uint4 o;
+        o.x = pack_bf16x2(acc[0], acc[1]);
+        o.y = pack_bf16x2(acc[2], acc[3]);
+        o.z = pack_bf16x2(acc[4], acc[5]);
+        o.w = pack_bf16x2(acc[6], acc[7]);
+        *reinterpret_cast<uint4*>(out + t * hidden + c) = o;
+    }
+}

@@ -1,0 +1,239 @@
+//! [`CudaContext::paged_attention_bf16`]: checks, then the decode (and reduce) or prefill launch.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::source::{REDUCE_FN, hd_kernels, reduce_source};
+use super::{
+    AttnShape, DECODE_THREADS, GROUP_TILES, REDUCE_THREADS, decode_partition, decode_parts,
+    group_tiling, paged_attention_workspace_len, prefill_cfg,
+};
+use crate::cuda::launch::{aligned16, at_least, grid_yz, narrow, shape_err};
+use crate::cuda::{CudaContext, CudaResult, bf16};
+
+impl CudaContext {
+    /// Paged attention of `q` (`[num_tokens, num_heads, head_dim]` bf16) over the caches
+    /// (`[num_blocks, block_size, num_kv_heads, head_dim]`) into `out` (same shape as `q`): the
+    /// GPU twin of [`crate::attention::paged_attention`], f32 math.
+    ///
+    /// Metadata lives on the device: `query_start_loc` (`[num_seqs + 1]` i32), `seq_lens`
+    /// (`[num_seqs]` i32, context length including the new tokens) and `block_tables`
+    /// (`[num_seqs, max_blocks_per_seq]` i32). Host scalars come in `shape`; the decode path runs
+    /// when `shape.max_query_len == 1` (then every sequence has 0 or 1 query tokens), else the
+    /// tensor-core prefill path. `workspace` must hold [`paged_attention_workspace_len`] f32
+    /// (any buffer when that is 0).
+    ///
+    /// Launch-only: no allocation, no synchronization and no host reads of device memory, so it
+    /// can be captured in a CUDA graph (the kernels must have been loaded by an earlier call).
+    /// Buffers may be longer than `shape` needs; `q`, `out` and the caches must start 16-byte
+    /// aligned. Rows of `out` that belong to no sequence are left untouched.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_bf16(
+        &self,
+        q: &impl DevicePtr<bf16>,
+        k_cache: &impl DevicePtr<bf16>,
+        v_cache: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        query_start_loc: &impl DevicePtr<i32>,
+        seq_lens: &impl DevicePtr<i32>,
+        block_tables: &impl DevicePtr<i32>,
+        workspace: &mut impl DevicePtrMut<f32>,
+        shape: &AttnShape,
+    ) -> CudaResult<()> {
+        let sh = *shape;
+        let kernels = hd_kernels(sh.head_dim)?;
+        if sh.num_kv_heads == 0 || !sh.num_heads.is_multiple_of(sh.num_kv_heads) {
+            return Err(crate::Error::Metadata(format!(
+                "cuda paged attention: {} query heads over {} KV heads",
+                sh.num_heads, sh.num_kv_heads
+            ))
+            .into());
+        }
+        if sh.block_size == 0 || sh.max_blocks_per_seq == 0 {
+            return Err(crate::Error::Metadata(format!(
+                "cuda paged attention: block_size {} and max_blocks_per_seq {} must be positive",
+                sh.block_size, sh.max_blocks_per_seq
+            ))
+            .into());
+        }
+        if !sh.scale.is_finite() {
+            return Err(crate::Error::Metadata(format!(
+                "cuda paged attention: softmax scale {} is not finite",
+                sh.scale
+            ))
+            .into());
+        }
+        let q_len = sh.num_tokens * sh.num_heads * sh.head_dim;
+        at_least("cuda paged attention query", q.len(), q_len)?;
+        at_least("cuda paged attention out", out.len(), q_len)?;
+        at_least(
+            "cuda paged attention query_start_loc",
+            query_start_loc.len(),
+            sh.num_seqs + 1,
+        )?;
+        at_least("cuda paged attention seq_lens", seq_lens.len(), sh.num_seqs)?;
+        at_least(
+            "cuda paged attention block_tables",
+            block_tables.len(),
+            sh.num_seqs * sh.max_blocks_per_seq,
+        )?;
+        let block_elems = sh.block_size * sh.num_kv_heads * sh.head_dim;
+        crate::check_len(
+            "cuda paged attention value cache (same as key cache)",
+            v_cache.len(),
+            k_cache.len(),
+        )?;
+        if k_cache.len() < block_elems || !k_cache.len().is_multiple_of(block_elems) {
+            return Err(shape_err(
+                "cuda paged attention cache (a positive multiple of block_size * num_kv_heads * head_dim)",
+                block_elems,
+                k_cache.len(),
+            ));
+        }
+        let num_blocks = k_cache.len() / block_elems;
+        // Slots are int on the device.
+        narrow::<i32>("cache slots", num_blocks * sh.block_size)?;
+        let ws_need = paged_attention_workspace_len(&sh);
+        at_least("cuda paged attention workspace", workspace.len(), ws_need)?;
+        if sh.num_seqs == 0 || sh.num_tokens == 0 || sh.max_query_len == 0 {
+            return Ok(());
+        }
+
+        let num_tokens = narrow::<i32>("num_tokens", sh.num_tokens)?;
+        let num_heads = narrow::<i32>("num_heads", sh.num_heads)?;
+        let nkv = narrow::<i32>("num_kv_heads", sh.num_kv_heads)?;
+        let bs = narrow::<i32>("block_size", sh.block_size)?;
+        let num_blocks_i = narrow::<i32>("num_blocks", num_blocks)?;
+        let mbps = narrow::<i32>("max_blocks_per_seq", sh.max_blocks_per_seq)?;
+        let scale_log2 = sh.scale * std::f32::consts::LOG2_E;
+        let seqs = grid_yz("num_seqs", sh.num_seqs)?;
+
+        let (qp, _gq) = q.device_ptr(&self.stream);
+        let (kp, _gk) = k_cache.device_ptr(&self.stream);
+        let (vp, _gv) = v_cache.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        let (qslp, _gqsl) = query_start_loc.device_ptr(&self.stream);
+        let (slp, _gsl) = seq_lens.device_ptr(&self.stream);
+        let (btp, _gbt) = block_tables.device_ptr(&self.stream);
+        let (wsp, _gws) = workspace.device_ptr_mut(&self.stream);
+        for (what, p) in [
+            ("cuda paged attention query", qp),
+            ("cuda paged attention key cache", kp),
+            ("cuda paged attention value cache", vp),
+            ("cuda paged attention out", op),
+        ] {
+            aligned16(what, p)?;
+        }
+
+        if sh.max_query_len == 1 {
+            let (tile, chunks) = group_tiling(&sh);
+            let tile_idx = GROUP_TILES.iter().position(|&t| t == tile).unwrap_or(0);
+            let part = decode_partition(&sh);
+            let parts = decode_parts(&sh);
+            let part_i = narrow::<i32>("decode partition", part)?;
+            let parts_i = narrow::<i32>("decode partitions", parts)?;
+            let chunks_i = narrow::<i32>("head chunks", chunks)?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    narrow::<u32>("num_kv_heads * head chunks", sh.num_kv_heads * chunks)?,
+                    seqs,
+                    grid_yz("decode partitions", parts)?,
+                ),
+                block_dim: (DECODE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let f = self.function(kernels.source, kernels.decode[tile_idx])?;
+            let mut launch = self.stream.launch_builder(&f);
+            launch
+                .arg(&qp)
+                .arg(&kp)
+                .arg(&vp)
+                .arg(&op)
+                .arg(&qslp)
+                .arg(&slp)
+                .arg(&btp)
+                .arg(&wsp)
+                .arg(&num_tokens)
+                .arg(&num_heads)
+                .arg(&nkv)
+                .arg(&bs)
+                .arg(&num_blocks_i)
+                .arg(&mbps)
+                .arg(&part_i)
+                .arg(&parts_i)
+                .arg(&chunks_i)
+                .arg(&scale_log2);
+            // SAFETY: the arguments match `attn_decode_hd*_g*(const u16* x3, u16*, const int* x3,
+            // float*, int x9, float)`. q/out hold num_tokens rows of num_heads * head_dim and
+            // the kernel only touches rows qsl[s] < num_tokens; the metadata buffers hold
+            // num_seqs (+1) entries and num_seqs * max_blocks_per_seq table entries (grid y =
+            // num_seqs); block-table indices are clamped below max_blocks_per_seq and block
+            // ids into 0..num_blocks, the size of both caches (checked). The workspace holds
+            // num_seqs * num_heads * parts * (head_dim + 2) f32 when parts > 1 (checked) and is
+            // not touched otherwise. All bf16 pointers are 16-byte aligned (checked).
+            unsafe { launch.launch(cfg) }?;
+            if parts > 1 {
+                let hd_i = narrow::<i32>("head_dim", sh.head_dim)?;
+                let cfg = LaunchConfig {
+                    grid_dim: (narrow::<u32>("num_heads", sh.num_heads)?, seqs, 1),
+                    block_dim: (REDUCE_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let f = self.function(reduce_source, REDUCE_FN)?;
+                let mut launch = self.stream.launch_builder(&f);
+                launch
+                    .arg(&wsp)
+                    .arg(&op)
+                    .arg(&qslp)
+                    .arg(&slp)
+                    .arg(&num_tokens)
+                    .arg(&num_heads)
+                    .arg(&hd_i)
+                    .arg(&part_i)
+                    .arg(&parts_i);
+                // SAFETY: the arguments match `attn_decode_reduce(const float*, u16*, const
+                // int*, const int*, int x5)`; the workspace holds the num_seqs * num_heads *
+                // parts rows (and their max / sum) written by the decode launch above on the
+                // same stream; out rows are only written for qsl[s] < num_tokens, and the
+                // kernel reads at most `parts` partitions per row.
+                unsafe { launch.launch(cfg) }?;
+            }
+        } else {
+            let (warps, _, _) = prefill_cfg(sh.head_dim);
+            let bm = 16 * warps;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    narrow::<u32>("query tiles", sh.max_query_len.div_ceil(bm))?,
+                    grid_yz("num_heads", sh.num_heads)?,
+                    seqs,
+                ),
+                block_dim: (32 * warps as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let f = self.function(kernels.source, kernels.prefill)?;
+            let mut launch = self.stream.launch_builder(&f);
+            launch
+                .arg(&qp)
+                .arg(&kp)
+                .arg(&vp)
+                .arg(&op)
+                .arg(&qslp)
+                .arg(&slp)
+                .arg(&btp)
+                .arg(&num_tokens)
+                .arg(&num_heads)
+                .arg(&nkv)
+                .arg(&bs)
+                .arg(&num_blocks_i)
+                .arg(&mbps)
+                .arg(&scale_log2);
+            // SAFETY: the arguments match `attn_prefill_hd*(const u16* x3, u16*, const int* x3,
+            // int x6, float)`; the block has 32 * warps threads as the template instance
+            // assumes and uses only static shared memory (48 KiB). q/out rows are read and
+            // written only below num_tokens, metadata entries only for s < num_seqs (grid z),
+            // table indices are clamped below max_blocks_per_seq and block ids into the caches'
+            // num_blocks (checked); all bf16 pointers are 16-byte aligned (checked).
+            unsafe { launch.launch(cfg) }?;
+        }
+        Ok(())
+    }
+}

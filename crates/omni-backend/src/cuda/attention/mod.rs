@@ -1,0 +1,140 @@
+//! Paged attention on the GPU: the CUDA twin of [`crate::attention::paged_attention`] (bf16 in
+//! and out, f32 math) with the same semantics: a flat batch split by `query_start_loc`,
+//! `seq_lens` counting the new tokens, causal masking inside a chunk, query head `h` reading KV
+//! head `h / (num_heads / num_kv_heads)`, and the cache laid out `[num_blocks, block_size,
+//! num_kv_heads, head_dim]`. The cache write is fused into
+//! [`CudaContext::qkv_rope_cache_bf16`].
+//!
+//! Two paths, picked from the host scalars in [`AttnShape`] only:
+//!
+//! * **decode** (`max_query_len == 1`): flash-decoding. The grid is (KV head x group-of-query-heads
+//!   chunk, sequence, KV partition); one CTA reads a partition of one sequence's K/V once with
+//!   16-byte loads and serves every query head of the GQA group from it. With more than one
+//!   partition a second kernel merges the partial results (vLLM's `paged_attention_v2`); the
+//!   partials live in a caller-provided f32 workspace
+//!   ([`paged_attention_workspace_len`]).
+//! * **prefill / mixed** (`max_query_len > 1`): flash-attention 2 on tensor cores
+//!   (`mma.sync.m16n8k16` bf16 with `ldmatrix`, f32 accumulation, online softmax), K/V tiles
+//!   gathered from the paged cache through the block table with `cp.async`. Decode rows of a
+//!   mixed batch go through it too.
+//!
+//! The launch grid depends only on host scalars; every per-sequence value (query range, context
+//! length, blocks) is read on the device and CTAs with nothing to do exit at once. So
+//! `max_query_len` / `max_seq_len` may be upper bounds, and a decode step can be captured in a
+//! CUDA graph with bounds and replayed with other lengths. Neither call allocates, synchronizes
+//! or reads device memory on the host.
+//!
+//! Device-side metadata is trusted for the computed values but clamped for memory safety: block
+//! ids are clamped into the cache, block-table indices into the row, token indices into
+//! `num_tokens`.
+//!
+//! Here: the shape and the host-side heuristics (partitions, GQA tiling, prefill tiling); in
+//! `source.rs` the kernels' source per head dimension (`kernels/attention/*`), in `launch.rs`
+//! the launcher [`CudaContext::paged_attention_bf16`].
+
+mod launch;
+pub(super) mod source;
+#[cfg(test)]
+mod tests;
+
+#[cfg(doc)]
+use super::CudaContext;
+
+/// Host-side scalars of one [`CudaContext::paged_attention_bf16`] call.
+///
+/// `max_query_len` and `max_seq_len` may be upper bounds of the real per-sequence values (the
+/// grid is sized from them; the kernels read the real lengths from device memory). Every
+/// sequence must satisfy `query_len <= max_query_len` and `seq_len <= max_seq_len`.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Number of sequences (`seq_lens` entries; `query_start_loc` has one more).
+    pub num_seqs: usize,
+    /// Number of query tokens in the flat batch (rows of `q` and `out`).
+    pub num_tokens: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// KV heads (divides `num_heads`).
+    pub num_kv_heads: usize,
+    /// Elements per head: 16, 32, 64, 128 or 256.
+    pub head_dim: usize,
+    /// Tokens per cache block (any value >= 1).
+    pub block_size: usize,
+    /// Row stride of `block_tables` (entries per sequence).
+    pub max_blocks_per_seq: usize,
+    /// Largest query length of any sequence (or an upper bound); 1 selects the decode path.
+    pub max_query_len: usize,
+    /// Largest context length of any sequence (or an upper bound).
+    pub max_seq_len: usize,
+    /// Softmax scale, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Head dimensions the kernels are built for.
+pub const SUPPORTED_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+
+/// Largest decode partition (tokens per CTA); sizes the kernel's shared memory.
+const MAX_PARTITION: usize = 512;
+/// Query heads of one GQA group served by one decode CTA, by template instance.
+const GROUP_TILES: [usize; 4] = [1, 2, 4, 8];
+/// Threads of a decode CTA (the kernel assumes 4 warps).
+const DECODE_THREADS: u32 = 128;
+/// Threads of the decode reduce kernel.
+const REDUCE_THREADS: u32 = 128;
+/// Decode CTAs below which partitions are halved (down to 64 tokens) for parallelism.
+const DECODE_MIN_CTAS: usize = 1600;
+
+/// Tokens per decode partition for `shape`: 512, halved while the grid would have fewer than
+/// [`DECODE_MIN_CTAS`] CTAs (down to 64). A pure function of the host scalars.
+fn decode_partition(shape: &AttnShape) -> usize {
+    let (_, chunks) = group_tiling(shape);
+    let ctas_per_part = shape.num_kv_heads * chunks * shape.num_seqs;
+    let mut part = MAX_PARTITION;
+    while part > 64 && ctas_per_part * shape.max_seq_len.div_ceil(part) < DECODE_MIN_CTAS {
+        part /= 2;
+    }
+    part
+}
+
+/// Decode partitions (grid z) for `shape`.
+fn decode_parts(shape: &AttnShape) -> usize {
+    shape.max_seq_len.div_ceil(decode_partition(shape)).max(1)
+}
+
+/// (query heads per decode CTA, CTAs per KV head) for the GQA group size of `shape`.
+fn group_tiling(shape: &AttnShape) -> (usize, usize) {
+    let group = shape
+        .num_heads
+        .checked_div(shape.num_kv_heads)
+        .unwrap_or(1)
+        .max(1);
+    let tile = GROUP_TILES
+        .iter()
+        .copied()
+        .find(|&t| t >= group)
+        .unwrap_or(GROUP_TILES[GROUP_TILES.len() - 1]);
+    (tile, group.div_ceil(tile))
+}
+
+/// The f32 workspace [`CudaContext::paged_attention_bf16`] needs for `shape`, in elements: 0 on
+/// the prefill path and for single-partition decodes, else room for every (sequence, head,
+/// partition)'s partial output, max and sum. A pure function of the host scalars, so a buffer
+/// sized for upper bounds serves every smaller step.
+pub fn paged_attention_workspace_len(shape: &AttnShape) -> usize {
+    if shape.max_query_len != 1 {
+        return 0;
+    }
+    let parts = decode_parts(shape);
+    if parts <= 1 {
+        return 0;
+    }
+    shape.num_seqs * shape.num_heads * parts * (shape.head_dim + 2)
+}
+
+/// Prefill kernel tiling for `head_dim`: (warps, keys per tile, Q held in registers).
+fn prefill_cfg(head_dim: usize) -> (usize, usize, bool) {
+    if head_dim <= 128 {
+        (4, 64, true)
+    } else {
+        (2, 32, false)
+    }
+}

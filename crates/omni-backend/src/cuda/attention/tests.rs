@@ -1,0 +1,511 @@
+//! GPU tests of paged attention against the CPU backend, and the host-side heuristics.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cudarc::driver::CudaSlice;
+
+use super::source::{REDUCE_FN, hd_kernels, reduce_source};
+use super::*;
+use crate::attention::{AttentionMetadata, LayerKvCache, paged_attention, reshape_and_cache};
+use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
+use crate::cuda::{CudaContext, bf16};
+
+/// Entry-point names match the source (the NVRTC compile check of these sources is
+/// `kernels::tests::every_kernel_module_compiles_for_sm90`).
+#[test]
+fn every_head_dim_source_defines_its_entry_points() {
+    assert!(reduce_source().contains(REDUCE_FN));
+    for hd in SUPPORTED_HEAD_DIMS {
+        let k = hd_kernels(hd).unwrap();
+        let src = (k.source)();
+        for name in k.decode.iter().chain([&k.prefill]) {
+            assert!(src.contains(name), "{name} missing from the hd{hd} source");
+        }
+    }
+}
+
+#[test]
+fn unsupported_head_dim_is_a_clear_error() {
+    let e = hd_kernels(96).err().unwrap().to_string();
+    assert!(e.contains("head_dim 96 is not supported"), "{e}");
+}
+
+#[test]
+fn workspace_is_zero_off_the_multi_partition_decode_path() {
+    let mut sh = AttnShape {
+        num_seqs: 64,
+        num_tokens: 64,
+        num_heads: 32,
+        num_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        max_blocks_per_seq: 64,
+        max_query_len: 1,
+        max_seq_len: 1024,
+        scale: 0.1,
+    };
+    assert_eq!(decode_partition(&sh), 256);
+    assert_eq!(paged_attention_workspace_len(&sh), 64 * 32 * 4 * 130);
+    sh.max_query_len = 2;
+    assert_eq!(paged_attention_workspace_len(&sh), 0);
+    sh.max_query_len = 1;
+    sh.max_seq_len = 60;
+    assert_eq!(paged_attention_workspace_len(&sh), 0);
+    assert_eq!(group_tiling(&sh), (4, 1));
+    sh.num_heads = 8 * 12;
+    assert_eq!(group_tiling(&sh), (8, 2));
+    sh.num_heads = 8 * 3;
+    assert_eq!(group_tiling(&sh), (4, 1));
+}
+
+/// Small deterministic generator for test layouts.
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as usize) % n.max(1)
+    }
+}
+
+/// A batch on the device with its CPU reference output.
+struct Fixture {
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    bs: usize,
+    num_tokens: usize,
+    mbps: usize,
+    max_q: usize,
+    max_ctx: usize,
+    dq: CudaSlice<bf16>,
+    dk_cache: CudaSlice<bf16>,
+    dv_cache: CudaSlice<bf16>,
+    dqsl: CudaSlice<i32>,
+    dseq: CudaSlice<i32>,
+    dbt: CudaSlice<i32>,
+    want: Vec<f32>,
+}
+
+impl Fixture {
+    /// `seqs`: (context length, query length) per sequence. Writes the earlier context and
+    /// then the new tokens (and a padding token) into the CPU cache with `reshape_and_cache`,
+    /// uploads that cache (bf16-exact values) and computes the CPU attention.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        cx: &CudaContext,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        bs: usize,
+        seqs: &[(usize, usize)],
+        seed: u64,
+    ) -> Self {
+        let mut rng = Lcg(seed);
+        let need: Vec<usize> = seqs.iter().map(|&(c, _)| c.div_ceil(bs)).collect();
+        let num_blocks = need.iter().sum::<usize>() + 3;
+        let mut perm: Vec<usize> = (0..num_blocks).collect();
+        for i in (1..num_blocks).rev() {
+            let j = rng.next(i + 1);
+            perm.swap(i, j);
+        }
+        let mbps = need.iter().copied().max().unwrap_or(0) + 1;
+        let mut tables: Vec<Vec<u32>> = Vec::new();
+        let mut flat_bt = vec![0i32; seqs.len() * mbps];
+        let mut next = 0;
+        for (s, &n) in need.iter().enumerate() {
+            let t: Vec<u32> = perm[next..next + n].iter().map(|&b| b as u32).collect();
+            next += n;
+            for (i, &b) in t.iter().enumerate() {
+                flat_bt[s * mbps + i] = b as i32;
+            }
+            // Padding entries point at a real block: must never be read.
+            flat_bt[s * mbps + n] = perm[num_blocks - 1] as i32;
+            tables.push(t);
+        }
+        let row = nkv * hd;
+        let slot = |s: usize, p: usize| (tables[s][p / bs] as usize * bs + p % bs) as i64;
+        let (mut old_k, mut old_v, mut old_slots) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut new_k, mut new_v, mut new_slots) = (Vec::new(), Vec::new(), Vec::new());
+        let mut qsl = vec![0usize];
+        for (s, &(ctx, ql)) in seqs.iter().enumerate() {
+            assert!(ql <= ctx);
+            let k = rand_bf16_f32(ctx * row, seed * 1000 + 2 * s as u64);
+            let v = rand_bf16_f32(ctx * row, seed * 1000 + 2 * s as u64 + 1);
+            for p in 0..ctx {
+                let (dk, dv, ds) = if p < ctx - ql {
+                    (&mut old_k, &mut old_v, &mut old_slots)
+                } else {
+                    (&mut new_k, &mut new_v, &mut new_slots)
+                };
+                dk.extend_from_slice(&k[p * row..(p + 1) * row]);
+                dv.extend_from_slice(&v[p * row..(p + 1) * row]);
+                ds.push(slot(s, p));
+            }
+            qsl.push(qsl[s] + ql);
+        }
+        let num_tokens = new_slots.len();
+        let mut cache = LayerKvCache::new(num_blocks, bs, nkv, hd);
+        // A trailing padding token (slot -1) with the new ones.
+        new_k.extend(rand_bf16_f32(row, seed + 77));
+        new_v.extend(rand_bf16_f32(row, seed + 78));
+        new_slots.push(-1);
+        for (k, v, slots) in [(&old_k, &old_v, &old_slots), (&new_k, &new_v, &new_slots)] {
+            if !slots.is_empty() {
+                reshape_and_cache(k, v, slots, &mut cache).unwrap();
+            }
+        }
+        let dk_cache = cx.upload_f32_as_bf16(&cache.k).unwrap();
+        let dv_cache = cx.upload_f32_as_bf16(&cache.v).unwrap();
+        new_slots.pop();
+
+        let q = rand_bf16_f32(num_tokens * nh * hd, seed + 99);
+        let meta = AttentionMetadata {
+            slot_mapping: new_slots,
+            block_tables: tables,
+            seq_lens: seqs.iter().map(|&(c, _)| c).collect(),
+            query_start_loc: qsl.clone(),
+        };
+        let mut want = vec![0.0; q.len()];
+        paged_attention(&q, nh, &cache, &meta, 1.0 / (hd as f32).sqrt(), &mut want).unwrap();
+        let to_i32 = |v: &[usize]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
+        Self {
+            nh,
+            nkv,
+            hd,
+            bs,
+            num_tokens,
+            mbps,
+            max_q: seqs.iter().map(|&(_, q)| q).max().unwrap_or(0),
+            max_ctx: seqs.iter().map(|&(c, _)| c).max().unwrap_or(0),
+            dq: cx.upload_f32_as_bf16(&q).unwrap(),
+            dk_cache,
+            dv_cache,
+            dqsl: cx.stream().clone_htod(&to_i32(&qsl)).unwrap(),
+            dseq: cx.stream().clone_htod(&to_i32(&meta.seq_lens)).unwrap(),
+            dbt: cx.stream().clone_htod(&flat_bt).unwrap(),
+            want,
+        }
+    }
+
+    fn shape(&self, max_query_len: usize, max_seq_len: usize) -> AttnShape {
+        AttnShape {
+            num_seqs: self.dseq.len(),
+            num_tokens: self.num_tokens,
+            num_heads: self.nh,
+            num_kv_heads: self.nkv,
+            head_dim: self.hd,
+            block_size: self.bs,
+            max_blocks_per_seq: self.mbps,
+            max_query_len,
+            max_seq_len,
+            scale: 1.0 / (self.hd as f32).sqrt(),
+        }
+    }
+
+    fn run(&self, cx: &CudaContext, shape: &AttnShape) -> Vec<f32> {
+        let mut out = cx.zeros_bf16(self.want.len()).unwrap();
+        let mut ws = cx
+            .stream()
+            .alloc_zeros::<f32>(paged_attention_workspace_len(shape).max(1))
+            .unwrap();
+        cx.paged_attention_bf16(
+            &self.dq,
+            &self.dk_cache,
+            &self.dv_cache,
+            &mut out,
+            &self.dqsl,
+            &self.dseq,
+            &self.dbt,
+            &mut ws,
+            shape,
+        )
+        .unwrap();
+        cx.download_f32(&out).unwrap()
+    }
+
+    fn check(&self, cx: &CudaContext, what: &str, shape: &AttnShape) -> Vec<f32> {
+        let got = self.run(cx, shape);
+        let err = rel_err(&got, &self.want);
+        println!(
+            "attention check {what}: nh {} nkv {} hd {} bs {} tokens {} max_q {} max_ctx {} (grid bounds q {} ctx {}): rel_err {err:.3e}",
+            self.nh,
+            self.nkv,
+            self.hd,
+            self.bs,
+            self.num_tokens,
+            self.max_q,
+            self.max_ctx,
+            shape.max_query_len,
+            shape.max_seq_len
+        );
+        assert!(err <= 2e-2, "{what}: rel_err {err}");
+        got
+    }
+}
+
+/// A random mix of full prefills, chunked prefills and decodes.
+fn random_mix(seed: u64, n: usize, max_ctx: usize) -> Vec<(usize, usize)> {
+    let mut rng = Lcg(seed);
+    (0..n)
+        .map(|_| {
+            let ctx = 1 + rng.next(max_ctx);
+            match rng.next(3) {
+                0 => (ctx, ctx),
+                1 => (ctx, 1 + rng.next(ctx)),
+                _ => (ctx, 1),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn paged_attention_mixed_batches_match_cpu() {
+    let Some(cx) = ctx_or_skip("paged_attention_mixed_batches_match_cpu") else {
+        return;
+    };
+    let fixed = vec![
+        (200, 200),
+        (150, 70),
+        (1, 1),
+        (77, 1),
+        (600, 1),
+        (513, 64),
+        (64, 64),
+        (300, 2),
+        (129, 65),
+    ];
+    let configs: [(usize, usize, usize, usize); 7] = [
+        (8, 2, 128, 16),
+        (4, 4, 128, 4),
+        (8, 2, 64, 16),
+        (4, 4, 64, 4),
+        (8, 2, 16, 4),
+        (6, 2, 32, 16),
+        (4, 2, 256, 16),
+    ];
+    for (i, &(nh, nkv, hd, bs)) in configs.iter().enumerate() {
+        for (j, seqs) in [fixed.clone(), random_mix(11 + i as u64, 10, 400)]
+            .iter()
+            .enumerate()
+        {
+            let fx = Fixture::new(&cx, nh, nkv, hd, bs, seqs, 100 + (10 * i + j) as u64);
+            let sh = fx.shape(fx.max_q, fx.max_ctx);
+            fx.check(&cx, "mixed", &sh);
+        }
+    }
+}
+
+#[test]
+fn paged_attention_decode_batches_match_cpu() {
+    let Some(cx) = ctx_or_skip("paged_attention_decode_batches_match_cpu") else {
+        return;
+    };
+    let lens = [1usize, 17, 512, 513, 1100, 2000, 64, 255, 256, 257];
+    let seqs: Vec<(usize, usize)> = lens.iter().map(|&c| (c, 1)).collect();
+    let short: Vec<(usize, usize)> = [1usize, 3, 16, 40, 61].iter().map(|&c| (c, 1)).collect();
+    let configs: [(usize, usize, usize, usize); 7] = [
+        (32, 8, 128, 16),
+        (4, 4, 128, 4),
+        (8, 2, 64, 16),
+        (12, 1, 64, 16),
+        (8, 2, 16, 4),
+        (6, 2, 32, 4),
+        (4, 2, 256, 16),
+    ];
+    for (i, &(nh, nkv, hd, bs)) in configs.iter().enumerate() {
+        for (j, s) in [&seqs, &short].into_iter().enumerate() {
+            let fx = Fixture::new(&cx, nh, nkv, hd, bs, s, 500 + (10 * i + j) as u64);
+            let sh = fx.shape(1, fx.max_ctx);
+            fx.check(&cx, "decode", &sh);
+            // The same decodes through the tensor-core path (max_query_len an upper bound).
+            let sh = fx.shape(2, fx.max_ctx);
+            fx.check(&cx, "decode via prefill kernel", &sh);
+        }
+    }
+    // A large batch: partitions of 256 (exact bound) and 512 (bound 2048) tokens.
+    let mut rng = Lcg(3);
+    let big: Vec<(usize, usize)> = (0..64).map(|_| (1 + rng.next(1500), 1)).collect();
+    let fx = Fixture::new(&cx, 32, 8, 128, 16, &big, 700);
+    for bound in [fx.max_ctx, 2048] {
+        let sh = fx.shape(1, bound);
+        println!(
+            "attention decode partition {} for max_seq_len {bound}",
+            decode_partition(&sh)
+        );
+        fx.check(&cx, "large decode batch", &sh);
+    }
+}
+
+/// Graph-style launches: grid sized from upper bounds, lengths read on the device.
+#[test]
+fn paged_attention_upper_bounds_give_the_same_answer() {
+    let Some(cx) = ctx_or_skip("paged_attention_upper_bounds_give_the_same_answer") else {
+        return;
+    };
+    for (nh, nkv, hd, bs) in [(32, 8, 128, 16), (8, 2, 64, 4), (8, 8, 16, 16)] {
+        // Decode: exact bounds vs a much larger max_seq_len (more partitions, reduce path).
+        let seqs: Vec<(usize, usize)> = [5usize, 700, 1300, 90].iter().map(|&c| (c, 1)).collect();
+        let fx = Fixture::new(&cx, nh, nkv, hd, bs, &seqs, 900);
+        let exact = fx.check(&cx, "decode exact bounds", &fx.shape(1, fx.max_ctx));
+        let loose = fx.check(&cx, "decode loose bounds", &fx.shape(1, 6000));
+        let d = rel_err(&loose, &exact);
+        println!("attention graph-style decode: loose vs exact rel diff {d:.3e}");
+        assert!(d <= 1e-2, "decode loose vs exact {d}");
+        // Short decodes: one partition exactly (direct write) vs many (reduce).
+        let seqs: Vec<(usize, usize)> = [5usize, 30, 64].iter().map(|&c| (c, 1)).collect();
+        let fx = Fixture::new(&cx, nh, nkv, hd, bs, &seqs, 901);
+        let exact = fx.check(&cx, "short decode exact", &fx.shape(1, fx.max_ctx));
+        let loose = fx.check(&cx, "short decode loose", &fx.shape(1, 4096));
+        assert!(rel_err(&loose, &exact) <= 1e-2);
+        // Prefill: max_query_len twice the real one must give identical bits.
+        let seqs = [(300, 300), (150, 40), (77, 1)];
+        let fx = Fixture::new(&cx, nh, nkv, hd, bs, &seqs, 902);
+        let exact = fx.check(&cx, "prefill exact bounds", &fx.shape(fx.max_q, fx.max_ctx));
+        let loose = fx.check(&cx, "prefill loose bounds", &fx.shape(2 * fx.max_q, 4096));
+        assert_eq!(loose, exact, "prefill with an upper-bound grid differs");
+    }
+}
+
+#[test]
+fn attention_timing() {
+    let Some(cx) = ctx_or_skip("attention_timing") else {
+        return;
+    };
+    let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let e0 = cx.raw().new_event(flags).unwrap();
+    let e1 = cx.raw().new_event(flags).unwrap();
+    let time_us = |f: &mut dyn FnMut()| {
+        for _ in 0..3 {
+            f();
+        }
+        cx.synchronize().unwrap();
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            e0.record(cx.stream()).unwrap();
+            for _ in 0..10 {
+                f();
+            }
+            e1.record(cx.stream()).unwrap();
+            e1.synchronize().unwrap();
+            best = best.min(e0.elapsed_ms(&e1).unwrap() as f64 * 100.0);
+        }
+        best
+    };
+
+    // Decode: 64 sequences x 1024 context.
+    let (seqs, ctx) = (64usize, 1024usize);
+    let bps = ctx / bs;
+    let num_blocks = seqs * bps;
+    let mut rng = Lcg(5);
+    let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..num_blocks).rev() {
+        perm.swap(i, rng.next(i + 1));
+    }
+    let kc = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(num_blocks * bs * nkv * hd, 1))
+        .unwrap();
+    let vc = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(num_blocks * bs * nkv * hd, 2))
+        .unwrap();
+    let q = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(seqs * nh * hd, 3))
+        .unwrap();
+    let mut out = cx.zeros_bf16(seqs * nh * hd).unwrap();
+    let qsl = cx
+        .stream()
+        .clone_htod(&(0..=seqs as i32).collect::<Vec<_>>())
+        .unwrap();
+    let sl = cx.stream().clone_htod(&vec![ctx as i32; seqs]).unwrap();
+    let bt = cx.stream().clone_htod(&perm).unwrap();
+    let shape = AttnShape {
+        num_seqs: seqs,
+        num_tokens: seqs,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+        block_size: bs,
+        max_blocks_per_seq: bps,
+        max_query_len: 1,
+        max_seq_len: ctx,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    let mut ws = cx
+        .stream()
+        .alloc_zeros::<f32>(paged_attention_workspace_len(&shape).max(1))
+        .unwrap();
+    let us = time_us(&mut || {
+        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws, &shape)
+            .unwrap()
+    });
+    let bytes = (seqs * ctx * nkv * hd * 2 * 2) as f64;
+    println!(
+        "attention decode batch {seqs} x ctx {ctx}, {nh}/{nkv} heads, hd {hd}, block {bs}, partition {}: {us:.1} us/call, KV read {:.0} GB/s",
+        decode_partition(&shape),
+        bytes / (us * 1e3)
+    );
+    // Same with the grid sized for 4x the context (graph-style upper bound).
+    let loose = AttnShape {
+        max_seq_len: 4 * ctx,
+        ..shape
+    };
+    let mut ws2 = cx
+        .stream()
+        .alloc_zeros::<f32>(paged_attention_workspace_len(&loose).max(1))
+        .unwrap();
+    let us = time_us(&mut || {
+        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws2, &loose)
+            .unwrap()
+    });
+    println!(
+        "attention decode (max_seq_len bound {}): {us:.1} us/call, KV read {:.0} GB/s",
+        loose.max_seq_len,
+        bytes / (us * 1e3)
+    );
+
+    // Prefill: one sequence of 2048 tokens.
+    let t = 2048usize;
+    let bps = t / bs;
+    let kc = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(bps * bs * nkv * hd, 4))
+        .unwrap();
+    let vc = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(bps * bs * nkv * hd, 5))
+        .unwrap();
+    let q = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(t * nh * hd, 6))
+        .unwrap();
+    let mut out = cx.zeros_bf16(t * nh * hd).unwrap();
+    let qsl = cx.stream().clone_htod(&[0i32, t as i32]).unwrap();
+    let sl = cx.stream().clone_htod(&[t as i32]).unwrap();
+    let bt = cx
+        .stream()
+        .clone_htod(&(0..bps as i32).rev().collect::<Vec<_>>())
+        .unwrap();
+    let shape = AttnShape {
+        num_seqs: 1,
+        num_tokens: t,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+        block_size: bs,
+        max_blocks_per_seq: bps,
+        max_query_len: t,
+        max_seq_len: t,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    let mut ws = cx.stream().alloc_zeros::<f32>(1).unwrap();
+    let us = time_us(&mut || {
+        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws, &shape)
+            .unwrap()
+    });
+    let flops = 4.0 * (t * t) as f64 / 2.0 * (nh * hd) as f64;
+    println!(
+        "attention prefill {t} tokens, {nh}/{nkv} heads, hd {hd}, block {bs}: {us:.1} us/call, {:.1} TFLOP/s (x36 layers: {:.2} ms)",
+        flops / (us * 1e6),
+        36.0 * us / 1e3
+    );
+}

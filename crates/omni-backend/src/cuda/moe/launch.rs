@@ -1,0 +1,341 @@
+//! The MoE launchers: [`CudaContext::moe_topk_softmax`] and [`CudaContext::fused_moe_bf16`].
+
+use cudarc::driver::sys::CUfunction_attribute_enum as FnAttr;
+use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+#[cfg(doc)]
+use super::fused_moe_workspace_bytes;
+use super::source::{ALIGN_FN, REDUCE_FN, TOPK_FN, moe_source};
+use super::tiles::TileCfg;
+use super::{Layout, MOE_MAX_EXPERTS, MoeShape};
+#[cfg(doc)]
+use crate::cuda::CudaError;
+use crate::cuda::launch::{aligned16, block_threads, elementwise_cfg, grid_yz, narrow, shape_err};
+use crate::cuda::{CudaContext, CudaResult, bf16};
+
+/// Checks the expert count and top-k of a routing problem.
+fn check_routing(num_experts: usize, top_k: usize) -> CudaResult<()> {
+    if num_experts == 0 || num_experts > MOE_MAX_EXPERTS {
+        return Err(shape_err(
+            "moe num_experts (1..=MOE_MAX_EXPERTS)",
+            MOE_MAX_EXPERTS,
+            num_experts,
+        ));
+    }
+    if top_k == 0 || top_k > num_experts {
+        return Err(shape_err("moe top_k (1..=num_experts)", num_experts, top_k));
+    }
+    Ok(())
+}
+
+/// Sets the dynamic shared memory limit (and the largest shared-memory carveout) a GEMM tile
+/// needs. Host-side function attributes only: legal during stream capture.
+fn set_smem(f: &CudaFunction, bytes: usize) -> CudaResult<()> {
+    f.set_attribute(
+        FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        narrow::<i32>("moe shared memory", bytes)?,
+    )?;
+    f.set_attribute(
+        FnAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+        100,
+    )?;
+    Ok(())
+}
+
+impl CudaContext {
+    /// Qwen3-MoE routing on the device: for each of `tokens` rows of `router_logits`
+    /// (`[tokens, num_experts]` f32, as the CPU model computes them), softmax over all experts, the `top_k` most probable
+    /// experts in decreasing probability (ties: lower expert id first) into `topk_ids`
+    /// (`[tokens, top_k]`), and their probabilities into `topk_weights`, renormalised to sum to 1
+    /// when `renormalize` (`norm_topk_prob`). The GPU twin of the routing in omni-models'
+    /// `DecoderModel::moe`. `num_experts` is at most [`MOE_MAX_EXPERTS`]; one warp per token; no
+    /// host synchronization (graph capturable).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_topk_softmax(
+        &self,
+        router_logits: &impl DevicePtr<f32>,
+        topk_ids: &mut impl DevicePtrMut<i32>,
+        topk_weights: &mut impl DevicePtrMut<f32>,
+        tokens: usize,
+        num_experts: usize,
+        top_k: usize,
+        renormalize: bool,
+    ) -> CudaResult<()> {
+        check_routing(num_experts, top_k)?;
+        crate::check_len(
+            "moe router logits",
+            router_logits.len(),
+            tokens * num_experts,
+        )?;
+        crate::check_len("moe topk ids", topk_ids.len(), tokens * top_k)?;
+        crate::check_len("moe topk weights", topk_weights.len(), tokens * top_k)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        const WARPS: usize = 4;
+        let cfg = LaunchConfig {
+            grid_dim: (narrow::<u32>("moe tokens", tokens.div_ceil(WARPS))?, 1, 1),
+            block_dim: (32 * WARPS as u32, 1, 1),
+            shared_mem_bytes: (WARPS * num_experts * 4) as u32,
+        };
+        let (t_i, e_i, k_i) = (
+            narrow::<i32>("tokens", tokens)?,
+            narrow::<i32>("num_experts", num_experts)?,
+            narrow::<i32>("top_k", top_k)?,
+        );
+        let renorm = i32::from(renormalize);
+        let f = self.function(moe_source, TOPK_FN)?;
+        let (logits_p, _g0) = router_logits.device_ptr(&self.stream);
+        let (ids_p, _g1) = topk_ids.device_ptr_mut(&self.stream);
+        let (w_p, _g2) = topk_weights.device_ptr_mut(&self.stream);
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(&logits_p)
+            .arg(&ids_p)
+            .arg(&w_p)
+            .arg(&t_i)
+            .arg(&e_i)
+            .arg(&k_i)
+            .arg(&renorm);
+        // SAFETY: the arguments match `moe_topk_softmax(const float*, int*, float*, int, int, int,
+        // int)`; logits hold tokens * E elements and ids / weights tokens * k (checked above);
+        // one warp per token (warps past `tokens` return), 4 warps per block with E floats of
+        // dynamic shared memory each (E <= 1024: 16 KiB at most); 1 <= k <= E.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The Qwen3-MoE expert block on the device, bf16 in and out with f32 accumulation:
+    /// `out[t] = sum_s topk_weights[t, s] * down_e(silu(gate_e(x[t])) * up_e(x[t]))` with
+    /// `e = topk_ids[t, s]`, where expert `e` has `w13[e]` (`[2 * inter, hidden]`: `inter` gate
+    /// rows then `inter` up rows) and `w2[e]` (`[hidden, inter]`), Hugging Face `[out, in]`
+    /// layout. `x` and `out` are `[tokens, hidden]`, `topk_ids` / `topk_weights` `[tokens,
+    /// top_k]` (e.g. from [`CudaContext::moe_topk_softmax`]); ids outside `0..num_experts` are
+    /// skipped (their slot contributes nothing).
+    ///
+    /// `workspace` must hold at least [`fused_moe_workspace_bytes`]`(shape)` bytes. `hidden` and
+    /// `inter` must be positive multiples of 8 (16-byte rows; other sizes are a
+    /// [`CudaError::Shape`] error) and need not be multiples of the tiles (ragged edges are
+    /// zero-filled and masked); `x`, `w13`, `w2`, `out` and `workspace` must be 16-byte aligned
+    /// (whole allocations are). The result is
+    /// deterministic (no float atomics), and the call is CUDA-graph capturable: no allocation,
+    /// no host synchronization, launch grids that depend only on `shape`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fused_moe_bf16(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        w13: &impl DevicePtr<bf16>,
+        w2: &impl DevicePtr<bf16>,
+        topk_ids: &impl DevicePtr<i32>,
+        topk_weights: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<bf16>,
+        workspace: &mut impl DevicePtrMut<u8>,
+        shape: MoeShape,
+    ) -> CudaResult<()> {
+        let tile = TileCfg::select(&shape);
+        self.fused_moe_with(
+            x,
+            w13,
+            w2,
+            topk_ids,
+            topk_weights,
+            out,
+            workspace,
+            shape,
+            tile,
+        )
+    }
+
+    /// [`CudaContext::fused_moe_bf16`] with the GEMM tile chosen by the caller (tests run both).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fused_moe_with(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        w13: &impl DevicePtr<bf16>,
+        w2: &impl DevicePtr<bf16>,
+        topk_ids: &impl DevicePtr<i32>,
+        topk_weights: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<bf16>,
+        workspace: &mut impl DevicePtrMut<u8>,
+        shape: MoeShape,
+        tile: TileCfg,
+    ) -> CudaResult<()> {
+        let MoeShape {
+            tokens,
+            hidden,
+            inter,
+            num_experts,
+            top_k,
+        } = shape;
+        check_routing(num_experts, top_k)?;
+        if hidden == 0 || !hidden.is_multiple_of(8) {
+            return Err(shape_err(
+                "fused moe hidden (a positive multiple of 8)",
+                hidden.div_ceil(8).max(1) * 8,
+                hidden,
+            ));
+        }
+        if inter == 0 || !inter.is_multiple_of(8) {
+            return Err(shape_err(
+                "fused moe inter (a positive multiple of 8)",
+                inter.div_ceil(8).max(1) * 8,
+                inter,
+            ));
+        }
+        let pairs = shape.pairs();
+        crate::check_len("fused moe x", x.len(), tokens * hidden)?;
+        crate::check_len("fused moe w13", w13.len(), num_experts * 2 * inter * hidden)?;
+        crate::check_len("fused moe w2", w2.len(), num_experts * hidden * inter)?;
+        crate::check_len("fused moe topk ids", topk_ids.len(), pairs)?;
+        crate::check_len("fused moe topk weights", topk_weights.len(), pairs)?;
+        crate::check_len("fused moe out", out.len(), tokens * hidden)?;
+        let lay = Layout::new(&shape, &tile);
+        if workspace.len() < lay.total {
+            return Err(shape_err(
+                "fused moe workspace bytes (at least fused_moe_workspace_bytes)",
+                lay.total,
+                workspace.len(),
+            ));
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        // Every int the kernels take, and the row products they form in int.
+        let (h_i, i_i, e_i, k_i, t_i) = (
+            narrow::<i32>("hidden", hidden)?,
+            narrow::<i32>("inter", inter)?,
+            narrow::<i32>("num_experts", num_experts)?,
+            narrow::<i32>("top_k", top_k)?,
+            narrow::<i32>("tokens", tokens)?,
+        );
+        narrow::<i32>("2 * inter", 2 * inter)?;
+        let p_i = narrow::<i32>("tokens * top_k", pairs)?;
+        let bm_i = narrow::<i32>("moe tile rows", tile.bm)?;
+        let mb_i = narrow::<i32>("moe row blocks", lay.max_blocks)?;
+        narrow::<i32>("moe sorted rows", lay.max_blocks * tile.bm)?;
+        let blocks_y = grid_yz("moe row blocks (grid y, at most 65535)", lay.max_blocks)?;
+
+        let f_align = self.function(moe_source, ALIGN_FN)?;
+        let f_gu = self.function(moe_source, tile.gate_up_fn)?;
+        let f_down = self.function(moe_source, tile.down_fn)?;
+        let f_red = self.function(moe_source, REDUCE_FN)?;
+        let smem = tile.smem_bytes();
+        set_smem(&f_gu, smem)?;
+        set_smem(&f_down, smem)?;
+
+        let (x_p, _gx) = x.device_ptr(&self.stream);
+        let (w13_p, _g13) = w13.device_ptr(&self.stream);
+        let (w2_p, _g2) = w2.device_ptr(&self.stream);
+        let (ids_p, _gi) = topk_ids.device_ptr(&self.stream);
+        let (tw_p, _gw) = topk_weights.device_ptr(&self.stream);
+        let (out_p, _go) = out.device_ptr_mut(&self.stream);
+        let (ws_p, _gws) = workspace.device_ptr_mut(&self.stream);
+        aligned16("fused moe x", x_p)?;
+        aligned16("fused moe w13", w13_p)?;
+        aligned16("fused moe w2", w2_p)?;
+        aligned16("fused moe out", out_p)?;
+        aligned16("fused moe workspace", ws_p)?;
+        let sorted_p = ws_p + lay.sorted as u64;
+        let bexp_p = ws_p + lay.block_expert as u64;
+        let act_p = ws_p + lay.act as u64;
+        let y_p = ws_p + lay.y as u64;
+
+        // 1. Alignment by expert.
+        let align_threads = block_threads(pairs.max(num_experts), 1024);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (align_threads, 1, 1),
+            shared_mem_bytes: ((32 + 3 * num_experts) * 4) as u32,
+        };
+        let mut launch = self.stream.launch_builder(&f_align);
+        launch
+            .arg(&ids_p)
+            .arg(&p_i)
+            .arg(&e_i)
+            .arg(&bm_i)
+            .arg(&mb_i)
+            .arg(&sorted_p)
+            .arg(&bexp_p);
+        // SAFETY: the arguments match `moe_align(const int*, int, int, int, int, int*, int*)`;
+        // ids hold `pairs` ints (checked above); sorted_ids (max_blocks * bm ints) and
+        // block_expert (max_blocks ints) lie inside the workspace (its length was checked
+        // against the layout) and every write is bounded by max_blocks; one CTA of a multiple of
+        // 32 threads, at most 1024, with (32 + 3 E) ints of dynamic shared memory (E <= 1024).
+        unsafe { launch.launch(cfg) }?;
+
+        // 2. gate_up GEMM + SiLU-and-mul into act.
+        let threads = tile.threads() as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                narrow::<u32>("moe inter tiles", inter.div_ceil(tile.bn / 2))?,
+                blocks_y,
+                1,
+            ),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let mut launch = self.stream.launch_builder(&f_gu);
+        launch
+            .arg(&x_p)
+            .arg(&w13_p)
+            .arg(&sorted_p)
+            .arg(&bexp_p)
+            .arg(&act_p)
+            .arg(&h_i)
+            .arg(&i_i)
+            .arg(&k_i);
+        // SAFETY: the arguments match the gate_up entry `(const u16*, const u16*, const int*,
+        // const int*, u16*, int, int, int)`; x holds tokens * hidden and w13 E * 2I * H elements
+        // (checked above) and every row the kernel reads is a token id p / k < tokens (p < pairs
+        // comes from the alignment) or an expert e < E; rows or columns past the shapes are
+        // zero-filled, not read; act (max_blocks * bm rows of inter) lies in the workspace; the
+        // grid's y is max_blocks, blocks the alignment left unused (-1) exit; the block size and
+        // dynamic shared memory match the template instance (attribute set above).
+        unsafe { launch.launch(cfg) }?;
+
+        // 3. down GEMM into y (pair order).
+        let cfg = LaunchConfig {
+            grid_dim: (
+                narrow::<u32>("moe hidden tiles", hidden.div_ceil(tile.bn))?,
+                blocks_y,
+                1,
+            ),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let mut launch = self.stream.launch_builder(&f_down);
+        launch
+            .arg(&act_p)
+            .arg(&w2_p)
+            .arg(&sorted_p)
+            .arg(&bexp_p)
+            .arg(&y_p)
+            .arg(&h_i)
+            .arg(&i_i)
+            .arg(&k_i);
+        // SAFETY: the arguments match the down entry (same signature as gate_up); act rows read
+        // are the sorted positions of used blocks, all written by step 2; w2 holds E * H * I
+        // elements; y (pairs * hidden, in the workspace) is written at row p < pairs only.
+        unsafe { launch.launch(cfg) }?;
+
+        // 4. Weighted reduction into out.
+        let n = tokens * (hidden / 8);
+        let mut launch = self.stream.launch_builder(&f_red);
+        launch
+            .arg(&y_p)
+            .arg(&ids_p)
+            .arg(&tw_p)
+            .arg(&out_p)
+            .arg(&t_i)
+            .arg(&h_i)
+            .arg(&k_i)
+            .arg(&e_i);
+        // SAFETY: the arguments match `moe_reduce(const u16*, const int*, const float*, u16*,
+        // int, int, int, int)`; ids / weights hold pairs elements, y pairs * hidden (rows of
+        // valid ids were written by step 3, others are skipped), out tokens * hidden; hidden is a
+        // multiple of 8 and all pointers 16-byte aligned for the vector accesses; the
+        // grid-stride loop stays below tokens * hidden / 8.
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,108 @@
+//! Mixture-of-experts on the GPU (Qwen3-MoE): top-k softmax routing and a fused,
+//! CUDA-graph-capturable expert MLP.
+//!
+//! [`CudaContext::fused_moe_bf16`] queues four kernels, none of which reads routing on the host:
+//!
+//! 1. `moe_align` (one CTA): counts the `(token, slot)` pairs per expert, pads every expert's
+//!    count to a multiple of the tile height `BM`, prefix-sums the padded counts and scatters the
+//!    pair indices `t * top_k + slot` into `sorted_ids` (padding rows are `-1`), with the expert of
+//!    each `BM`-row block in `block_expert` (`-1` for blocks past the used ones). Like vLLM's
+//!    `moe_align_block_size`.
+//! 2. A grouped GEMM `gate_up = x[token] @ w13[e]^T` over the sorted rows, gathering token rows of
+//!    `x`, with SiLU-and-mul fused in the epilogue (each CTA owns matching gate and up columns),
+//!    into `act` (`[sorted rows, inter]`).
+//! 3. A grouped GEMM `y[pair] = act @ w2[e]^T`, scattering rows back to pair order.
+//! 4. `moe_reduce`: `out[t] = sum_slot w[t, slot] * y[t * top_k + slot]` in f32, slots in order
+//!    (deterministic, no float atomics).
+//!
+//! Both GEMMs run on tensor cores (`mma.sync.m16n8k16` bf16 -> f32, `ldmatrix`, a multi-stage
+//! `cp.async` pipeline). Launch grids depend only on host scalars: the number of `BM`-row blocks
+//! is bounded by `min(P, ceil((P + min(E, P) * (BM - 1)) / BM))` for `P = tokens * top_k`
+//! pairs, and unused blocks exit at once. Two tile shapes exist: a decode tile (`BM = 16`, narrow
+//! `N` tiles so a handful of experts still spreads over every SM and streams its weights once)
+//! and a prefill tile (`BM = 64`, `BN = 256`, 64 x 64 warp tiles); the choice depends only on the
+//! average number of pairs per expert.
+//!
+//! Here: the shape and the workspace layout; in `tiles.rs` the two tile configurations, in
+//! `source.rs` the kernels' source (`kernels/moe/*`, with one `extern "C"` entry per tile and
+//! GEMM), in `launch.rs` the launchers.
+
+mod launch;
+pub(super) mod source;
+#[cfg(test)]
+mod tests;
+mod tiles;
+
+#[cfg(doc)]
+use super::CudaContext;
+
+use tiles::{LARGE, SMALL, TileCfg};
+
+/// Largest expert count the routing and alignment kernels support (their per-expert tables live
+/// in shared memory).
+pub const MOE_MAX_EXPERTS: usize = 1024;
+
+/// Dimensions of one fused MoE call (one layer, one tensor-parallel rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Tokens `T` (rows of `x` and `out`).
+    pub tokens: usize,
+    /// Hidden size `H` (a positive multiple of 8).
+    pub hidden: usize,
+    /// This rank's expert intermediate size `I` (a positive multiple of 8).
+    pub inter: usize,
+    /// Experts `E` (`1..=`[`MOE_MAX_EXPERTS`]).
+    pub num_experts: usize,
+    /// Experts per token `k` (`1..=E`).
+    pub top_k: usize,
+}
+
+impl MoeShape {
+    fn pairs(&self) -> usize {
+        self.tokens * self.top_k
+    }
+}
+
+/// Byte offsets of the workspace parts for one tile configuration.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    max_blocks: usize,
+    sorted: usize,
+    block_expert: usize,
+    act: usize,
+    y: usize,
+    total: usize,
+}
+
+fn align256(x: usize) -> usize {
+    x.div_ceil(256) * 256
+}
+
+impl Layout {
+    fn new(shape: &MoeShape, cfg: &TileCfg) -> Self {
+        let max_blocks = cfg.max_blocks(shape.pairs(), shape.num_experts);
+        let rows = max_blocks * cfg.bm;
+        let sorted = 0;
+        let block_expert = align256(sorted + rows * 4);
+        let act = align256(block_expert + max_blocks * 4);
+        let y = align256(act + rows * shape.inter * 2);
+        let total = align256(y + shape.pairs() * shape.hidden * 2);
+        Self {
+            max_blocks,
+            sorted,
+            block_expert,
+            act,
+            y,
+            total,
+        }
+    }
+}
+
+/// Bytes of device workspace [`CudaContext::fused_moe_bf16`] needs for `shape`. The size grows
+/// with `tokens` (other dimensions fixed), so a workspace sized for the largest batch serves every
+/// smaller one.
+pub fn fused_moe_workspace_bytes(shape: MoeShape) -> usize {
+    Layout::new(&shape, &SMALL)
+        .total
+        .max(Layout::new(&shape, &LARGE).total)
+}
