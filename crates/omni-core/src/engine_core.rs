@@ -44,7 +44,9 @@ impl<E: Executor> EngineCore<E> {
         if scheduler_output.is_empty() && scheduler_output.finished_req_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let model_output = self.executor.execute_model(&scheduler_output)?;
+        // No request carries tensor bytes yet (multimodal inputs are a later step), so the
+        // batch has no out-of-band buffers.
+        let model_output = self.executor.execute_model(&scheduler_output, &[])?;
         Ok(self
             .scheduler
             .update_from_output(&scheduler_output, &model_output))

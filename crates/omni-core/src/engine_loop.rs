@@ -17,7 +17,11 @@
 //!
 //! struct Sevens;
 //! impl Executor for Sevens {
-//!     fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput, EngineError> {
+//!     fn execute_model(
+//!         &mut self,
+//!         so: &SchedulerOutput,
+//!         _buffers: &[&[u8]],
+//!     ) -> Result<ModelRunnerOutput, EngineError> {
 //!         let req_ids: Vec<String> = so.num_scheduled_tokens.keys().cloned().collect();
 //!         let sampled_token_ids = vec![vec![7]; req_ids.len()];
 //!         Ok(ModelRunnerOutput { req_ids, sampled_token_ids, ..Default::default() })
@@ -442,6 +446,7 @@ mod tests {
         fn execute_model(
             &mut self,
             so: &SchedulerOutput,
+            _buffers: &[&[u8]],
         ) -> Result<omni_protocol::ModelRunnerOutput, EngineError> {
             if self.ok_steps == 0 {
                 return Err(EngineError::EngineDead {

@@ -19,7 +19,11 @@
 //! /// Always samples token 7.
 //! struct Sevens;
 //! impl Executor for Sevens {
-//!     fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput, EngineError> {
+//!     fn execute_model(
+//!         &mut self,
+//!         so: &SchedulerOutput,
+//!         _buffers: &[&[u8]],
+//!     ) -> Result<ModelRunnerOutput, EngineError> {
 //!         let req_ids: Vec<String> = so.num_scheduled_tokens.keys().cloned().collect();
 //!         let sampled_token_ids = vec![vec![7]; req_ids.len()];
 //!         Ok(ModelRunnerOutput { req_ids, sampled_token_ids, ..Default::default() })

@@ -60,7 +60,11 @@ impl FakeWorker {
 }
 
 impl Executor for FakeWorker {
-    fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput, EngineError> {
+    fn execute_model(
+        &mut self,
+        so: &SchedulerOutput,
+        _buffers: &[&[u8]],
+    ) -> Result<ModelRunnerOutput, EngineError> {
         if self.fail_at_step == Some(self.history.len()) {
             return Err(EngineError::EngineDead {
                 rank: 0,

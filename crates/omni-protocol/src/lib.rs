@@ -47,10 +47,10 @@ pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerSta
 pub use request::{EngineCoreInput, EngineCoreRequest};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
-pub use tensor::{DType, TensorRef};
+pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};
 pub use worker::{
     Device, LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput, TokenLogprobs, WorkerBase,
-    WorkerCommand, WorkerResponse,
+    WorkerCommand, WorkerCommandRef, WorkerResponse,
 };
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode

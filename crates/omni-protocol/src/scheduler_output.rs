@@ -22,7 +22,9 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{BlockId, RequestId, SamplingParams, TensorRef, TokenId};
+use crate::{
+    BlockId, RequestId, SamplingParams, TensorBufferError, TensorRef, TensorView, TokenId,
+};
 
 /// A request the workers have not seen before (first scheduling).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,5 +90,19 @@ impl SchedulerOutput {
     /// Whether nothing is to be computed this step.
     pub fn is_empty(&self) -> bool {
         self.total_num_scheduled_tokens == 0
+    }
+
+    /// Every tensor the batch names (the new requests' multimodal inputs, then the step's own
+    /// tensors), each checked against the message's out-of-band `buffers` and borrowed from it.
+    pub fn tensor_views<'a>(
+        &'a self,
+        buffers: &[&'a [u8]],
+    ) -> Result<Vec<TensorView<'a>>, TensorBufferError> {
+        self.scheduled_new_reqs
+            .iter()
+            .flat_map(|r| &r.tensors)
+            .chain(&self.tensors)
+            .map(|t| t.view(buffers))
+            .collect()
     }
 }

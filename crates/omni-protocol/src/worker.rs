@@ -95,6 +95,48 @@ pub enum WorkerCommand {
     Shutdown,
 }
 
+/// A [`WorkerCommand`] by reference, for sending: it encodes to the same bytes (serde encodes
+/// `&T` as `T`, and the variants are the same, in the same order), so the executor broadcasts a
+/// step's [`SchedulerOutput`] without moving or cloning it into a command.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename = "WorkerCommand")]
+pub enum WorkerCommandRef<'a> {
+    /// [`WorkerCommand::LoadModel`].
+    LoadModel(&'a LoadModelSpec),
+    /// [`WorkerCommand::InitCache`].
+    InitCache {
+        /// Number of KV blocks.
+        num_blocks: u32,
+        /// Tokens per block.
+        block_size: u32,
+    },
+    /// [`WorkerCommand::ExecuteModel`].
+    ExecuteModel(&'a SchedulerOutput),
+    /// [`WorkerCommand::Health`].
+    Health,
+    /// [`WorkerCommand::Shutdown`].
+    Shutdown,
+}
+
+impl WorkerCommand {
+    /// This command by reference (see [`WorkerCommandRef`]).
+    pub fn as_ref(&self) -> WorkerCommandRef<'_> {
+        match self {
+            WorkerCommand::LoadModel(spec) => WorkerCommandRef::LoadModel(spec),
+            WorkerCommand::InitCache {
+                num_blocks,
+                block_size,
+            } => WorkerCommandRef::InitCache {
+                num_blocks: *num_blocks,
+                block_size: *block_size,
+            },
+            WorkerCommand::ExecuteModel(so) => WorkerCommandRef::ExecuteModel(so),
+            WorkerCommand::Health => WorkerCommandRef::Health,
+            WorkerCommand::Shutdown => WorkerCommandRef::Shutdown,
+        }
+    }
+}
+
 /// One token and its log-probability.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Logprob {
@@ -125,8 +167,14 @@ pub struct ModelRunnerOutput {
     pub sampled_token_ids: Vec<Vec<TokenId>>,
     /// One entry per sampled token when the request asked for logprobs, else empty.
     pub logprobs: Vec<Vec<TokenLogprobs>>,
-    /// Hidden states and other per-request tensors (omni stages), as out-of-band buffers.
+    /// Hidden states and other per-request tensors (omni stages); their bytes are
+    /// [`Self::buffers`].
     pub tensors: Vec<TensorRef>,
+    /// The bytes behind [`Self::tensors`] (`buffer_index` indexes this). Not part of the serde
+    /// header: they travel as the response message's out-of-band buffers and the executor puts
+    /// them back here.
+    #[serde(skip)]
+    pub buffers: Vec<Vec<u8>>,
 }
 
 /// A worker's answer to a [`WorkerCommand`].
@@ -162,7 +210,13 @@ pub trait WorkerBase: Send {
     /// Answers one command; `None` for [`WorkerCommand::Shutdown`] (which has no answer).
     fn handle(&mut self, cmd: &WorkerCommand) -> Option<WorkerResponse>;
 
-    /// Runs one step: the same as `handle(&WorkerCommand::ExecuteModel(..))`, without moving
-    /// the batch into a command.
-    fn execute_model(&mut self, scheduler_output: &SchedulerOutput) -> WorkerResponse;
+    /// Runs one step. `buffers` are the out-of-band buffers of the batch's message, which the
+    /// [`TensorRef`]s of `scheduler_output` index (borrowed in place from the ring slot in a
+    /// worker process; see [`SchedulerOutput::tensor_views`]). The output rank answers with a
+    /// [`ModelRunnerOutput`] whose [`ModelRunnerOutput::buffers`] go back the same way.
+    fn execute_model(
+        &mut self,
+        scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
+    ) -> WorkerResponse;
 }

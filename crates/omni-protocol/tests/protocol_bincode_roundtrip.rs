@@ -102,6 +102,42 @@ fn scheduler_output_roundtrips_inside_execute_model() {
 }
 
 #[test]
+fn borrowed_commands_encode_like_owned_ones() {
+    let config = bincode::config::standard();
+    let commands = [
+        WorkerCommand::LoadModel(LoadModelSpec::default()),
+        WorkerCommand::InitCache {
+            num_blocks: 7,
+            block_size: 16,
+        },
+        WorkerCommand::ExecuteModel(scheduler_output()),
+        WorkerCommand::Health,
+        WorkerCommand::Shutdown,
+    ];
+    for cmd in &commands {
+        let owned = bincode::serde::encode_to_vec(cmd, config).unwrap();
+        let borrowed = bincode::serde::encode_to_vec(cmd.as_ref(), config).unwrap();
+        assert_eq!(borrowed, owned, "{cmd:?}");
+    }
+}
+
+#[test]
+fn model_runner_output_buffers_stay_out_of_the_header() {
+    let config = bincode::config::standard();
+    let with = ModelRunnerOutput {
+        tensors: vec![tensor(0)],
+        buffers: vec![vec![1; 1000]],
+        ..Default::default()
+    };
+    let bytes = bincode::serde::encode_to_vec(&with, config).unwrap();
+    assert!(bytes.len() < 100, "{} header bytes", bytes.len());
+    let (back, _): (ModelRunnerOutput, usize) =
+        bincode::serde::decode_from_slice(&bytes, config).unwrap();
+    assert_eq!(back.tensors, with.tensors);
+    assert!(back.buffers.is_empty());
+}
+
+#[test]
 fn every_worker_command_roundtrips() {
     roundtrip(&WorkerCommand::LoadModel(LoadModelSpec {
         model: "/models/SmolLM2-135M-Instruct.Q4_1.gguf".into(),
@@ -145,6 +181,7 @@ fn every_worker_response_roundtrips() {
             vec![],
         ],
         tensors: vec![tensor(1)],
+        buffers: Vec::new(),
     }));
     roundtrip(&WorkerResponse::Error {
         rank: 1,

@@ -68,4 +68,7 @@ pub enum WorkerError {
     /// The all-reduce segment could not be opened.
     #[error(transparent)]
     AllReduce(#[from] ShmAllReduceError),
+    /// A tensor of the batch does not match the message's buffers.
+    #[error(transparent)]
+    Tensor(#[from] omni_protocol::TensorBufferError),
 }

@@ -89,15 +89,22 @@ impl ModelRunner {
 
     /// Applies the step's request bookkeeping, runs the model over the scheduled tokens and
     /// samples one token for every request whose scheduled tokens reach its end.
+    ///
+    /// `buffers` are the message's out-of-band buffers (in place in the ring slot in a worker
+    /// process); every [`omni_protocol::TensorRef`] of the batch is checked against them and
+    /// viewed in place (size, element alignment). The decoders take token ids only, so no view
+    /// reaches a model yet; a model interface with input embeddings is where they go next.
     pub fn execute_model(
         &mut self,
         so: &SchedulerOutput,
+        buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, WorkerError> {
         if !self.model.has_cache() {
             return Err(WorkerError::Cache(
                 "ExecuteModel before InitCache".to_string(),
             ));
         }
+        let _tensors = so.tensor_views(buffers)?;
         self.update_states(so)?;
         if so.is_empty() {
             return Ok(ModelRunnerOutput::default());
@@ -158,7 +165,7 @@ impl ModelRunner {
             req_ids: Vec::with_capacity(req_ids.len()),
             sampled_token_ids: Vec::with_capacity(req_ids.len()),
             logprobs: Vec::with_capacity(req_ids.len()),
-            tensors: Vec::new(),
+            ..ModelRunnerOutput::default()
         };
         let mut sampled = sampled.into_iter();
         for (id, samples_now) in req_ids.into_iter().zip(samples) {

@@ -10,13 +10,19 @@
 //! 4. Answer ONE JSON line on stdout: [`WorkerHello`] with the response queue's handle.
 //! 5. A thread keeps reading stdin: EOF means the parent is gone (or shutting down): remove our
 //!    own segment and exit at once.
-//! 6. Serve: dequeue a [`WorkerCommand`], let the [`Worker`] answer, enqueue the answer.
+//! 6. Serve: dequeue a [`WorkerCommand`] (borrowed from the ring slot, so a step's tensor
+//!    buffers are read in place), let the worker answer, enqueue the answer with its buffers.
+//!
+//! [`serve`] runs this loop around any [`WorkerBase`]; [`run_worker_process`] around the model
+//! [`Worker`].
 
 use std::io::{BufRead, Read, Write};
 use std::time::Duration;
 
 use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec, ReaderId};
-use omni_protocol::{PROTOCOL_VERSION, WorkerCommand, WorkerHandshake, WorkerHello};
+use omni_protocol::{
+    PROTOCOL_VERSION, WorkerBase, WorkerCommand, WorkerHandshake, WorkerHello, WorkerResponse,
+};
 
 use crate::{ShmAllReduceError, Worker};
 
@@ -70,9 +76,27 @@ fn arm_process(name: &str) {
     }
 }
 
-/// Runs the worker process on this process's stdin and stdout. Returns when told to shut down;
-/// exits the process directly when the parent goes away.
+/// Runs the worker process on this process's stdin and stdout with the model [`Worker`].
+/// Returns when told to shut down; exits the process directly when the parent goes away.
 pub fn run_worker_process() -> Result<(), WorkerProcessError> {
+    serve(|hs| {
+        Worker::in_process_group(
+            hs.rank,
+            hs.world_size as usize,
+            hs.all_reduce_segment.clone(),
+        )
+    })
+}
+
+/// The worker process loop around any [`WorkerBase`]: the handshake (steps 1-5 of the module
+/// docs), then every command from the broadcast queue goes to the worker `make` builds from
+/// the handshake. An `ExecuteModel`'s buffers are borrowed from the ring slot (zero-copy) for
+/// the length of the step; the answer goes out with its [`ModelRunnerOutput::buffers`].
+///
+/// [`ModelRunnerOutput::buffers`]: omni_protocol::ModelRunnerOutput::buffers
+pub fn serve<W: WorkerBase>(
+    make: impl FnOnce(&WorkerHandshake) -> W,
+) -> Result<(), WorkerProcessError> {
     let stdin = std::io::stdin();
     let mut line = String::new();
     stdin.lock().read_line(&mut line).map_err(handshake_err)?;
@@ -82,7 +106,6 @@ pub fn run_worker_process() -> Result<(), WorkerProcessError> {
     let hs: WorkerHandshake = serde_json::from_str(&line).map_err(handshake_err)?;
     omni_protocol::check_protocol_version(hs.protocol_version).map_err(handshake_err)?;
     let rank = hs.rank as usize;
-    let world = hs.world_size as usize;
     arm_process(&format!("omni-worker-{rank}"));
     if std::os::unix::process::parent_id() != hs.parent_pid {
         return Err(WorkerProcessError::ParentGone(hs.parent_pid));
@@ -128,19 +151,33 @@ pub fn run_worker_process() -> Result<(), WorkerProcessError> {
     commands.wait_until_ready(hs.ready_timeout)?;
     responses.wait_until_ready(hs.ready_timeout)?;
 
-    let mut worker = Worker::in_process_group(hs.rank, world, hs.all_reduce_segment.clone());
-    tracing::debug!(rank, world, "worker ready");
+    let mut worker = make(&hs);
+    tracing::debug!(rank, world = hs.world_size, "worker ready");
     loop {
-        let msg = match commands.dequeue(Some(Duration::from_secs(1))) {
+        let msg = match commands.dequeue_borrowed(Some(Duration::from_secs(1))) {
             Ok(m) => m,
             Err(IpcError::Timeout(_)) => continue,
             Err(IpcError::Cancelled | IpcError::Closed) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
         let cmd: WorkerCommand = msg.header()?;
-        match worker.handle(&cmd) {
-            Some(resp) => responses.enqueue(&resp, &[])?,
-            None => return Ok(()),
-        }
+        let answer = match &cmd {
+            WorkerCommand::ExecuteModel(so) => {
+                let buffers: Vec<&[u8]> = (0..msg.num_buffers()).map(|i| msg.buffer(i)).collect();
+                Some(worker.execute_model(so, &buffers))
+            }
+            other => worker.handle(other),
+        };
+        drop(msg); // releases the slot: the step is done with its buffers
+        let Some(answer) = answer else {
+            return Ok(());
+        };
+        let buffers: Vec<&[u8]> = match &answer {
+            WorkerResponse::ModelRunnerOutput(out) => {
+                out.buffers.iter().map(Vec::as_slice).collect()
+            }
+            _ => Vec::new(),
+        };
+        responses.enqueue(&answer, &buffers)?;
     }
 }

@@ -113,17 +113,18 @@ impl Worker {
                 .runner_mut()
                 .and_then(|r| r.init_cache(*num_blocks as usize, *block_size as usize))
                 .map(|()| WorkerResponse::Ready { rank: self.rank }),
-            WorkerCommand::ExecuteModel(so) => return Some(self.execute_model(so)),
+            WorkerCommand::ExecuteModel(so) => return Some(self.execute_model(so, &[])),
             WorkerCommand::Health => Ok(WorkerResponse::Ready { rank: self.rank }),
             WorkerCommand::Shutdown => return None,
         };
         Some(result.unwrap_or_else(|e| self.error(e)))
     }
 
-    /// Runs one step (see the type's docs for what each rank answers).
-    pub fn execute_model(&mut self, so: &SchedulerOutput) -> WorkerResponse {
+    /// Runs one step over the batch and its out-of-band tensor `buffers` (see the type's docs
+    /// for what each rank answers).
+    pub fn execute_model(&mut self, so: &SchedulerOutput, buffers: &[&[u8]]) -> WorkerResponse {
         let rank = self.rank;
-        match self.runner_mut().and_then(|r| r.execute_model(so)) {
+        match self.runner_mut().and_then(|r| r.execute_model(so, buffers)) {
             Ok(out) if rank == 0 => WorkerResponse::ModelRunnerOutput(out),
             Ok(_) => WorkerResponse::Ready { rank },
             Err(e) => self.error(e),
@@ -217,8 +218,8 @@ impl omni_protocol::WorkerBase for Worker {
         Worker::handle(self, cmd)
     }
 
-    fn execute_model(&mut self, so: &SchedulerOutput) -> WorkerResponse {
-        Worker::execute_model(self, so)
+    fn execute_model(&mut self, so: &SchedulerOutput, buffers: &[&[u8]]) -> WorkerResponse {
+        Worker::execute_model(self, so, buffers)
     }
 }
 

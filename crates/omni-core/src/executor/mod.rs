@@ -41,9 +41,15 @@ pub trait Executor {
     /// Computes the batch and returns the sampled tokens. The output must list every request of
     /// the batch (with no token for a partial prefill chunk). An empty batch only delivers
     /// `finished_req_ids` and returns an empty output.
+    ///
+    /// `buffers` are the batch's out-of-band tensor bytes, which the [`omni_protocol::TensorRef`]s
+    /// of `scheduler_output` index; they travel beside the serde header (in place in the
+    /// broadcast ring's slot when they fit, else over the overflow socket), never through serde.
+    /// The output's [`ModelRunnerOutput::buffers`] come back the same way.
     fn execute_model(
         &mut self,
         scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, EngineError>;
 
     /// Checks that every worker is alive.
@@ -59,8 +65,9 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
     fn execute_model(
         &mut self,
         scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, EngineError> {
-        (**self).execute_model(scheduler_output)
+        (**self).execute_model(scheduler_output, buffers)
     }
 
     fn check_health(&mut self) -> Result<(), EngineError> {

@@ -4,9 +4,10 @@
 //!
 //! Start-up: the group launches and connects the workers, then the shared start-up sequence
 //! (`LoadModel` on every rank, [`super::plan_num_blocks`], `InitCache`) runs over its
-//! `collective_rpc`. Each step broadcasts `ExecuteModel` and reads every rank's answer: rank 0's
-//! [`ModelRunnerOutput`], the others' small acknowledgements (so a failing rank is seen at once
-//! and no response queue fills up).
+//! `collective_rpc`. Each step broadcasts `ExecuteModel` with the batch's tensor buffers and
+//! reads every rank's answer: rank 0's [`ModelRunnerOutput`] (with its own buffers), the
+//! others' small acknowledgements (so a failing rank is seen at once and no response queue
+//! fills up).
 //!
 //! A worker gets `PR_SET_PDEATHSIG`: it is killed when the *thread* that spawned it exits, so
 //! start the executor on a thread that lives as long as the engine (the main thread).
@@ -15,7 +16,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use omni_ipc::MessageQueueConfig;
-use omni_protocol::{ModelRunnerOutput, SchedulerOutput, WorkerCommand, WorkerResponse};
+use omni_protocol::{ModelRunnerOutput, SchedulerOutput, WorkerCommandRef, WorkerResponse};
 
 use super::startup::{load_model_and_init_cache, unexpected};
 use super::workers::WorkerGroup;
@@ -123,9 +124,11 @@ impl Executor for MultiprocExecutor {
     fn execute_model(
         &mut self,
         scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, EngineError> {
+        // By reference: the batch is encoded straight from the scheduler's output, not cloned.
         self.group
-            .broadcast(&WorkerCommand::ExecuteModel(scheduler_output.clone()))?;
+            .broadcast(WorkerCommandRef::ExecuteModel(scheduler_output), buffers)?;
         let mut output = None;
         for rank in 0..self.group.world() {
             match self.group.recv(rank, self.execute_timeout)? {

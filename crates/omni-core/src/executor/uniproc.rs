@@ -49,11 +49,12 @@ impl<W: WorkerBase> Executor for UniprocExecutor<W> {
     fn execute_model(
         &mut self,
         scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, EngineError> {
         if let Some(e) = &self.dead {
             return Err(e.clone());
         }
-        match self.worker.execute_model(scheduler_output) {
+        match self.worker.execute_model(scheduler_output, buffers) {
             WorkerResponse::ModelRunnerOutput(out) => Ok(out),
             other => {
                 let e = unexpected(0, "ExecuteModel", other);

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use omni_ipc::shm::ShmSegment;
 use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec, ReaderId};
-use omni_protocol::{PROTOCOL_VERSION, WorkerCommand, WorkerHandshake, WorkerResponse};
+use omni_protocol::{
+    PROTOCOL_VERSION, WorkerCommand, WorkerCommandRef, WorkerHandshake, WorkerResponse,
+};
 
 use self::monitor::{WorkerProcesses, dead_rank};
 use super::multiproc::MultiprocConfig;
@@ -172,13 +174,17 @@ impl WorkerGroup {
         }
     }
 
-    /// Sends `cmd` to every rank.
-    pub(crate) fn broadcast(&mut self, cmd: &WorkerCommand) -> Result<(), EngineError> {
+    /// Sends `cmd` with its out-of-band `buffers` to every rank.
+    pub(crate) fn broadcast(
+        &mut self,
+        cmd: WorkerCommandRef<'_>,
+        buffers: &[&[u8]],
+    ) -> Result<(), EngineError> {
         self.check()?;
         let Some(queue) = self.broadcast.as_mut() else {
             return Err(dead_rank(0, "executor is shut down"));
         };
-        queue.enqueue(cmd, &[]).map_err(|e| {
+        queue.enqueue(&cmd, buffers).map_err(|e| {
             let err = match e {
                 IpcError::ReaderDead {
                     reader: ReaderId::Local(r),
@@ -197,7 +203,9 @@ impl WorkerGroup {
         })
     }
 
-    /// Rank `rank`'s next answer, failing fast when any worker dies.
+    /// Rank `rank`'s next answer, failing fast when any worker dies. A
+    /// [`WorkerResponse::ModelRunnerOutput`] gets the message's buffers back in
+    /// [`omni_protocol::ModelRunnerOutput::buffers`].
     pub(crate) fn recv(
         &mut self,
         rank: usize,
@@ -211,9 +219,13 @@ impl WorkerGroup {
             };
             match reader.dequeue(Some(Duration::from_millis(100))) {
                 Ok(msg) => {
-                    return msg.header::<WorkerResponse>().map_err(|e| {
+                    let mut answer = msg.header::<WorkerResponse>().map_err(|e| {
                         self.fail(dead_rank(rank, format!("undecodable answer: {e}")))
-                    });
+                    })?;
+                    if let WorkerResponse::ModelRunnerOutput(out) = &mut answer {
+                        out.buffers = msg.into_buffers().into_iter().map(Vec::from).collect();
+                    }
+                    return Ok(answer);
                 }
                 Err(IpcError::Timeout(_) | IpcError::ReadyTimeout { .. })
                     if Instant::now() < deadline => {}
@@ -237,7 +249,7 @@ impl WorkerGroup {
         cmd: &WorkerCommand,
         timeout: Duration,
     ) -> Result<Vec<WorkerResponse>, EngineError> {
-        self.broadcast(cmd)?;
+        self.broadcast(cmd.as_ref(), &[])?;
         (0..self.world)
             .map(|rank| self.recv(rank, timeout))
             .collect()
