@@ -240,7 +240,23 @@ fn main() {
         return;
     }
     let exact = args.iter().any(|a| a == "--exact");
-    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
+    // Name filters: the arguments that are neither flags nor the value of a flag that takes one.
+    let takes_value = [
+        "--test-threads",
+        "--format",
+        "--color",
+        "--skip",
+        "--logfile",
+        "-Z",
+    ];
+    let filters: Vec<&String> = args
+        .iter()
+        .enumerate()
+        .filter(|(i, a)| {
+            !a.starts_with('-') && (*i == 0 || !takes_value.contains(&args[i - 1].as_str()))
+        })
+        .map(|(_, a)| a)
+        .collect();
     let selected: Vec<_> = TESTS
         .iter()
         .filter(|(name, _)| {
