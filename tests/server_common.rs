@@ -37,9 +37,15 @@ pub struct Server {
 impl Server {
     /// `omni-engine serve --host 127.0.0.1 --port 0 <args>`; waits for the listening line.
     pub fn start(args: &[&str]) -> Server {
+        Server::start_with_env(args, &[])
+    }
+
+    /// [`Server::start`] with extra environment variables.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut child = Command::new(engine_bin())
             .args(["serve", "--host", "127.0.0.1", "--port", "0"])
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_BACKTRACE", "0")
             .env("NO_COLOR", "1")
             .env("RUST_LOG", "info")

@@ -179,10 +179,6 @@ const CPU_PROBE_BYTES: usize = if cfg!(debug_assertions) {
 /// `omni-engine bench latency` flags.
 #[derive(Debug, Args)]
 pub struct LatencyArgs {
-    /// Model: a Hugging Face directory with config.json (with `--load-format dummy` no weights
-    /// are needed).
-    #[arg(long)]
-    model: PathBuf,
     /// Batch sizes to measure (comma separated).
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8, 32, 64])]
     batch_sizes: Vec<usize>,
@@ -214,7 +210,7 @@ pub struct LatencyArgs {
     json: Option<PathBuf>,
     /// Engine: model loading, parallelism, KV cache, scheduler.
     #[command(flatten)]
-    engine: crate::generate_cmd::EngineArgs,
+    engine: omni_config::EngineConfig,
 }
 
 /// The GPU probe's findings (`None` where a ceiling was given or the probe failed).
@@ -282,7 +278,7 @@ fn ceilings_for(
 )> {
     use omni_bench::latency::{Ceilings, DeviceSummary};
     use omni_bench::roofline::RankCeilings;
-    let tp = a.engine.tensor_parallel_size.max(1) as f64;
+    let tp = a.engine.parallel.tensor_parallel_size.max(1) as f64;
     let given_bw = a.copy_bw_gbs.map(|g| g * 1e9);
     let given_gemm = a.gemm_tflops.map(|t| t * 1e12);
     match device {
@@ -485,7 +481,10 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     if a.input_len == 0 {
         anyhow::bail!("--input-len must be at least 1");
     }
-    let max_model_len = a.engine.max_model_len as usize;
+    let Some(model) = a.engine.model.model.clone() else {
+        anyhow::bail!("bench latency needs --model (a Hugging Face directory with config.json)");
+    };
+    let max_model_len = a.engine.model.max_model_len as usize;
     if a.input_len + a.output_len > max_model_len {
         anyhow::bail!(
             "--input-len {} + --output-len {} exceeds --max-model-len {max_model_len}",
@@ -499,23 +498,23 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
             a.prefill_len
         );
     }
-    let config = omni_models::registry::read_config(&a.model).with_context(|| {
+    let config = omni_models::registry::read_config(&model).with_context(|| {
         format!(
             "bench latency needs a HF model directory: {}",
-            a.model.display()
+            model.display()
         )
     })?;
     let spec = omni_models::registry::decoder_spec(&config)?;
-    let tp = a.engine.tensor_parallel_size as usize;
+    let tp = a.engine.parallel.tensor_parallel_size as usize;
     spec.head_layout(0, tp)
         .with_context(|| format!("-tp {tp} does not fit the model's heads"))?;
     let shape = ModelShape::from_spec(&spec);
 
-    let device = crate::generate_cmd::resolve_device(&a.engine)?;
+    let device = omni_launch::resolve_device(&a.engine)?;
     let (device, ceilings, elem_bytes) = ceilings_for(device, &a)?;
     eprintln!(
         "bench latency: {} on {} ({}); bandwidth {}, GEMM {}",
-        a.model.display(),
+        model.display(),
         device.kind,
         device.name,
         ceilings
@@ -528,8 +527,9 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
 
     let t_load = std::time::Instant::now();
     // On this (the main) thread: workers die with the thread that spawned them.
-    let crate::generate_cmd::StartedEngine { engine, scheduler } =
-        crate::generate_cmd::start_engine(&a.model, &a.engine)?;
+    let omni_launch::StartedEngine {
+        engine, scheduler, ..
+    } = crate::generate_cmd::start_engine(&a.engine)?;
     eprintln!(
         "engine ready in {:.2?}: {} rank(s), {} KV blocks of {}, max_num_batched_tokens {}",
         t_load.elapsed(),
@@ -628,19 +628,19 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
     let report = LatencyReport {
         date: omni_bench::latency::utc_now(),
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        model: a.model.display().to_string(),
+        model: model.display().to_string(),
         config: shape,
         device,
         engine: EngineSummary {
             tensor_parallel_size: tp,
             elem_bytes,
-            load_format: format!("{:?}", a.engine.load_format).to_lowercase(),
+            load_format: format!("{:?}", a.engine.model.load_format).to_lowercase(),
             max_num_batched_tokens: scheduler.max_num_batched_tokens,
             max_num_seqs: scheduler.max_num_seqs,
             max_model_len: scheduler.max_model_len,
             block_size: scheduler.block_size,
             num_kv_blocks: scheduler.num_blocks,
-            enforce_eager: a.engine.enforce_eager,
+            enforce_eager: a.engine.device.enforce_eager,
         },
         params: LatencyParams {
             batch_sizes,

