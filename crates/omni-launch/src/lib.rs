@@ -97,6 +97,7 @@ pub fn load_spec(config: &EngineConfig, model: &Path, device: Device) -> LoadMod
             .unwrap_or(u32::MAX),
         max_num_seqs: u32::try_from(config.scheduler.max_num_seqs).unwrap_or(u32::MAX),
         enforce_eager: config.device.enforce_eager,
+        cuda_profile_steps: config.device.cuda_profile_steps,
     }
 }
 

@@ -199,7 +199,7 @@ pub struct CudaDecoderModel {
     graphs: BTreeMap<usize, DecodeGraph>,
     /// Rows of logits the last forward left in `act.logits`.
     last_rows: usize,
-    /// Per-op timing of eager steps, when `OMNI_CUDA_PROFILE` is set.
+    /// Per-op timing of eager steps, when [`Self::enable_profiler`] was called.
     profiler: Option<StepProfiler>,
 }
 
@@ -439,7 +439,7 @@ impl CudaDecoderModel {
         let rope = Rope::new(spec.head_dim, spec.rope_theta, &spec.rope_scaling)?;
         let inv_freq = cx.stream().clone_htod(rope.inv_freq())?;
         let (inputs, act) = Self::alloc_step_buffers(&cx, &spec, &heads, &layers, limits)?;
-        let profiler = StepProfiler::from_env(&cx);
+        let profiler = None;
         cx.synchronize()?;
         tracing::info!(
             architecture = spec.architecture,
@@ -558,6 +558,12 @@ impl CudaDecoderModel {
     /// Whether [`CudaDecoderModel::init_cache`] ran.
     pub fn has_cache(&self) -> bool {
         !self.kv.is_empty()
+    }
+
+    /// Logs each op's mean GPU time over every `every` eager steps of one kind (decode at a
+    /// batch size, or prefill); graph replay is off from now on (`every` 0: off).
+    pub fn enable_profiler(&mut self, every: u64) {
+        self.profiler = (every > 0).then(|| StepProfiler::new(&self.cx, every));
     }
 
     /// The spec this model was built from.
@@ -1138,7 +1144,8 @@ impl CudaDecoderModel {
     }
 }
 
-/// Per-kernel GPU time of eager steps (`OMNI_CUDA_PROFILE=<steps>`): an event after every op;
+/// Per-kernel GPU time of eager steps (`--cuda-profile-steps <steps>`, env `OMNI_CUDA_PROFILE`,
+/// arriving in the load spec): an event after every op;
 /// each op's time is the gap to the previous event. Every `<steps>` steps of one kind (decode at
 /// batch B, or prefill) it logs the mean time per step of each op and resets. Graph replay is
 /// off while profiling, so the sum is the eager step's GPU time.
@@ -1150,17 +1157,13 @@ struct StepProfiler {
 }
 
 impl StepProfiler {
-    fn from_env(cx: &CudaContext) -> Option<Self> {
-        let every = std::env::var("OMNI_CUDA_PROFILE")
-            .ok()?
-            .parse::<u64>()
-            .ok()?;
-        (every > 0).then(|| Self {
+    fn new(cx: &CudaContext, every: u64) -> Self {
+        Self {
             every,
             ctx: cx.raw().clone(),
             marks: Vec::new(),
             kinds: BTreeMap::new(),
-        })
+        }
     }
 
     fn mark(

@@ -54,6 +54,9 @@ pub struct LoadModelSpec {
     pub max_num_seqs: u32,
     /// No CUDA graphs: every step runs eagerly.
     pub enforce_eager: bool,
+    /// Log per-kernel GPU times averaged over this many eager steps (0: off; graphs are off
+    /// while profiling). The engine's `--cuda-profile-steps` / `OMNI_CUDA_PROFILE`.
+    pub cuda_profile_steps: u32,
 }
 
 impl Default for LoadModelSpec {
@@ -71,6 +74,7 @@ impl Default for LoadModelSpec {
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             enforce_eager: false,
+            cuda_profile_steps: 0,
         }
     }
 }

@@ -152,6 +152,7 @@ fn every_worker_command_roundtrips() {
         max_num_batched_tokens: 8192,
         max_num_seqs: 256,
         enforce_eager: true,
+        cuda_profile_steps: 16,
     }));
     roundtrip(&WorkerCommand::InitCache {
         num_blocks: 4096,

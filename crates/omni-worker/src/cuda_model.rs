@@ -158,7 +158,7 @@ pub fn load_cuda_model(
         .stream()
         .alloc_zeros::<i32>(limits.max_seqs)
         .map_err(|e| WorkerError::Model(CudaError::from(e).into()))?;
-    let model = CudaDecoderModel::load(
+    let mut model = CudaDecoderModel::load(
         cx,
         dspec,
         ws.as_ref(),
@@ -169,6 +169,7 @@ pub fn load_cuda_model(
         limits,
         on_layer,
     )?;
+    model.enable_profiler(u64::from(spec.cuda_profile_steps));
     Ok(CudaStepModel {
         model,
         gpu_memory_utilization: spec.gpu_memory_utilization,
