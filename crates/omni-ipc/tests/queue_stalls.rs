@@ -183,10 +183,14 @@ fn overflow_send_to_a_stalled_reader_warns_times_out_and_leaves_the_queue_unusab
         move || c.clone()
     });
     let big = vec![1u8; BIG];
-    let t0 = Instant::now();
-    let err =
-        tracing::subscriber::with_default(sub.finish(), || q.enqueue(&0u64, &[&big]).unwrap_err());
-    let waited = t0.elapsed();
+    // Before the fix this send blocked until the reader died: bounded here, so a hang fails.
+    let (mut q, err, waited) = within(Duration::from_secs(10), move || {
+        let t0 = Instant::now();
+        let err = tracing::subscriber::with_default(sub.finish(), || {
+            q.enqueue(&0u64, &[&big]).unwrap_err()
+        });
+        (q, err, t0.elapsed())
+    });
     match &err {
         IpcError::EnqueueTimeout { lagging, .. } => assert_eq!(lagging, &vec![ReaderId::Local(0)]),
         other => panic!("expected an enqueue timeout, got {other}"),
