@@ -41,7 +41,6 @@ pub mod llama;
 pub mod qwen3;
 pub mod qwen3_moe;
 pub mod registry;
-pub mod sampler;
 pub mod weights;
 
 pub use batch::{ForwardBatch, SeqChunk};

@@ -1,6 +1,7 @@
 //! The worker process: [`Worker`] (one tensor-parallel rank's command handler), its
-//! [`ModelRunner`] (per-request state, KV cache, batching, sampling) and [`ShmAllReduce`] (the
-//! tensor-parallel all-reduce between worker processes over shared memory).
+//! [`ModelRunner`] (per-request state, KV cache, batching, sampling), the host [`sampler`] it
+//! falls back to (vLLM keeps it in `v1/sample/`), and [`ShmAllReduce`] (the tensor-parallel
+//! all-reduce between worker processes over shared memory).
 //!
 //! Layer L3: links the models (L2) and talks to the engine core only over `omni-ipc`: it reads
 //! [`omni_protocol::WorkerCommand`]s from the engine's broadcast queue and writes
@@ -27,6 +28,7 @@ pub mod cuda_model;
 pub mod load_progress;
 pub mod model_runner;
 pub mod process;
+pub mod sampler;
 pub mod shm_all_reduce;
 pub mod step_model;
 pub mod worker;
@@ -55,7 +57,7 @@ pub enum WorkerError {
     Weight(#[from] omni_models::weights::WeightError),
     /// Sampling failed.
     #[error(transparent)]
-    Sampler(#[from] omni_models::sampler::SamplerError),
+    Sampler(#[from] crate::sampler::SamplerError),
     /// The KV cache is missing or misconfigured.
     #[error("kv cache: {0}")]
     Cache(String),

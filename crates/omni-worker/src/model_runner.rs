@@ -6,13 +6,13 @@
 
 use std::collections::HashMap;
 
-use omni_models::sampler::{SampledToken, Sampler, SamplingSeq};
 use omni_models::{ForwardBatch, SeqChunk};
 use omni_protocol::{
     BlockId, ModelRunnerOutput, RequestId, SamplingParams, SchedulerOutput, TokenId,
 };
 
 use crate::WorkerError;
+use crate::sampler::{SampledToken, Sampler, SamplingSeq};
 use crate::step_model::{DeviceSample, StepModel};
 
 /// What the runner remembers of one live request between steps.

@@ -22,7 +22,7 @@
 //! SplitMix64, written here so that seeded outputs stay the same across dependency upgrades.
 //!
 //! ```
-//! use omni_models::sampler::{SamplingSeq, Sampler};
+//! use omni_worker::sampler::{SamplingSeq, Sampler};
 //! use omni_protocol::SamplingParams;
 //!
 //! let logits = [0.1_f32, 2.0, 0.3, /* row 2 */ 5.0, 1.0, 0.0];
