@@ -1,0 +1,174 @@
+//! The step buffers, allocated once for the largest step ([`StepLimits`]): per-step inputs
+//! and activations, and the upload of one step's host metadata into them.
+
+use omni_backend::cuda::cudarc::driver::CudaSlice;
+use omni_backend::cuda::{
+    AttnShape, CudaContext, CudaError, MoeShape, bf16, fused_moe_workspace_bytes,
+    paged_attention_workspace_len,
+};
+
+use super::weights::{DLayer, DMlp};
+use super::{CudaDecoderModel, StepLimits};
+use crate::ModelError;
+use crate::decoder::{DecoderSpec, HeadLayout};
+
+/// Per-step inputs uploaded before each forward (sized for [`StepLimits`]).
+#[derive(Debug)]
+pub(super) struct StepInputs {
+    pub(super) ids: CudaSlice<i32>,
+    pub(super) positions: CudaSlice<i32>,
+    pub(super) slots: CudaSlice<i64>,
+    pub(super) query_start_loc: CudaSlice<i32>,
+    pub(super) seq_lens: CudaSlice<i32>,
+    /// `[max_seqs, max_blocks_per_seq]`.
+    pub(super) block_tables: CudaSlice<i32>,
+    /// Rows of the final hidden state whose logits to compute.
+    pub(super) logits_rows: CudaSlice<i32>,
+}
+
+/// Activations, sized for [`StepLimits`].
+#[derive(Debug)]
+pub(super) struct Activations {
+    /// The residual stream, f32 (bf16 rounding of the sum over dozens of layers would cost more
+    /// accuracy than the few bytes per token it saves).
+    pub(super) x: CudaSlice<f32>,
+    pub(super) h: CudaSlice<bf16>,
+    pub(super) qkv: CudaSlice<bf16>,
+    pub(super) q: CudaSlice<bf16>,
+    pub(super) attn: CudaSlice<bf16>,
+    /// Row-parallel GEMM outputs (o_proj, down_proj, MoE) in f32: all-reduced in f32 so that
+    /// tensor-parallel ranks sum unrounded partials.
+    pub(super) proj: CudaSlice<f32>,
+    /// The fused MoE block's bf16 output, widened into `proj`.
+    pub(super) moe_out: CudaSlice<bf16>,
+    pub(super) gate_up: CudaSlice<bf16>,
+    pub(super) act: CudaSlice<bf16>,
+    pub(super) sel: CudaSlice<bf16>,
+    /// The embedding output, `[max_tokens, hidden]` bf16 (the residual stream starts from it).
+    pub(super) sel_embed: CudaSlice<bf16>,
+    pub(super) logits: CudaSlice<f32>,
+    pub(super) attn_workspace: CudaSlice<f32>,
+    /// Router logits in f32 (routing is a top-k: bf16 logits would flip near-ties).
+    pub(super) router_logits: CudaSlice<f32>,
+    /// The MoE layers' normed input, unrounded, for the router.
+    pub(super) h32: CudaSlice<f32>,
+    pub(super) topk_ids: CudaSlice<i32>,
+    pub(super) topk_weights: CudaSlice<f32>,
+    pub(super) moe_workspace: CudaSlice<u8>,
+}
+
+impl CudaDecoderModel {
+    pub(super) fn alloc_step_buffers(
+        cx: &CudaContext,
+        spec: &DecoderSpec,
+        heads: &HeadLayout,
+        layers: &[DLayer],
+        limits: StepLimits,
+    ) -> Result<(StepInputs, Activations), ModelError> {
+        let s = cx.stream();
+        let (t, n) = (limits.max_tokens.max(1), limits.max_seqs.max(1));
+        let (h, hd) = (spec.hidden_size, spec.head_dim);
+        let mbps = limits.max_blocks_per_seq();
+        let mut inter = 0;
+        let mut moe_shape: Option<MoeShape> = None;
+        for l in layers {
+            match &l.mlp {
+                DMlp::Dense { inter: i, .. } => inter = inter.max(*i),
+                DMlp::Moe {
+                    inter: i,
+                    num_experts,
+                    top_k,
+                    ..
+                } => {
+                    moe_shape = Some(MoeShape {
+                        tokens: t,
+                        hidden: h,
+                        inter: *i,
+                        num_experts: *num_experts,
+                        top_k: *top_k,
+                    })
+                }
+            }
+        }
+        // The decode path's split-KV workspace is the only one; the number of partitions
+        // depends on the batch, so size it for the worst batch size.
+        let attn_workspace = (1..=n)
+            .map(|seqs| {
+                paged_attention_workspace_len(&AttnShape {
+                    num_seqs: seqs,
+                    num_tokens: seqs,
+                    num_heads: heads.local_heads,
+                    num_kv_heads: heads.local_kv_heads,
+                    head_dim: hd,
+                    block_size: limits.block_size,
+                    max_blocks_per_seq: mbps,
+                    max_query_len: 1,
+                    max_seq_len: limits.max_model_len,
+                    scale: 1.0,
+                })
+            })
+            .max()
+            .unwrap_or(0);
+        let inputs = StepInputs {
+            ids: s.alloc_zeros(t)?,
+            positions: s.alloc_zeros(t)?,
+            slots: s.alloc_zeros(t)?,
+            query_start_loc: s.alloc_zeros(n + 1)?,
+            seq_lens: s.alloc_zeros(n)?,
+            block_tables: s.alloc_zeros(n * mbps)?,
+            logits_rows: s.alloc_zeros(n)?,
+        };
+        let (e, k) = moe_shape.map_or((0, 0), |m| (m.num_experts, m.top_k));
+        let act = Activations {
+            x: s.alloc_zeros(t * h)?,
+            h: s.alloc_zeros(t * h)?,
+            qkv: s.alloc_zeros(t * (heads.local_heads + 2 * heads.local_kv_heads) * hd)?,
+            q: s.alloc_zeros(t * heads.local_heads * hd)?,
+            attn: s.alloc_zeros(t * heads.local_heads * hd)?,
+            proj: s.alloc_zeros(t * h)?,
+            moe_out: s.alloc_zeros(if moe_shape.is_some() { t * h } else { 1 })?,
+            gate_up: s.alloc_zeros((t * 2 * inter).max(1))?,
+            act: s.alloc_zeros((t * inter).max(1))?,
+            sel: s.alloc_zeros(n * h)?,
+            sel_embed: s.alloc_zeros(t * h)?,
+            logits: s.alloc_zeros(n * spec.vocab_size)?,
+            attn_workspace: s.alloc_zeros(attn_workspace.max(1))?,
+            router_logits: s.alloc_zeros((t * e).max(1))?,
+            h32: s.alloc_zeros(if moe_shape.is_some() { t * h } else { 1 })?,
+            topk_ids: s.alloc_zeros((t * k).max(1))?,
+            topk_weights: s.alloc_zeros((t * k).max(1))?,
+            moe_workspace: s.alloc_zeros(moe_shape.map_or(1, fused_moe_workspace_bytes))?,
+        };
+        Ok((inputs, act))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn upload_inputs(
+        &mut self,
+        ids: &[i32],
+        pos: &[i32],
+        slots: &[i64],
+        qsl: &[i32],
+        seq_lens: &[i32],
+        tables: &[i32],
+        rows: &[i32],
+    ) -> Result<(), ModelError> {
+        let s = self.cx.stream().clone();
+        let i = &mut self.inputs;
+        s.memcpy_htod(ids, &mut i.ids.slice_mut(..ids.len()))
+            .map_err(CudaError::from)?;
+        s.memcpy_htod(pos, &mut i.positions.slice_mut(..pos.len()))
+            .map_err(CudaError::from)?;
+        s.memcpy_htod(slots, &mut i.slots.slice_mut(..slots.len()))
+            .map_err(CudaError::from)?;
+        s.memcpy_htod(qsl, &mut i.query_start_loc.slice_mut(..qsl.len()))
+            .map_err(CudaError::from)?;
+        s.memcpy_htod(seq_lens, &mut i.seq_lens.slice_mut(..seq_lens.len()))
+            .map_err(CudaError::from)?;
+        s.memcpy_htod(tables, &mut i.block_tables.slice_mut(..tables.len()))
+            .map_err(CudaError::from)?;
+        s.memcpy_htod(rows, &mut i.logits_rows.slice_mut(..rows.len()))
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+}

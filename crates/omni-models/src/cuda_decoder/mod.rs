@@ -1,0 +1,458 @@
+//! The Llama-family decoder ([`crate::decoder`]) on one CUDA device (feature `cuda`): bf16
+//! weights and activations, f32 accumulation, the KV cache in device memory, CUDA graphs for
+//! decode steps.
+//!
+//! The tensor-parallel split is the CPU decoder's (the same loader shards the checkpoint); the
+//! row-parallel partial sums are combined by a [`DeviceAllReduce`] (NCCL in the engine).
+//!
+//! One step ([`CudaDecoderModel::forward`]):
+//! ```text
+//! x = embed(ids)                                          residual stream, bf16
+//! per layer: h = rms_norm(x += proj)                      fused_add_rms_norm, x and proj f32
+//!            qkv = h Wqkv^T; q, cache <- rope(norm(qkv))   one GEMM, one fused kernel
+//!            attn = paged_attention(q, cache)
+//!            proj = all_reduce(attn Wo^T)
+//!            h = rms_norm(x += proj)
+//!            proj = all_reduce(mlp(h))                    dense: GEMM, SiLU-mul, GEMM; MoE: fused
+//! logits = (rms_norm(x += proj))[rows] lm_head^T          f32
+//! ```
+//! Every launch depends only on host scalars and on buffers allocated once, for the largest
+//! batch ([`StepLimits`]), so a decode step of a given padded batch size can be captured in a
+//! CUDA graph and replayed with new inputs copied into the same buffers.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use omni_backend::cuda::cudarc::driver::CudaSlice;
+use omni_backend::cuda::{CudaContext, CudaError, DeviceAllReduce, bf16};
+use omni_backend::rope::Rope;
+
+use crate::ModelError;
+use crate::batch::ForwardBatch;
+use crate::decoder::{DecoderSpec, HeadLayout, Loader, load_shaped};
+use crate::weights::WeightSource;
+
+mod buffers;
+mod graphs;
+mod layers;
+mod profile;
+mod weights;
+
+use buffers::{Activations, StepInputs};
+use graphs::{DecodeGraph, DecodeRow};
+use profile::StepProfiler;
+use weights::{DLayer, DummyMaker, Uploader};
+
+impl From<CudaError> for ModelError {
+    fn from(e: CudaError) -> Self {
+        ModelError::Device(e.to_string())
+    }
+}
+
+impl From<omni_backend::cuda::cudarc::driver::DriverError> for ModelError {
+    fn from(e: omni_backend::cuda::cudarc::driver::DriverError) -> Self {
+        ModelError::Device(CudaError::from(e).to_string())
+    }
+}
+
+/// The largest step the buffers are sized for (from the scheduler's limits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLimits {
+    /// Tokens in one step (`max_num_batched_tokens`).
+    pub max_tokens: usize,
+    /// Sequences in one step (`max_num_seqs`); also the most logits rows a step returns.
+    pub max_seqs: usize,
+    /// Longest sequence (`max_model_len`).
+    pub max_model_len: usize,
+    /// Tokens per KV block (sizes the block tables).
+    pub block_size: usize,
+}
+
+impl StepLimits {
+    /// Entries of one sequence's block table: enough blocks for `max_model_len` tokens.
+    pub fn max_blocks_per_seq(&self) -> usize {
+        self.max_model_len.div_ceil(self.block_size.max(1)).max(1)
+    }
+}
+
+/// How the weights are made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceWeightInit {
+    /// Read from a [`WeightSource`] on the host, converted to bf16, uploaded through pinned
+    /// memory one layer at a time.
+    Host,
+    /// Random values of the right shapes made on the device (`--load-format dummy`): norms 1,
+    /// everything else uniform in `[-0.02, 0.02)` from the seed.
+    Dummy {
+        /// Seed of the values.
+        seed: u64,
+    },
+}
+
+/// One step's host-side shape (what a launch sequence depends on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StepShape {
+    tokens: usize,
+    seqs: usize,
+    rows: usize,
+    max_query_len: usize,
+    max_seq_len: usize,
+}
+
+/// The decoder on one device, with its KV cache.
+#[derive(Debug)]
+pub struct CudaDecoderModel {
+    cx: Arc<CudaContext>,
+    spec: DecoderSpec,
+    heads: HeadLayout,
+    rank: usize,
+    all_reduce: Option<Arc<dyn DeviceAllReduce>>,
+    embed: CudaSlice<bf16>,
+    lm_head: Option<CudaSlice<bf16>>,
+    norm: CudaSlice<bf16>,
+    layers: Vec<DLayer>,
+    inv_freq: CudaSlice<f32>,
+    limits: StepLimits,
+    inputs: StepInputs,
+    act: Activations,
+    /// Per layer, K and V: `[num_blocks, block_size, local_kv_heads, head_dim]`.
+    kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
+    num_blocks: usize,
+    /// Decode graphs by padded batch size.
+    graphs: BTreeMap<usize, DecodeGraph>,
+    /// Rows of logits the last forward left in `act.logits`.
+    last_rows: usize,
+    /// Per-op timing of eager steps, when [`Self::enable_profiler`] was called.
+    profiler: Option<StepProfiler>,
+}
+
+impl CudaDecoderModel {
+    /// Loads rank `rank` of `tp_size`'s shard onto `cx`'s device and allocates the step buffers
+    /// for `limits`. `all_reduce` must be given (with `world_size() == tp_size`) when
+    /// `tp_size > 1`. `on_layer(done, total)` is called after each layer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        cx: Arc<CudaContext>,
+        spec: DecoderSpec,
+        ws: &dyn WeightSource,
+        init: DeviceWeightInit,
+        rank: usize,
+        tp_size: usize,
+        all_reduce: Option<Arc<dyn DeviceAllReduce>>,
+        limits: StepLimits,
+        on_layer: &dyn Fn(usize, usize),
+    ) -> Result<Self, ModelError> {
+        let heads = spec.head_layout(rank, tp_size)?;
+        match (&all_reduce, tp_size) {
+            (_, 1) => {}
+            (Some(ar), n) if ar.world_size() == n => {}
+            (ar, n) => {
+                return Err(ModelError::TensorParallel(format!(
+                    "tp_size {n} needs an all-reduce group of {n} ranks, got {:?}",
+                    ar.as_ref().map(|a| a.world_size())
+                )));
+            }
+        }
+        let (v, h) = (spec.vocab_size, spec.hidden_size);
+        let total = spec.num_layers;
+        let (embed, lm_head, norm, layers) = match init {
+            DeviceWeightInit::Host => {
+                let up = Uploader { cx: &cx };
+                let embed =
+                    up.upload(&load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data)?;
+                let lm_head = if spec.tie_word_embeddings {
+                    None
+                } else {
+                    Some(up.upload(&load_shaped(ws, "lm_head.weight", &[v, h])?.data)?)
+                };
+                let loader = Loader::new(ws, &spec, rank, tp_size)?;
+                let norm = up.upload(&loader.vector("model.norm.weight", h)?)?;
+                let mut layers = Vec::with_capacity(total);
+                for i in 0..total {
+                    layers.push(up.layer(&loader.layer(i)?)?);
+                    on_layer(i + 1, total);
+                }
+                (embed, lm_head, norm, layers)
+            }
+            DeviceWeightInit::Dummy { seed } => {
+                let mut mk = DummyMaker {
+                    cx: &cx,
+                    seed,
+                    next: 0,
+                };
+                let embed = mk.weight(v * h)?;
+                let lm_head = if spec.tie_word_embeddings {
+                    None
+                } else {
+                    Some(mk.weight(v * h)?)
+                };
+                let norm = mk.ones(h)?;
+                let mut layers = Vec::with_capacity(total);
+                for i in 0..total {
+                    layers.push(mk.layer(&spec, &heads, tp_size, i)?);
+                    on_layer(i + 1, total);
+                }
+                (embed, lm_head, norm, layers)
+            }
+        };
+        let rope = Rope::new(spec.head_dim, spec.rope_theta, &spec.rope_scaling)?;
+        let inv_freq = cx.stream().clone_htod(rope.inv_freq())?;
+        let (inputs, act) = Self::alloc_step_buffers(&cx, &spec, &heads, &layers, limits)?;
+        let profiler = None;
+        cx.synchronize()?;
+        tracing::info!(
+            architecture = spec.architecture,
+            layers = spec.num_layers,
+            tp_rank = rank,
+            tp_size,
+            device = %cx.info().name,
+            "model loaded on the GPU"
+        );
+        Ok(Self {
+            cx,
+            spec,
+            heads,
+            rank,
+            all_reduce,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            inv_freq,
+            limits,
+            inputs,
+            act,
+            kv: Vec::new(),
+            num_blocks: 0,
+            graphs: BTreeMap::new(),
+            last_rows: 0,
+            profiler,
+        })
+    }
+
+    /// Whether [`CudaDecoderModel::init_cache`] ran.
+    pub fn has_cache(&self) -> bool {
+        !self.kv.is_empty()
+    }
+
+    /// Logs each op's mean GPU time over every `every` eager steps of one kind (decode at a
+    /// batch size, or prefill); graph replay is off from now on (`every` 0: off).
+    pub fn enable_profiler(&mut self, every: u64) {
+        self.profiler = (every > 0).then(|| StepProfiler::new(&self.cx, every));
+    }
+
+    /// The spec this model was built from.
+    pub fn spec(&self) -> &DecoderSpec {
+        &self.spec
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.cx
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.spec.vocab_size
+    }
+
+    /// KV bytes of one block of `block_size` tokens on this rank (all layers, K and V, bf16).
+    pub fn kv_bytes_per_block(&self, block_size: usize) -> u64 {
+        (2 * block_size
+            * self.heads.local_kv_heads
+            * self.spec.head_dim
+            * std::mem::size_of::<bf16>()
+            * self.spec.num_layers) as u64
+    }
+
+    /// Device bytes the KV cache may take: `gpu_memory_utilization` of the device's memory,
+    /// less what is in use now (weights, step buffers, cuBLAS workspace, the CUDA context,
+    /// and anything else on the device), less `reserve` for CUDA graphs and NCCL.
+    pub fn available_kv_bytes(
+        &self,
+        gpu_memory_utilization: f32,
+        reserve: u64,
+    ) -> Result<u64, ModelError> {
+        self.cx.synchronize()?;
+        let (free, total) = self.cx.raw().mem_get_info().map_err(CudaError::from)?;
+        let used = (total - free) as u64;
+        let budget = (total as f64 * gpu_memory_utilization as f64) as u64;
+        Ok(budget.saturating_sub(used).saturating_sub(reserve))
+    }
+
+    /// Allocates `num_blocks` zeroed KV blocks per layer (and the block tables again if
+    /// `block_size` differs from the limits'). Drops any captured graphs (they point at the old
+    /// buffers).
+    pub fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(ModelError::Batch(format!(
+                "num_blocks {num_blocks} and block_size {block_size} must be positive"
+            )));
+        }
+        self.graphs.clear();
+        self.kv.clear();
+        let per_layer = num_blocks * block_size * self.heads.local_kv_heads * self.spec.head_dim;
+        for _ in 0..self.spec.num_layers {
+            let k = self.cx.zeros_bf16(per_layer)?;
+            let v = self.cx.zeros_bf16(per_layer)?;
+            self.kv.push((k, v));
+        }
+        if block_size != self.limits.block_size {
+            // The block tables were sized for another block size at load.
+            self.limits.block_size = block_size;
+            let (inputs, act) = Self::alloc_step_buffers(
+                &self.cx,
+                &self.spec,
+                &self.heads,
+                &self.layers,
+                self.limits,
+            )?;
+            self.inputs = inputs;
+            self.act = act;
+        }
+        self.num_blocks = num_blocks;
+        self.cx.synchronize()?;
+        Ok(())
+    }
+
+    /// Runs one step and leaves the logits of its output rows (`batch.output_rows()`) on the
+    /// device ([`CudaDecoderModel::logits`]); returns the number of rows. Pure decode batches
+    /// replay a captured graph when one fits.
+    pub fn forward(&mut self, batch: &ForwardBatch) -> Result<usize, ModelError> {
+        if self.kv.is_empty() {
+            return Err(ModelError::Batch("forward before init_cache".into()));
+        }
+        let t = batch.input_ids.len();
+        let n = batch.attn.num_seqs();
+        batch
+            .attn
+            .validate(self.limits.block_size, self.num_blocks)?;
+        let rows = batch.output_rows();
+        if t == 0 || t != batch.positions.len() || batch.attn.num_tokens() != t {
+            return Err(ModelError::Batch(format!(
+                "{t} tokens, {} positions, query_start_loc ends at {}",
+                batch.positions.len(),
+                batch.attn.num_tokens()
+            )));
+        }
+        if t > self.limits.max_tokens
+            || n > self.limits.max_seqs
+            || rows.len() > self.limits.max_seqs
+        {
+            return Err(ModelError::Batch(format!(
+                "step of {t} tokens, {n} sequences, {} logits rows exceeds the limits {:?}",
+                rows.len(),
+                self.limits
+            )));
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r >= t) {
+            return Err(ModelError::Batch(format!(
+                "logits index {bad} out of {t} tokens"
+            )));
+        }
+        let v = self.spec.vocab_size;
+        if let Some(&id) = batch.input_ids.iter().find(|&&id| id as usize >= v) {
+            return Err(ModelError::Batch(format!(
+                "token id {id} out of vocabulary ({v})"
+            )));
+        }
+        let max_seq_len = batch.attn.seq_lens.iter().copied().max().unwrap_or(0);
+        if max_seq_len > self.limits.max_model_len {
+            return Err(ModelError::Batch(format!(
+                "sequence of {max_seq_len} tokens exceeds max_model_len {}",
+                self.limits.max_model_len
+            )));
+        }
+        let is_decode = n == t
+            && batch.logits_indices.is_none()
+            && batch
+                .attn
+                .query_start_loc
+                .windows(2)
+                .all(|w| w[1] - w[0] == 1);
+        let graph = if self.profiler.is_some() {
+            None
+        } else {
+            self.graphs.range(t..).next().map(|(&g, _)| g)
+        };
+        if is_decode && let Some(g) = graph {
+            let real: Vec<DecodeRow<'_>> = (0..t)
+                .map(|i| DecodeRow {
+                    token: batch.input_ids[i],
+                    position: batch.positions[i],
+                    slot: batch.attn.slot_mapping[i],
+                    seq_len: batch.attn.seq_lens[i],
+                    block_table: &batch.attn.block_tables[i],
+                })
+                .collect();
+            self.pad_decode_inputs(g, &real)?;
+            let graph = self
+                .graphs
+                .get(&g)
+                .ok_or_else(|| ModelError::Device("graph vanished".into()))?;
+            graph.0.launch().map_err(CudaError::from)?;
+            self.last_rows = t;
+            return Ok(t);
+        }
+        let mbps = self.limits.max_blocks_per_seq();
+        let mut tables = vec![0i32; n * mbps];
+        for (s, bt) in batch.attn.block_tables.iter().enumerate() {
+            for (j, &b) in bt.iter().take(mbps).enumerate() {
+                tables[s * mbps + j] = b as i32;
+            }
+        }
+        let ids: Vec<i32> = batch.input_ids.iter().map(|&x| x as i32).collect();
+        let pos: Vec<i32> = batch.positions.iter().map(|&x| x as i32).collect();
+        let qsl: Vec<i32> = batch
+            .attn
+            .query_start_loc
+            .iter()
+            .map(|&x| x as i32)
+            .collect();
+        let seq_lens: Vec<i32> = batch.attn.seq_lens.iter().map(|&x| x as i32).collect();
+        let rows_i: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        self.upload_inputs(
+            &ids,
+            &pos,
+            &batch.attn.slot_mapping,
+            &qsl,
+            &seq_lens,
+            &tables,
+            &rows_i,
+        )?;
+        let max_query_len = batch
+            .attn
+            .query_start_loc
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0);
+        self.run_kernels(StepShape {
+            tokens: t,
+            seqs: n,
+            rows: rows.len(),
+            max_query_len,
+            max_seq_len,
+        })?;
+        self.last_rows = rows.len();
+        Ok(rows.len())
+    }
+
+    /// The f32 logits of the last forward's rows, `[rows, vocab]`, on the device.
+    pub fn logits(&self) -> omni_backend::cuda::cudarc::driver::CudaView<'_, f32> {
+        self.act
+            .logits
+            .slice(..self.last_rows * self.spec.vocab_size)
+    }
+
+    /// Copies the last forward's logits to the host (synchronizes).
+    pub fn logits_to_host(&self) -> Result<Vec<f32>, ModelError> {
+        let view = self.logits();
+        let mut host = vec![0f32; view.len()];
+        self.cx
+            .stream()
+            .memcpy_dtoh(&view, &mut host)
+            .map_err(CudaError::from)?;
+        Ok(host)
+    }
+}

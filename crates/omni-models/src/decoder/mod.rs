@@ -1,0 +1,401 @@
+//! The Llama-family decoder that Llama, Qwen3 and Qwen3-MoE share: pre-norm blocks of
+//! (RMSNorm, attention with RoPE and GQA, residual) and (RMSNorm, SiLU MLP or MoE, residual).
+//!
+//! Each architecture file maps its HF `Config` into a [`DecoderSpec`]; [`DecoderModel::load`]
+//! then walks the checkpoint's tensor names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+//!
+//! # Tensor parallelism (as in vLLM)
+//! - `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj` are column-parallel: rank `r` keeps its
+//!   rows (its query heads; its KV heads, or one replicated KV head when `tp_size >
+//!   num_key_value_heads`; its slice of the intermediate size).
+//! - `o_proj`, `down_proj` are row-parallel: rank `r` keeps the matching input columns, and the
+//!   partial sums are combined by [`AllReduce::all_reduce_sum`](crate::AllReduce::all_reduce_sum).
+//! - MoE experts are sharded the same way as a dense MLP: every rank holds every expert, with
+//!   its slice of `moe_intermediate_size` (gate/up rows, down columns); the router is replicated
+//!   and one all-reduce follows the expert sum. (Expert parallelism, experts split over ranks,
+//!   is not implemented.)
+//! - Embeddings, norms, the router and `lm_head` are replicated.
+
+use omni_backend::attention::{LayerKvCache, paged_attention, reshape_and_cache};
+use omni_backend::linalg::matmul_nt;
+use omni_backend::ops;
+use omni_backend::rope::Rope;
+
+use crate::batch::ForwardBatch;
+use crate::error::ModelError;
+use crate::weights::{HostTensor, WeightSource};
+use crate::{CausalLm, KvCacheSpec};
+
+mod loader;
+mod spec;
+
+pub(crate) use loader::{Loader, load_shaped};
+pub use spec::{DecoderSpec, HeadLayout, MoeSpec, TpContext};
+
+/// A weight matrix `[out, in]` (HF layout) with an optional bias.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    pub(crate) w: Vec<f32>,
+    pub(crate) out: usize,
+    pub(crate) inp: usize,
+    pub(crate) bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    fn forward(&self, x: &[f32], tokens: usize, out: &mut Vec<f32>) -> Result<(), ModelError> {
+        out.clear();
+        out.resize(tokens * self.out, 0.0);
+        matmul_nt(x, &self.w, out, tokens, self.inp, self.out)?;
+        if let Some(b) = &self.bias {
+            ops::add_bias_inplace(out, b)?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct DenseMlp {
+    /// `[gate rows | up rows]` of this rank, fused: `[2 * inter, hidden]`.
+    pub(crate) gate_up: Linear,
+    pub(crate) down: Linear,
+    pub(crate) inter: usize,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct MoeMlp {
+    /// `[num_experts, hidden]`, replicated.
+    pub(crate) router: Vec<f32>,
+    pub(crate) experts: Vec<DenseMlp>,
+    pub(crate) top_k: usize,
+    pub(crate) norm_topk_prob: bool,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Mlp {
+    Dense(DenseMlp),
+    Moe(MoeMlp),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct DecoderLayer {
+    pub(crate) input_norm: Vec<f32>,
+    pub(crate) post_norm: Vec<f32>,
+    /// Fused `[q rows | k rows | v rows]` of this rank's heads.
+    pub(crate) qkv: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) mlp: Mlp,
+}
+
+/// Scratch buffers of one forward pass, reused across layers.
+#[derive(Debug, Default)]
+struct Scratch {
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    cos_sin: Vec<f32>,
+    gather: Vec<f32>,
+}
+
+/// A loaded Llama-family decoder on one tensor-parallel rank.
+#[derive(Debug)]
+pub struct DecoderModel {
+    spec: DecoderSpec,
+    heads: HeadLayout,
+    tp: TpContext,
+    embed: Vec<f32>,
+    lm_head: Option<Vec<f32>>,
+    norm: Vec<f32>,
+    layers: Vec<DecoderLayer>,
+    rope: Rope,
+    /// When enabled, each token's smallest MoE routing margin of the last forward.
+    routing_trace: std::sync::Mutex<Option<Vec<f32>>>,
+}
+
+impl DecoderModel {
+    /// Starts recording, for every token of each forward, the smallest routing margin over the
+    /// MoE layers: `ln p_k - ln p_(k+1)`, the log-probability gap between the last expert chosen
+    /// and the first one left out. A small margin is a near-tie that any rounding (a bf16 device)
+    /// may flip; reference tests use it to tell such tokens from errors.
+    pub fn enable_routing_trace(&self) {
+        if let Ok(mut t) = self.routing_trace.lock() {
+            *t = Some(Vec::new());
+        }
+    }
+
+    /// Per token of the last forward, the smallest MoE routing margin (`f32::INFINITY` for a
+    /// dense model); empty unless [`DecoderModel::enable_routing_trace`] was called.
+    pub fn routing_margins(&self) -> Vec<f32> {
+        self.routing_trace
+            .lock()
+            .ok()
+            .and_then(|t| t.clone())
+            .unwrap_or_default()
+    }
+
+    /// Loads rank `tp.rank`'s share of the weights in `ws`.
+    pub fn load(
+        spec: DecoderSpec,
+        ws: &dyn WeightSource,
+        tp: TpContext,
+    ) -> Result<Self, ModelError> {
+        let heads = spec.head_layout(tp.rank, tp.size)?;
+        if tp.all_reduce.world_size() != tp.size {
+            return Err(ModelError::TensorParallel(format!(
+                "all-reduce group of {} for tp_size {}",
+                tp.all_reduce.world_size(),
+                tp.size
+            )));
+        }
+        let loader = Loader::new(ws, &spec, tp.rank, tp.size)?;
+        let (v, h) = (spec.vocab_size, spec.hidden_size);
+        let embed = load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data;
+        let lm_head = if spec.tie_word_embeddings {
+            None
+        } else {
+            Some(load_shaped(ws, "lm_head.weight", &[v, h])?.data)
+        };
+        let norm = loader.vector("model.norm.weight", h)?;
+        let layers = (0..spec.num_layers)
+            .map(|i| loader.layer(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rope = Rope::new(spec.head_dim, spec.rope_theta, &spec.rope_scaling)?;
+        tracing::info!(
+            architecture = spec.architecture,
+            layers = spec.num_layers,
+            tp_rank = tp.rank,
+            tp_size = tp.size,
+            local_heads = heads.local_heads,
+            local_kv_heads = heads.local_kv_heads,
+            "model loaded"
+        );
+        Ok(Self {
+            spec,
+            heads,
+            tp,
+            embed,
+            lm_head,
+            norm,
+            layers,
+            rope,
+            routing_trace: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The spec this model was built from.
+    pub fn spec(&self) -> &DecoderSpec {
+        &self.spec
+    }
+
+    fn attention(
+        &self,
+        l: &DecoderLayer,
+        t: usize,
+        batch: &ForwardBatch,
+        cache: &mut LayerKvCache,
+        s: &mut Scratch,
+    ) -> Result<(), ModelError> {
+        let hd = self.spec.head_dim;
+        let (lq, lkv) = (self.heads.local_heads, self.heads.local_kv_heads);
+        l.qkv.forward(&s.h, t, &mut s.qkv)?;
+        let (qw, kw) = (lq * hd, lkv * hd);
+        let row = qw + 2 * kw;
+        for buf in [&mut s.q, &mut s.k, &mut s.v] {
+            buf.clear();
+        }
+        for r in s.qkv.chunks_exact(row) {
+            s.q.extend_from_slice(&r[..qw]);
+            s.k.extend_from_slice(&r[qw..qw + kw]);
+            s.v.extend_from_slice(&r[qw + kw..]);
+        }
+        if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+            ops::rms_norm_inplace(&mut s.q, qn, hd, self.spec.rms_norm_eps)?;
+            ops::rms_norm_inplace(&mut s.k, kn, hd, self.spec.rms_norm_eps)?;
+        }
+        self.rope.apply(&mut s.q, lq, &s.cos_sin)?;
+        self.rope.apply(&mut s.k, lkv, &s.cos_sin)?;
+        reshape_and_cache(&s.k, &s.v, &batch.attn.slot_mapping, cache)?;
+        s.attn.clear();
+        s.attn.resize(t * qw, 0.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        paged_attention(&s.q, lq, cache, &batch.attn, scale, &mut s.attn)?;
+        l.o.forward(&s.attn, t, &mut s.proj)?;
+        Ok(())
+    }
+
+    fn dense_mlp(
+        m: &DenseMlp,
+        x: &[f32],
+        t: usize,
+        gate_up: &mut Vec<f32>,
+        act: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        m.gate_up.forward(x, t, gate_up)?;
+        act.clear();
+        act.resize(t * m.inter, 0.0);
+        ops::silu_and_mul(gate_up, act, m.inter)?;
+        m.down.forward(act, t, out)
+    }
+
+    fn moe(&self, m: &MoeMlp, t: usize, s: &mut Scratch) -> Result<(), ModelError> {
+        let h = self.spec.hidden_size;
+        let ne = m.experts.len();
+        let mut logits = vec![0.0; t * ne];
+        matmul_nt(&s.h, &m.router, &mut logits, t, h, ne)?;
+        // Per expert: (token row, routing weight).
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
+        let mut order: Vec<usize> = Vec::with_capacity(ne);
+        for (tok, row) in logits.chunks_exact_mut(ne).enumerate() {
+            ops::softmax_inplace(row);
+            order.clear();
+            order.extend(0..ne);
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            let top = &order[..m.top_k.min(ne)];
+            if let Some(&next) = order.get(m.top_k)
+                && let Ok(mut trace) = self.routing_trace.lock()
+                && let Some(trace) = trace.as_mut()
+                && let Some(slot) = trace.get_mut(tok)
+            {
+                let margin = row[top[top.len() - 1]].ln() - row[next].ln();
+                *slot = slot.min(margin);
+            }
+            let sum: f32 = top.iter().map(|&e| row[e]).sum();
+            for &e in top {
+                let w = if m.norm_topk_prob {
+                    row[e] / sum
+                } else {
+                    row[e]
+                };
+                routed[e].push((tok, w));
+            }
+        }
+        s.proj.clear();
+        s.proj.resize(t * h, 0.0);
+        let mut out = Vec::new();
+        for (e, toks) in routed.iter().enumerate() {
+            if toks.is_empty() {
+                continue;
+            }
+            s.gather.clear();
+            for &(tok, _) in toks {
+                s.gather.extend_from_slice(&s.h[tok * h..(tok + 1) * h]);
+            }
+            Self::dense_mlp(
+                &m.experts[e],
+                &s.gather,
+                toks.len(),
+                &mut s.gate_up,
+                &mut s.act,
+                &mut out,
+            )?;
+            for (i, &(tok, w)) in toks.iter().enumerate() {
+                for (d, y) in s.proj[tok * h..(tok + 1) * h]
+                    .iter_mut()
+                    .zip(&out[i * h..(i + 1) * h])
+                {
+                    *d += w * y;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CausalLm for DecoderModel {
+    fn architecture(&self) -> &str {
+        self.spec.architecture
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.spec.vocab_size
+    }
+
+    fn kv_cache_spec(&self) -> KvCacheSpec {
+        KvCacheSpec {
+            num_layers: self.spec.num_layers,
+            num_kv_heads: self.heads.local_kv_heads,
+            head_dim: self.spec.head_dim,
+        }
+    }
+
+    fn forward(
+        &self,
+        batch: &ForwardBatch,
+        kv: &mut [LayerKvCache],
+    ) -> Result<HostTensor, ModelError> {
+        let t = batch.input_ids.len();
+        let h = self.spec.hidden_size;
+        if batch.positions.len() != t || batch.attn.num_tokens() != t {
+            return Err(ModelError::Batch(format!(
+                "{t} tokens, {} positions, query_start_loc ends at {}",
+                batch.positions.len(),
+                batch.attn.num_tokens()
+            )));
+        }
+        if kv.len() != self.layers.len() {
+            return Err(ModelError::Batch(format!(
+                "{} KV caches for {} layers",
+                kv.len(),
+                self.layers.len()
+            )));
+        }
+        let rows = batch.output_rows();
+        if let Some(&bad) = rows.iter().find(|&&r| r >= t) {
+            return Err(ModelError::Batch(format!(
+                "logits index {bad} out of {t} tokens"
+            )));
+        }
+        if let Ok(mut trace) = self.routing_trace.lock()
+            && let Some(trace) = trace.as_mut()
+        {
+            trace.clear();
+            trace.resize(t, f32::INFINITY);
+        }
+        let mut x = vec![0.0; t * h];
+        ops::embedding(&self.embed, h, &batch.input_ids, &mut x)?;
+        let mut s = Scratch::default();
+        self.rope.cos_sin(&batch.positions, &mut s.cos_sin);
+        let eps = self.spec.rms_norm_eps;
+        for (l, cache) in self.layers.iter().zip(kv.iter_mut()) {
+            s.h.clear();
+            s.h.extend_from_slice(&x);
+            ops::rms_norm_inplace(&mut s.h, &l.input_norm, h, eps)?;
+            self.attention(l, t, batch, cache, &mut s)?;
+            self.tp.all_reduce.all_reduce_sum(&mut s.proj)?;
+            ops::add_inplace(&mut x, &s.proj)?;
+
+            s.h.clear();
+            s.h.extend_from_slice(&x);
+            ops::rms_norm_inplace(&mut s.h, &l.post_norm, h, eps)?;
+            match &l.mlp {
+                Mlp::Dense(m) => {
+                    Self::dense_mlp(m, &s.h, t, &mut s.gate_up, &mut s.act, &mut s.proj)?
+                }
+                Mlp::Moe(m) => self.moe(m, t, &mut s)?,
+            }
+            self.tp.all_reduce.all_reduce_sum(&mut s.proj)?;
+            ops::add_inplace(&mut x, &s.proj)?;
+        }
+        let mut sel = Vec::with_capacity(rows.len() * h);
+        for &r in &rows {
+            sel.extend_from_slice(&x[r * h..(r + 1) * h]);
+        }
+        ops::rms_norm_inplace(&mut sel, &self.norm, h, eps)?;
+        let v = self.spec.vocab_size;
+        let mut logits = vec![0.0; rows.len() * v];
+        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
+        matmul_nt(&sel, head, &mut logits, rows.len(), h, v)?;
+        Ok(HostTensor {
+            shape: vec![rows.len(), v],
+            data: logits,
+        })
+    }
+}
