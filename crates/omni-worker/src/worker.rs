@@ -23,7 +23,8 @@ use crate::step_model::{CpuStepModel, StepModel};
 ///
 /// Every rank computes the whole step (the all-reduce keeps them in lockstep and they sample the
 /// same tokens from the same seed), but only the output rank 0 answers
-/// [`WorkerCommand::ExecuteModel`] with the [`ModelRunnerOutput`]; other ranks answer with a small
+/// [`WorkerCommand::ExecuteModel`] with the
+/// [`ModelRunnerOutput`](omni_protocol::ModelRunnerOutput); other ranks answer with a small
 /// [`WorkerResponse::Ready`] acknowledgement. The executor reads every rank's answer, so a rank
 /// that fails is noticed at once and no response queue ever fills up.
 #[derive(Debug)]
