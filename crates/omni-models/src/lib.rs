@@ -12,6 +12,9 @@
 //! - [`weights`]: the [`weights::WeightSource`] trait; [`hf_dir::SafetensorsDir`] and
 //!   [`dummy::DummyWeights`] implement it.
 //! - [`batch`]: [`ForwardBatch`], one step's flat batch with vLLM's attention metadata.
+//! - [`interface`]: [`StageModel`], the interface beyond "logits of a Llama": token ids or
+//!   input embeddings, 1-D or M-RoPE positions, multimodal features, captured hidden states of
+//!   named layers, codes; [`registry::build_stage_model`] builds one by (architecture, stage).
 //!
 //! ```no_run
 //! use omni_models::registry::{LoadFormat, load_model_dir};
@@ -37,6 +40,7 @@ pub mod error;
 pub mod gguf;
 pub mod hf_config;
 pub mod hf_dir;
+pub mod interface;
 pub mod llama;
 pub mod qwen3;
 pub mod qwen3_moe;
@@ -46,6 +50,10 @@ pub mod weights;
 pub use batch::{ForwardBatch, SeqChunk};
 pub use decoder::{DecoderModel, DecoderSpec, TpContext};
 pub use error::ModelError;
+pub use interface::{
+    Capture, ModelInputs, ModelOutputs, ModelStage, MropePositions, MultiModalFeature,
+    PositionInputs, StageModel, TokenInputs,
+};
 pub use omni_backend::attention::LayerKvCache;
 pub use omni_backend::comm::{AllReduce, IdentityAllReduce, InProcessAllReduce};
 pub use weights::{HostTensor, WeightSource};

@@ -9,6 +9,7 @@ use crate::decoder::{DecoderModel, DecoderSpec, TpContext};
 use crate::dummy::DummyWeights;
 use crate::error::ModelError;
 use crate::hf_dir::SafetensorsDir;
+use crate::interface::{ModelStage, StageModel};
 use crate::weights::{LoadProgressFn, ProgressWeights, WeightSource};
 use crate::{CausalLm, KvCacheSpec, llama, qwen3, qwen3_moe};
 
@@ -17,6 +18,8 @@ use crate::{CausalLm, KvCacheSpec, llama, qwen3, qwen3_moe};
 pub struct Architecture {
     /// The HF `architectures[0]` string.
     pub name: &'static str,
+    /// The stage networks this architecture string stands for (one, for a text LLM).
+    pub stages: &'static [ModelStage],
     /// Parses `config.json` into the decoder spec.
     pub spec: fn(&Value) -> Result<DecoderSpec, ModelError>,
 }
@@ -25,14 +28,17 @@ pub struct Architecture {
 pub const ARCHITECTURES: &[Architecture] = &[
     Architecture {
         name: llama::ARCHITECTURE,
+        stages: &[ModelStage::CausalLm],
         spec: llama::spec_from_json,
     },
     Architecture {
         name: qwen3::ARCHITECTURE,
+        stages: &[ModelStage::CausalLm],
         spec: qwen3::spec_from_json,
     },
     Architecture {
         name: qwen3_moe::ARCHITECTURE,
+        stages: &[ModelStage::CausalLm],
         spec: qwen3_moe::spec_from_json,
     },
 ];
@@ -104,6 +110,34 @@ pub fn build_model_with_progress(
     let total = spec.weight_shapes().len();
     let weights = ProgressWeights::new(weights, total, on_load);
     Ok(Box::new(DecoderModel::load(spec, &weights, tp)?))
+}
+
+/// Builds rank `tp.rank`'s network of `stage` (keyed by (architecture, stage): one HF
+/// architecture string can stand for several stage networks).
+pub fn build_stage_model(
+    config: &Value,
+    stage: ModelStage,
+    weights: &dyn WeightSource,
+    tp: TpContext,
+) -> Result<Box<dyn StageModel>, ModelError> {
+    let arch = architecture(config)?;
+    if !arch.stages.contains(&stage) {
+        return Err(ModelError::Config(format!(
+            "{} has no {stage:?} stage (it has {:?})",
+            arch.name, arch.stages
+        )));
+    }
+    match stage {
+        ModelStage::CausalLm => Ok(Box::new(DecoderModel::load(
+            (arch.spec)(config)?,
+            weights,
+            tp,
+        )?)),
+        other => Err(ModelError::Config(format!(
+            "no {other:?} network is implemented for {}",
+            arch.name
+        ))),
+    }
 }
 
 /// Random weights with every tensor the config's checkpoint would hold.

@@ -23,6 +23,9 @@ use omni_backend::rope::Rope;
 
 use crate::batch::ForwardBatch;
 use crate::error::ModelError;
+use crate::interface::{
+    Capture, ModelInputs, ModelOutputs, ModelStage, PositionInputs, StageModel, TokenInputs,
+};
 use crate::weights::{HostTensor, WeightSource};
 use crate::{CausalLm, KvCacheSpec};
 
@@ -331,6 +334,22 @@ impl CausalLm for DecoderModel {
         batch: &ForwardBatch,
         kv: &mut [LayerKvCache],
     ) -> Result<HostTensor, ModelError> {
+        self.run(batch, None, &[], kv)?
+            .logits
+            .ok_or_else(|| ModelError::Batch("the decoder produced no logits".into()))
+    }
+}
+
+impl DecoderModel {
+    /// One step: embeds the batch's ids (or takes `embeds`, `[tokens, hidden]`), runs every
+    /// layer, and returns the logits of the output rows and the `capture`d states.
+    fn run(
+        &self,
+        batch: &ForwardBatch,
+        embeds: Option<&[f32]>,
+        capture: &[Capture],
+        kv: &mut [LayerKvCache],
+    ) -> Result<ModelOutputs, ModelError> {
         let t = batch.input_ids.len();
         let h = self.spec.hidden_size;
         if batch.positions.len() != t || batch.attn.num_tokens() != t {
@@ -353,18 +372,53 @@ impl CausalLm for DecoderModel {
                 "logits index {bad} out of {t} tokens"
             )));
         }
+        if let Some(&Capture::AfterLayers(n)) = capture
+            .iter()
+            .find(|c| matches!(c, Capture::AfterLayers(n) if *n > self.layers.len()))
+        {
+            return Err(ModelError::Batch(format!(
+                "cannot capture the state after {n} layers of {}",
+                self.layers.len()
+            )));
+        }
         if let Ok(mut trace) = self.routing_trace.lock()
             && let Some(trace) = trace.as_mut()
         {
             trace.clear();
             trace.resize(t, f32::INFINITY);
         }
-        let mut x = vec![0.0; t * h];
-        ops::embedding(&self.embed, h, &batch.input_ids, &mut x)?;
+        let mut x = match embeds {
+            Some(e) if e.len() == t * h => e.to_vec(),
+            Some(e) => {
+                return Err(ModelError::Batch(format!(
+                    "{} input-embedding values for {t} tokens of width {h}",
+                    e.len()
+                )));
+            }
+            None => {
+                let mut x = vec![0.0; t * h];
+                ops::embedding(&self.embed, h, &batch.input_ids, &mut x)?;
+                x
+            }
+        };
+        let mut out = ModelOutputs::default();
+        let keep = |out: &mut ModelOutputs, what: Capture, x: &[f32]| {
+            for c in capture.iter().filter(|c| **c == what) {
+                out.hidden_states.push((
+                    *c,
+                    HostTensor {
+                        shape: vec![t, h],
+                        data: x.to_vec(),
+                    },
+                ));
+            }
+        };
+        keep(&mut out, Capture::Embedding, &x);
+        keep(&mut out, Capture::AfterLayers(0), &x);
         let mut s = Scratch::default();
         self.rope.cos_sin(&batch.positions, &mut s.cos_sin);
         let eps = self.spec.rms_norm_eps;
-        for (l, cache) in self.layers.iter().zip(kv.iter_mut()) {
+        for (i, (l, cache)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
             s.h.clear();
             s.h.extend_from_slice(&x);
             ops::rms_norm_inplace(&mut s.h, &l.input_norm, h, eps)?;
@@ -383,6 +437,7 @@ impl CausalLm for DecoderModel {
             }
             self.tp.all_reduce.all_reduce_sum(&mut s.proj)?;
             ops::add_inplace(&mut x, &s.proj)?;
+            keep(&mut out, Capture::AfterLayers(i + 1), &x);
         }
         let mut sel = Vec::with_capacity(rows.len() * h);
         for &r in &rows {
@@ -393,9 +448,57 @@ impl CausalLm for DecoderModel {
         let mut logits = vec![0.0; rows.len() * v];
         let head = self.lm_head.as_deref().unwrap_or(&self.embed);
         matmul_nt(&sel, head, &mut logits, rows.len(), h, v)?;
-        Ok(HostTensor {
+        out.logits = Some(HostTensor {
             shape: vec![rows.len(), v],
             data: logits,
-        })
+        });
+        Ok(out)
+    }
+}
+
+impl StageModel for DecoderModel {
+    fn architecture(&self) -> &str {
+        self.spec.architecture
+    }
+
+    fn stage(&self) -> ModelStage {
+        ModelStage::CausalLm
+    }
+
+    fn kv_cache_spec(&self) -> Option<KvCacheSpec> {
+        Some(CausalLm::kv_cache_spec(self))
+    }
+
+    fn forward(
+        &self,
+        inputs: &ModelInputs<'_>,
+        kv: &mut [LayerKvCache],
+    ) -> Result<ModelOutputs, ModelError> {
+        if let Some(f) = inputs.mm_features.first() {
+            return Err(ModelError::Batch(format!(
+                "{} has no {} encoder",
+                self.spec.architecture, f.modality
+            )));
+        }
+        if let PositionInputs::Mrope(m) = inputs.positions {
+            // Equal rows are 1-D RoPE; this decoder has no multi-section rotary embedding.
+            let same = m.is_text_only()
+                && m.rows[0].len() == inputs.batch.positions.len()
+                && m.rows[0]
+                    .iter()
+                    .zip(&inputs.batch.positions)
+                    .all(|(a, b)| usize::try_from(*a).ok() == Some(*b));
+            if !same {
+                return Err(ModelError::Batch(format!(
+                    "{} has no M-RoPE: its positions must be one row equal to the batch's",
+                    self.spec.architecture
+                )));
+            }
+        }
+        let embeds = match inputs.tokens {
+            TokenInputs::Ids => None,
+            TokenInputs::Embeds(e) => Some(e),
+        };
+        self.run(inputs.batch, embeds, inputs.capture, kv)
     }
 }
