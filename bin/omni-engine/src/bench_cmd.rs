@@ -380,7 +380,7 @@ struct DecodeIteration {
 /// the end. The streams are polled round-robin; the decode window's token count is taken at
 /// the end of the sweep that saw the last first token.
 fn decode_iteration(
-    client: &omni_core::EngineClient,
+    client: &dyn omni_core::EngineCoreClient,
     tag: &str,
     prompts: Vec<Vec<u32>>,
     output_len: usize,
@@ -439,7 +439,7 @@ fn decode_iteration(
 /// Time to first token of one `prompt` with one output token; also the prompt tokens the
 /// prefix cache served.
 fn prefill_once(
-    client: &omni_core::EngineClient,
+    client: &dyn omni_core::EngineCoreClient,
     id: String,
     prompt: Vec<u32>,
 ) -> anyhow::Result<(f64, u64)> {
@@ -538,7 +538,7 @@ fn run_latency(a: LatencyArgs) -> anyhow::Result<()> {
         scheduler.block_size,
         scheduler.max_num_batched_tokens
     );
-    let client = engine.client();
+    let client = engine.clone();
     let mut prompts = DistinctPrompts::new(a.seed, shape.vocab_size, scheduler.block_size);
     let per_seq_blocks = (a.input_len + a.output_len).div_ceil(scheduler.block_size.max(1));
 

@@ -1,33 +1,36 @@
-//! [`CoreEngineClient`]: omni-core's engine-loop handle seen through omni-server's
-//! [`omni_server::EngineClient`] trait.
+//! [`CoreEngineClient`]: omni-core's [`EngineCoreClient`] (the engine core on a thread here or
+//! in its own process) seen through omni-server's [`omni_server::EngineClient`] trait.
 //!
-//! The engine loop hands each request a [`RequestStream`] of `Result<_, RequestError>`; the server
+//! The engine core hands each request a [`RequestStream`] of `Result<_, RequestError>`; the server
 //! wants an unbounded receiver of `Result<_, omni_server::EngineError>`. One small tokio task per
 //! request forwards and maps the items. When the server drops its receiver (client gone, stop
 //! string matched) the task drops the stream, and dropping an unfinished stream aborts the
 //! request in the engine, which frees its KV blocks.
 
-use omni_core::{RequestError, RequestStream};
+use std::sync::Arc;
+
+use omni_core::{EngineCoreClient, EngineDeadError, RequestError, RequestStream};
 use omni_protocol::{EngineCoreRequest, RequestId, SchedulerStats};
 use omni_server::{CacheInfo, EngineError, OutputReceiver};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 
-/// The real engine (omni-core's [`omni_core::EngineClient`]) behind the server's trait.
+/// The real engine (omni-core's [`EngineCoreClient`]) behind the server's trait.
 #[derive(Debug, Clone)]
 pub struct CoreEngineClient {
-    client: omni_core::EngineClient,
+    client: Arc<dyn EngineCoreClient>,
     cache: CacheInfo,
 }
 
 impl CoreEngineClient {
     /// Wraps `client`; `cache` is reported by `vllm:cache_config_info`.
-    pub fn new(client: omni_core::EngineClient, cache: CacheInfo) -> Self {
+    pub fn new(client: Arc<dyn EngineCoreClient>, cache: CacheInfo) -> Self {
         Self { client, cache }
     }
 }
 
 /// The table from the engine core's failures to the server's (and so to HTTP statuses):
-/// admission refusals are 400, a dead worker or a shutdown 503 (naming the rank).
+/// admission refusals are 400; a dead worker, a dead engine core or a shutdown 503 (naming the
+/// rank or the engine core).
 fn server_error(e: RequestError) -> EngineError {
     match e {
         RequestError::Rejected(r) => EngineError::InvalidRequest {
@@ -42,11 +45,10 @@ fn server_error(e: RequestError) -> EngineError {
     }
 }
 
-fn dead_cause(e: &omni_core::EngineError) -> String {
+fn dead_cause(e: &EngineDeadError) -> String {
     match e {
-        omni_core::EngineError::EngineDead { rank, cause } => {
-            format!("worker {rank} failed: {cause}")
-        }
+        EngineDeadError::Worker { rank, cause } => format!("worker {rank} failed: {cause}"),
+        EngineDeadError::EngineCore { cause } => format!("engine core failed: {cause}"),
     }
 }
 
@@ -103,7 +105,7 @@ mod tests {
 
     #[test]
     fn dead_worker_maps_to_a_dead_engine_naming_the_rank() {
-        let e = server_error(RequestError::Engine(omni_core::EngineError::EngineDead {
+        let e = server_error(RequestError::Engine(EngineDeadError::Worker {
             rank: 1,
             cause: "killed by signal 9".into(),
         }));
@@ -117,5 +119,20 @@ mod tests {
             server_error(RequestError::Shutdown),
             EngineError::Dead { .. }
         ));
+    }
+
+    #[test]
+    fn dead_engine_core_maps_to_a_dead_engine_naming_it() {
+        let e = server_error(RequestError::Engine(EngineDeadError::EngineCore {
+            cause: "engine-core process 7 (omni-engine-core) killed by signal 9".into(),
+        }));
+        assert_eq!(
+            e,
+            EngineError::Dead {
+                cause: "engine core failed: engine-core process 7 (omni-engine-core) killed by \
+                        signal 9"
+                    .into()
+            }
+        );
     }
 }

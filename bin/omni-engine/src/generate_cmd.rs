@@ -1,6 +1,7 @@
 //! `omni-engine generate`: offline batch inference (vLLM's `LLM.generate`). Starts the engine
 //! (one worker process per tensor-parallel rank, or the model in-process with
-//! `--executor uni`), submits every prompt at once through the engine loop, and prints the
+//! `--executor uni`; the engine core on a thread, or in its own process with
+//! `--enable-multiprocessing`), submits every prompt at once to the engine core, and prints the
 //! continuations (`--json`: `[{"prompt_token_ids":[..],"token_ids":[..],"text":".."}]`).
 //! Throughput (prefill and decode tok/s) goes to stderr.
 //!
@@ -70,7 +71,8 @@ pub struct Args {
     pub engine: EngineConfig,
 }
 
-/// Starts the engine of `config` from this binary (which runs as each rank's worker).
+/// Starts the engine of `config` from this binary (which runs as each rank's worker, and as the
+/// engine-core process with `--enable-multiprocessing`).
 ///
 /// Call it on a thread that lives as long as the engine (the main thread): worker processes
 /// get `PR_SET_PDEATHSIG` and die with the thread that spawned them.
@@ -202,7 +204,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         scheduler.num_blocks,
         engine_config.cache.block_size
     );
-    let client = engine.client();
+    let client = engine.clone();
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,

@@ -1,5 +1,6 @@
 //! The omni-engine binary. One executable for every process role: the subcommand picks it
-//! (`serve`, `worker`, `generate`, `bench ...`).
+//! (`serve`, `generate`, `bench ...`; hidden: `engine-core` and `worker`, spawned by the
+//! engine itself).
 
 use std::path::PathBuf;
 
@@ -8,6 +9,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
 mod engine_adapter;
+mod engine_core_cmd;
 mod generate_cmd;
 mod serve_cmd;
 mod worker_cmd;
@@ -28,6 +30,9 @@ enum Command {
     Generate(generate_cmd::Args),
     /// The OpenAI-compatible API server (vLLM's `vllm serve`).
     Serve(serve_cmd::Args),
+    /// The engine-core process (spawned by `serve --enable-multiprocessing`, not by hand).
+    #[command(hide = true)]
+    EngineCore(engine_core_cmd::Args),
     /// A tensor-parallel worker process (spawned by the engine core, not by hand).
     #[command(hide = true)]
     Worker(worker_cmd::Args),
@@ -61,6 +66,7 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(b) => bench_cmd::run(b.which),
         Command::Generate(a) => generate_cmd::run(a),
         Command::Serve(a) => serve_cmd::run(a),
+        Command::EngineCore(a) => engine_core_cmd::run(a),
         Command::Worker(a) => worker_cmd::run(a),
     }
 }

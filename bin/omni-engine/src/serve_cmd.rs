@@ -1,11 +1,14 @@
 //! `omni-engine serve`: the OpenAI-compatible API server (vLLM's `vllm serve`).
 //!
 //! This process (`omni-api`) loads the tokenizer and chat template, runs omni-server's axum
-//! router, and drives the engine loop; the workers (one process per tensor-parallel rank) get
-//! token ids only. Start-up sweeps stale `/dev/shm/omni.*` segments, logs the resolved config and
-//! the KV cache size, then `listening on http://host:port`. SIGINT or SIGTERM: stop accepting,
-//! abort in-flight requests (their streams end with a 503 error event), shut the workers down
-//! (which removes their shared memory), exit 0.
+//! router, and drives the engine core: on a thread of its own, or, with
+//! `--enable-multiprocessing` (env `VLLM_ENABLE_V1_MULTIPROCESSING=1`), in an `omni-engine-core`
+//! process that spawns the workers (one process per tensor-parallel rank, token ids only).
+//! Start-up sweeps stale `/dev/shm/omni.*` segments, logs the resolved config and the KV cache
+//! size, then `listening on http://host:port`. SIGINT or SIGTERM: stop accepting, abort
+//! in-flight requests (their streams end with a 503 error event), shut the engine core and the
+//! workers down (which removes their shared memory), exit 0. A dead worker or engine core turns
+//! `/health` and every request into a 503 naming it.
 //!
 //! ```text
 //! omni-engine serve                                   # the built-in default model on :8000
@@ -18,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use omni_core::EngineCoreClient;
 use omni_server::{CacheInfo, ConnectionLimits, EngineClient as _, ServerConfig, Tokenizer};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
@@ -156,7 +160,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         scheduler.num_blocks,
         scheduler.num_blocks * scheduler.block_size
     );
-    let core = engine.client();
+    let core = engine.clone();
     let adapter = Arc::new(CoreEngineClient::new(
         core.clone(),
         CacheInfo {
@@ -218,7 +222,7 @@ async fn serve_until_signal(
     config: ServerConfig,
     engine: Arc<CoreEngineClient>,
     tokenizer: Tokenizer,
-    core: omni_core::EngineClient,
+    core: Arc<dyn EngineCoreClient>,
 ) -> anyhow::Result<()> {
     // Handlers first: a signal right after the listening line must not kill the process.
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
@@ -240,7 +244,9 @@ async fn serve_until_signal(
         tracing::info!(
             "{which}: shutting down (no new connections, aborting in-flight requests, stopping workers)"
         );
-        core.shutdown();
+        // In-flight streams end at once; the wait for the engine core and its workers runs
+        // off the runtime's threads (`run` waits for it again before exiting).
+        tokio::task::spawn_blocking(move || core.shutdown());
         let _ = drain_tx.send(());
     };
     let server = omni_server::serve_on(listener, app, limits, shutdown);

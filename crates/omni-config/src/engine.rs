@@ -164,6 +164,20 @@ pub struct ParallelConfig {
         default_value_t = ExecutorKind::Mp
     )]
     pub executor: ExecutorKind,
+    /// Run the engine core (scheduler, KV cache manager, executor) in a process of its own,
+    /// `omni-engine-core`, which spawns the workers, instead of on a thread of this process
+    /// (env `VLLM_ENABLE_V1_MULTIPROCESSING`, vLLM's name). vLLM defaults to its own process;
+    /// here the default is the thread (off) until the extra hop is measured as free.
+    #[arg(
+        long,
+        value_name = "BOOL",
+        num_args = 0..=1,
+        default_value_t = false,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub enable_multiprocessing: bool,
 }
 
 /// The scheduler's budgets.

@@ -38,6 +38,7 @@ pub const ENV_FLAGS: &[(&str, &str)] = &[
     ("OMNI_CACHE_DIR", "cache-dir"),
     ("OMNI_CUDA_PROFILE", "cuda-profile-steps"),
     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "timeout-keep-alive"),
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", "enable-multiprocessing"),
 ];
 
 /// `cmd` and all its subcommands with `args_override_self`: a flag given twice takes the last

@@ -3,7 +3,7 @@
 use omni_protocol::{EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats};
 
 use crate::config::{SchedulerConfig, SchedulerConfigError};
-use crate::executor::{EngineError, Executor};
+use crate::executor::{EngineDeadError, Executor};
 use crate::scheduler::{AddRequestError, Scheduler};
 
 /// The engine's inner loop body (vLLM's `EngineCore`), without threads or IPC: the caller feeds
@@ -36,7 +36,7 @@ impl<E: Executor> EngineCore<E> {
 
     /// Schedules one batch, runs it on the executor and applies its output. Returns nothing when
     /// there is nothing to do. On error the engine is dead: call [`EngineCore::fail_all`].
-    pub fn step(&mut self) -> Result<Vec<EngineCoreOutput>, EngineError> {
+    pub fn step(&mut self) -> Result<Vec<EngineCoreOutput>, EngineDeadError> {
         if !self.scheduler.has_unfinished_requests() && !self.scheduler.has_finished_requests() {
             return Ok(Vec::new());
         }
@@ -52,7 +52,7 @@ impl<E: Executor> EngineCore<E> {
             .update_from_output(&scheduler_output, &model_output))
     }
 
-    /// Ends every live request with [`FinishReason::Error`] (after [`EngineError::EngineDead`]).
+    /// Ends every live request with [`FinishReason::Error`] (after [`EngineDeadError::Worker`]).
     pub fn fail_all(&mut self) -> Vec<EngineCoreOutput> {
         self.scheduler.finish_all_requests(FinishReason::Error)
     }

@@ -3,17 +3,21 @@
 //! Layer L2: depends on `omni-protocol` and `omni-ipc`; no model or GPU code lives here. The
 //! [`Executor`] trait is the seam to whatever runs the model: [`UniprocExecutor`] drives an
 //! in-process [`omni_protocol::WorkerBase`], [`MultiprocExecutor`] spawns one worker process per rank
-//! and talks to them over `omni-ipc`. [`EngineLoop`] runs the busy loop on its own thread;
-//! [`EngineClient`] is the handle servers and offline inference use.
+//! and talks to them over `omni-ipc`. [`EngineCoreClient`] is the seam to whatever runs the
+//! engine core: [`InprocClient`] runs its busy loop on a thread of this process, [`MpClient`] in
+//! a process of its own ([`EngineCoreProc`], `omni-engine-core`) over a pair of `MessageQueue`s.
+//! Servers and offline inference hold an `Arc<dyn EngineCoreClient>` and do not care which.
 //!
 //! - [`BlockPool`]: KV blocks with reference counts, an LRU free queue and the prefix-cache map.
 //! - [`KvCacheManager`]: per-request block tables, prefix caching by chained block hash.
 //! - [`Scheduler`]: continuous batching with chunked prefill and preemption by recompute.
 //! - [`EngineCore`]: `add_request`, `abort`, `step`.
-//! - [`engine_loop`]: the busy-loop thread and its client handle.
+//! - `engine_loop`: the busy loop, and [`InprocClient`]; `engine_core_proc` / `mp_client`: the
+//!   two ends of the engine-core process; `engine_core_client`: the trait, [`RequestStream`] and
+//!   the frontend that routes outputs to requests.
 //!
 //! ```
-//! use omni_core::{EngineCore, EngineError, Executor, SchedulerConfig};
+//! use omni_core::{EngineCore, EngineDeadError, Executor, SchedulerConfig};
 //! use omni_protocol::{EngineCoreRequest, ModelRunnerOutput, SamplingParams, SchedulerOutput};
 //!
 //! /// Always samples token 7.
@@ -23,7 +27,7 @@
 //!         &mut self,
 //!         so: &SchedulerOutput,
 //!         _buffers: &[&[u8]],
-//!     ) -> Result<ModelRunnerOutput, EngineError> {
+//!     ) -> Result<ModelRunnerOutput, EngineDeadError> {
 //!         let req_ids: Vec<String> = so.num_scheduled_tokens.keys().cloned().collect();
 //!         let sampled_token_ids = vec![vec![7]; req_ids.len()];
 //!         Ok(ModelRunnerOutput { req_ids, sampled_token_ids, ..Default::default() })
@@ -47,20 +51,26 @@
 mod block_pool;
 mod config;
 mod engine_core;
-pub mod engine_loop;
+mod engine_core_client;
+mod engine_core_proc;
+mod engine_loop;
 mod executor;
 mod kv_cache_manager;
+mod mp_client;
 mod request;
 mod scheduler;
 
 pub use block_pool::{BlockAllocError, BlockHash, BlockPool, hash_block_tokens};
 pub use config::{SchedulerConfig, SchedulerConfigError};
 pub use engine_core::EngineCore;
-pub use engine_loop::{EngineClient, EngineLoop, RequestError, RequestOutput, RequestStream};
+pub use engine_core_client::{EngineCoreClient, RequestError, RequestOutput, RequestStream};
+pub use engine_core_proc::{ENGINE_CORE_PROCESS_NAME, EngineCoreProc, EngineCoreProcError};
+pub use engine_loop::{HEALTH_CHECK_INTERVAL, InprocClient};
 pub use executor::{
-    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineError, Executor, ExecutorStartError, MultiprocConfig,
+    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineDeadError, Executor, ExecutorStartError, MultiprocConfig,
     MultiprocExecutor, StartupSpec, UniprocExecutor, plan_num_blocks,
 };
 pub use kv_cache_manager::{ComputedBlocks, KvCacheManager};
+pub use mp_client::{EngineCoreStartError, MpClient, MpClientConfig};
 pub use request::{Request, RequestStatus};
 pub use scheduler::{AddRequestError, Scheduler};

@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 
 use omni_protocol::{
     CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
-    NewRequestData, RequestId, SamplingParamsError, SchedulerOutput, SchedulerStats,
+    NewRequestData, RequestId, SchedulerOutput, SchedulerStats,
 };
 
 use crate::config::{SchedulerConfig, SchedulerConfigError};
@@ -23,27 +23,7 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Why a request was refused at admission (the API maps these to HTTP 400).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum AddRequestError {
-    /// A live request already has this id.
-    #[error("request id {0:?} is already in use")]
-    DuplicateRequestId(RequestId),
-    /// The prompt has no tokens.
-    #[error("request {0:?} has an empty prompt")]
-    EmptyPrompt(RequestId),
-    /// The prompt does not fit the model's context.
-    #[error("prompt of {prompt_len} tokens exceeds max_model_len {max_model_len}")]
-    PromptTooLong {
-        /// Prompt length.
-        prompt_len: usize,
-        /// Configured limit.
-        max_model_len: usize,
-    },
-    /// A sampling parameter is out of range.
-    #[error(transparent)]
-    InvalidSamplingParams(#[from] SamplingParamsError),
-}
+pub use omni_protocol::AddRequestError;
 
 /// The scheduler: request queues, the KV cache manager, and the per-step decisions.
 #[derive(Debug)]

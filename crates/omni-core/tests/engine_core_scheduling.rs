@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use omni_core::{EngineCore, EngineError, Executor, SchedulerConfig};
+use omni_core::{EngineCore, EngineDeadError, Executor, SchedulerConfig};
 use omni_protocol::{
     BlockId, EngineCoreOutput, EngineCoreRequest, FinishReason, Logprob, ModelRunnerOutput,
     SamplingParams, SchedulerOutput, TokenId, TokenLogprobs,
@@ -64,9 +64,9 @@ impl Executor for FakeWorker {
         &mut self,
         so: &SchedulerOutput,
         _buffers: &[&[u8]],
-    ) -> Result<ModelRunnerOutput, EngineError> {
+    ) -> Result<ModelRunnerOutput, EngineDeadError> {
         if self.fail_at_step == Some(self.history.len()) {
-            return Err(EngineError::EngineDead {
+            return Err(EngineDeadError::Worker {
                 rank: 0,
                 cause: "killed by test".into(),
             });
@@ -518,7 +518,7 @@ fn dead_worker_fails_every_request_and_frees_blocks() {
     core.step().unwrap();
     core.step().unwrap();
     let err = core.step().unwrap_err();
-    assert!(matches!(err, EngineError::EngineDead { rank: 0, .. }));
+    assert!(matches!(err, EngineDeadError::Worker { rank: 0, .. }));
     let outs = core.fail_all();
     assert_eq!(outs.len(), 2);
     assert!(

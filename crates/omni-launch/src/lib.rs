@@ -3,13 +3,20 @@
 //! `generate` and every `bench` command start their engine through [`launch`]; the binary only
 //! parses flags and dispatches.
 //!
+//! `--enable-multiprocessing` (env `VLLM_ENABLE_V1_MULTIPROCESSING`) picks where the engine
+//! core runs: on a thread of this process ([`omni_core::InprocClient`], the default) or in a
+//! process of its own ([`omni_core::MpClient`]): this same binary as `omni-engine engine-core`,
+//! which receives the resolved config in its handshake and calls [`run_engine_core_process`],
+//! which builds the engine core with the same function ([`build_engine_core`]) and spawns the
+//! workers from there. Either way the caller gets an `Arc<dyn EngineCoreClient>`.
+//!
 //! ```no_run
 //! # fn main() -> Result<(), omni_launch::LaunchError> {
 //! let mut config = omni_config::EngineConfig::default();
 //! config.model.model = Some("path/to/hf-dir".into());
 //! config.validate()?;
 //! let started = omni_launch::launch(&config, &std::env::current_exe().unwrap())?;
-//! let client = started.engine.client(); // submit requests, read their streams
+//! let client = started.engine.clone(); // submit requests, read their streams
 //! # drop(client); Ok(()) }
 //! ```
 
@@ -18,8 +25,9 @@ use std::sync::Arc;
 
 use omni_config::{DeviceKind, Dtype, EngineConfig, ExecutorKind, LoadFormat as LoadFormatCfg};
 use omni_core::{
-    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineCore, EngineLoop, Executor, MultiprocConfig,
-    MultiprocExecutor, SchedulerConfig, StartupSpec, UniprocExecutor,
+    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineCore, EngineCoreClient, EngineCoreProc, Executor,
+    InprocClient, MpClient, MpClientConfig, MultiprocConfig, MultiprocExecutor, SchedulerConfig,
+    StartupSpec, UniprocExecutor,
 };
 use omni_protocol::{DType, Device, LoadFormat, LoadModelSpec};
 
@@ -41,13 +49,20 @@ pub enum LaunchError {
     /// The scheduler rejected the configuration.
     #[error(transparent)]
     Scheduler(#[from] omni_core::SchedulerConfigError),
+    /// The engine-core process did not start (`--enable-multiprocessing`).
+    #[error(transparent)]
+    EngineCore(#[from] omni_core::EngineCoreStartError),
+    /// The engine-core process's side of its handshake or queues failed.
+    #[error(transparent)]
+    EngineCoreProc(#[from] omni_core::EngineCoreProcError),
 }
 
-/// A started engine: the loop that owns the engine core, and what start-up decided.
+/// A started engine: the client of its engine core, and what start-up decided.
 #[derive(Debug)]
 pub struct StartedEngine {
-    /// The engine-core loop (drop or [`EngineLoop::shutdown`] stops it and the workers).
-    pub engine: EngineLoop,
+    /// The engine core, on a thread here or in its own process
+    /// ([`EngineCoreClient::shutdown`], or dropping the last clone, stops it and the workers).
+    pub engine: Arc<dyn EngineCoreClient>,
     /// The scheduler's configuration, KV blocks included.
     pub scheduler: SchedulerConfig,
     /// The model path that was loaded (the default model's when none was given).
@@ -101,13 +116,57 @@ pub fn load_spec(config: &EngineConfig, model: &Path, device: Device) -> LoadMod
     }
 }
 
-/// Starts the workers (one process per rank, or the model in-process with `--executor uni`),
-/// loads the model, sizes the KV cache and spawns the engine loop. `exe` is the binary that
-/// runs as `omni-engine worker` for each rank.
+/// Starts the engine of `config`: the engine core on a thread of this process, or (with
+/// `config.parallel.enable_multiprocessing`) in a process of its own that `exe` runs as
+/// `omni-engine engine-core`. `exe` is also the binary that runs as `omni-engine worker` for
+/// each rank.
 ///
 /// Call it on a thread that lives as long as the engine (the main thread): worker processes
-/// get `PR_SET_PDEATHSIG` and die with the thread that spawned them.
+/// (and the engine-core process) get `PR_SET_PDEATHSIG` and die with the thread that spawned
+/// them.
 pub fn launch(config: &EngineConfig, exe: &Path) -> Result<StartedEngine, LaunchError> {
+    config.validate()?;
+    if config.parallel.enable_multiprocessing {
+        return launch_engine_core_process(config, exe);
+    }
+    let built = build_engine_core(config, exe)?;
+    Ok(StartedEngine {
+        engine: Arc::new(InprocClient::spawn(built.core)),
+        scheduler: built.scheduler,
+        model: built.model,
+        device: built.device,
+    })
+}
+
+/// An engine core assembled from a config, not yet running.
+pub struct BuiltEngineCore {
+    /// The scheduler over the started executor.
+    pub core: EngineCore<Box<dyn Executor + Send>>,
+    /// The scheduler's configuration, KV blocks included.
+    pub scheduler: SchedulerConfig,
+    /// The model path that was loaded.
+    pub model: PathBuf,
+    /// The device the model runs on.
+    pub device: Device,
+}
+
+impl std::fmt::Debug for BuiltEngineCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BuiltEngineCore")
+            .field("scheduler", &self.scheduler)
+            .field("model", &self.model)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Starts the workers (one process per rank, or the model in-process with `--executor uni`),
+/// loads the model, sizes the KV cache and builds the engine core over them: what both an
+/// in-process engine and the engine-core process run.
+pub fn build_engine_core(
+    config: &EngineConfig,
+    exe: &Path,
+) -> Result<BuiltEngineCore, LaunchError> {
     config.validate()?;
     let device = resolve_device(config)?;
     if config.model.dtype != Dtype::Auto {
@@ -160,7 +219,19 @@ pub fn launch(config: &EngineConfig, exe: &Path) -> Result<StartedEngine, Launch
             (Box::new(ex), n)
         }
     };
-    let scheduler = SchedulerConfig {
+    let scheduler = scheduler_config(config, num_blocks);
+    let core = EngineCore::new(scheduler.clone(), executor)?;
+    Ok(BuiltEngineCore {
+        core,
+        scheduler,
+        model,
+        device,
+    })
+}
+
+/// The scheduler's configuration for `num_blocks` KV blocks.
+pub fn scheduler_config(config: &EngineConfig, num_blocks: u32) -> SchedulerConfig {
+    SchedulerConfig {
         max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
         max_num_seqs: config.scheduler.max_num_seqs,
         max_model_len: config.model.max_model_len as usize,
@@ -168,14 +239,57 @@ pub fn launch(config: &EngineConfig, exe: &Path) -> Result<StartedEngine, Launch
         num_blocks: num_blocks as usize,
         enable_prefix_caching: config.cache.prefix_caching(),
         enable_chunked_prefill: true,
-    };
-    let engine = EngineLoop::spawn(EngineCore::new(scheduler.clone(), executor)?);
+    }
+}
+
+/// `launch` with the engine core in its own process: the model path is resolved here (so the
+/// child never fetches), the rest of start-up happens there.
+fn launch_engine_core_process(
+    config: &EngineConfig,
+    exe: &Path,
+) -> Result<StartedEngine, LaunchError> {
+    let mut resolved = config.clone();
+    resolved.model.model = Some(resolve_model(config)?);
+    let mut cfg = MpClientConfig::new(exe.to_path_buf());
+    let small = config.ipc.response();
+    cfg.input_queue = small.clone();
+    cfg.output_queue = small;
+    let (client, ready) = MpClient::start(&cfg, &resolved)?;
     Ok(StartedEngine {
-        engine,
-        scheduler,
-        model,
-        device,
+        engine: Arc::new(client),
+        scheduler: scheduler_config(config, ready.num_gpu_blocks),
+        model: PathBuf::from(ready.model),
+        device: ready.device,
     })
+}
+
+/// How an engine-core process ended without an error of its own to print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineCoreExit {
+    /// It served until its client shut it down.
+    Served,
+    /// Its start-up failed and the client was told why (and says so itself): exit non-zero
+    /// without printing the error a second time.
+    StartupFailed,
+}
+
+/// The main of `omni-engine engine-core`: the handshake on stdin/stdout (the resolved config
+/// comes in it), [`build_engine_core`] (which spawns the workers from this process, with `exe`
+/// as their binary), then the busy loop over the two queues until the client shuts it down.
+/// A start-up error goes to the client, which reports it.
+pub fn run_engine_core_process(exe: &Path) -> Result<EngineCoreExit, LaunchError> {
+    let (proc, config): (EngineCoreProc, EngineConfig) = EngineCoreProc::accept()?;
+    match build_engine_core(&config, exe) {
+        Ok(built) => {
+            let model = built.model.display().to_string();
+            proc.run(built.core, &model, built.device)?;
+            Ok(EngineCoreExit::Served)
+        }
+        Err(e) => {
+            proc.fail(&e.to_string())?;
+            Ok(EngineCoreExit::StartupFailed)
+        }
+    }
 }
 
 /// The GPU this binary can use: its name and how many devices the driver sees.

@@ -1,17 +1,28 @@
-//! The start-up handshake between an executor and a worker process it spawned: one JSON line on
-//! the worker's stdin ([`WorkerHandshake`]), one JSON line back on its stdout ([`WorkerHello`]).
-//! After that, every message goes over the `omni-ipc` queues the two lines name.
+//! The start-up handshakes of the child processes, one JSON line each way over the child's
+//! stdin and stdout. After that, every message goes over the `omni-ipc` queues the lines name.
+//!
+//! A worker, spawned by an executor:
 //!
 //! ```text
 //! executor ──stdin:  WorkerHandshake {instance, rank, broadcast handle, response config, ..}──▶ worker
 //! executor ◀─stdout: WorkerHello {rank, pid, response handle}─────────────────────────────── worker
 //! ```
 //!
-//! Both carry [`crate::PROTOCOL_VERSION`]; each side refuses a peer of another version.
+//! An engine-core process (`omni-engine-core`), spawned by its client in the API process:
+//!
+//! ```text
+//! client ──stdin:  EngineCoreHandshake {input queue handle, output config, resolved config}──▶ core
+//! client ◀─stdout: EngineCoreStartup::Ready {pid, output queue handle, KV blocks, device}──── core
+//!                  (or ::Failed {message}: its start-up error, said once, before it exits)
+//! ```
+//!
+//! All carry [`crate::PROTOCOL_VERSION`]; each side refuses a peer of another version.
 
 use std::time::Duration;
 
 use omni_ipc::{Handle, MessageQueueConfig};
+
+use crate::Device;
 use serde::{Deserialize, Serialize};
 
 /// The one JSON line a worker reads from its stdin at start.
@@ -49,4 +60,53 @@ pub struct WorkerHello {
     pub pid: u32,
     /// Its response queue (the executor attaches as local reader 0).
     pub response: Handle,
+}
+
+/// The one JSON line an engine-core process reads from its stdin at start. `C` is the resolved
+/// engine config (omni-config's `EngineConfig`; generic here because configuration sits above
+/// this crate): the process never re-reads the environment or its argv.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineCoreHandshake<C> {
+    /// The client's [`crate::PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// The client's pid (the engine core exits if its parent already changed).
+    pub parent_pid: u32,
+    /// Where to read [`crate::EngineCoreInput`]s from (as local reader 0).
+    pub input: Handle,
+    /// Config of the queue the engine core creates for its [`crate::EngineCoreOutputs`].
+    pub output_queue: MessageQueueConfig,
+    /// How long to wait for the queues' peers at start.
+    pub ready_timeout: Duration,
+    /// The resolved engine config.
+    pub config: C,
+}
+
+/// What a started engine core reports to its client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineCoreReady {
+    /// The engine core's [`crate::PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// Its pid (its segments are `omni.<pid>x*`).
+    pub pid: u32,
+    /// Its output queue (the client attaches as local reader 0).
+    pub output: Handle,
+    /// KV blocks allocated on every rank.
+    pub num_gpu_blocks: u32,
+    /// The model path that was loaded.
+    pub model: String,
+    /// The device the model runs on (`--device auto` resolved).
+    pub device: Device,
+}
+
+/// The one JSON line an engine-core process answers on its stdout, once its workers are up and
+/// the model is loaded (or start-up failed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum EngineCoreStartup {
+    /// Serving: attach to the output queue.
+    Ready(EngineCoreReady),
+    /// Start-up failed; the process exits after this line.
+    Failed {
+        /// The start-up error, in words.
+        message: String,
+    },
 }

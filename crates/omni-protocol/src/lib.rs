@@ -15,8 +15,15 @@
 //! omni-engine-core ◀──WorkerResponse (one queue/rank)─── omni-worker-<rank>
 //! ```
 //!
+//! The first two lines are a pair of `MessageQueue`s with one reader each when the engine core
+//! runs in a process of its own; in-process the same two types go over a channel and a direct
+//! call. Refusals ([`AddRequestError`]) and the engine's death ([`EngineDeadError`]) ride in
+//! [`EngineCoreOutputs`].
+//!
 //! A worker process starts with a [`WorkerHandshake`] / [`WorkerHello`] JSON line pair on its
-//! stdin and stdout ([`handshake`]), which names those queues. Both ends of every connection
+//! stdin and stdout ([`handshake`]), which names those queues; an engine-core process with an
+//! [`EngineCoreHandshake`] (the resolved engine config inside) / [`EngineCoreStartup`] pair.
+//! Both ends of every connection
 //! exchange [`PROTOCOL_VERSION`] first and refuse a peer whose version differs
 //! ([`check_protocol_version`]). [`WorkerBase`] is what an executor drives on the other side.
 //!
@@ -34,6 +41,7 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod error;
 pub mod handshake;
 mod output;
 mod request;
@@ -42,7 +50,10 @@ mod scheduler_output;
 mod tensor;
 mod worker;
 
-pub use handshake::{WorkerHandshake, WorkerHello};
+pub use error::{AddRequestError, EngineDeadError};
+pub use handshake::{
+    EngineCoreHandshake, EngineCoreReady, EngineCoreStartup, WorkerHandshake, WorkerHello,
+};
 pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, StopReason};
 pub use request::{EngineCoreInput, EngineCoreRequest};
 pub use sampling::{SamplingParams, SamplingParamsError};
@@ -55,7 +66,7 @@ pub use worker::{
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{RequestId, TensorRef, TokenId, TokenLogprobs};
+use crate::{AddRequestError, EngineDeadError, RequestId, TensorRef, TokenId, TokenLogprobs};
 
 /// Why a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -92,7 +92,8 @@ pub struct SchedulerStats {
     pub prefix_cache_hits: u64,
 }
 
-/// One message from the engine core to the API process: the outputs of one step.
+/// One message from the engine core to its client: what one turn of the busy loop produced
+/// (a step's outputs, the outputs of aborts, refusals, the engine's death, new stats).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineCoreOutputs {
     /// Per-request outputs.
@@ -103,4 +104,19 @@ pub struct EngineCoreOutputs {
     pub timestamp: f64,
     /// Per-request tensors (e.g. Thinker hidden states for the next stage), out-of-band.
     pub tensors: Vec<TensorRef>,
+    /// Requests refused at admission, with why (each ends its stream).
+    pub rejected: Vec<(RequestId, AddRequestError)>,
+    /// Set when the engine is dead: every live request fails with it. Sent again in answer to a
+    /// request that arrives later, so a client that added one in the meantime fails it too.
+    pub engine_dead: Option<EngineDeadError>,
+}
+
+impl EngineCoreOutputs {
+    /// Whether the message says nothing but (possibly) stats.
+    pub fn is_empty(&self) -> bool {
+        self.outputs.is_empty()
+            && self.rejected.is_empty()
+            && self.engine_dead.is_none()
+            && self.tensors.is_empty()
+    }
 }

@@ -64,8 +64,9 @@ impl Default for SamplingParams {
     }
 }
 
-/// A sampling parameter out of its range (the API maps it to HTTP 400).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+/// A sampling parameter out of its range (the API maps it to HTTP 400). Serde: it crosses from
+/// an engine-core process to the API process inside an [`crate::AddRequestError`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize)]
 pub enum SamplingParamsError {
     /// `temperature` is negative or not finite.
     #[error("temperature must be >= 0, got {0}")]
@@ -98,6 +99,56 @@ pub enum SamplingParamsError {
         /// Requested maximum.
         max_tokens: u32,
     },
+}
+
+/// [`SamplingParamsError`] as it is read back: the same shape with the penalty's name owned,
+/// then matched to one of the `'static` names.
+#[derive(Deserialize)]
+enum SamplingParamsErrorWire {
+    Temperature(f32),
+    TopP(f32),
+    MinP(f32),
+    Penalty { name: String, value: f32 },
+    RepetitionPenalty(f32),
+    MaxTokens,
+    MinTokens { min_tokens: u32, max_tokens: u32 },
+}
+
+impl<'de> Deserialize<'de> for SamplingParamsError {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        SamplingParamsErrorWire::deserialize(d)?
+            .try_into()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl TryFrom<SamplingParamsErrorWire> for SamplingParamsError {
+    type Error = String;
+
+    fn try_from(w: SamplingParamsErrorWire) -> Result<Self, String> {
+        use SamplingParamsErrorWire as W;
+        Ok(match w {
+            W::Temperature(v) => Self::Temperature(v),
+            W::TopP(v) => Self::TopP(v),
+            W::MinP(v) => Self::MinP(v),
+            W::Penalty { name, value } => Self::Penalty {
+                name: ["presence_penalty", "frequency_penalty"]
+                    .into_iter()
+                    .find(|n| *n == name)
+                    .ok_or_else(|| format!("unknown penalty {name:?}"))?,
+                value,
+            },
+            W::RepetitionPenalty(v) => Self::RepetitionPenalty(v),
+            W::MaxTokens => Self::MaxTokens,
+            W::MinTokens {
+                min_tokens,
+                max_tokens,
+            } => Self::MinTokens {
+                min_tokens,
+                max_tokens,
+            },
+        })
+    }
 }
 
 impl SamplingParams {

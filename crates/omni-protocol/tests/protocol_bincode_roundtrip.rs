@@ -5,10 +5,10 @@
 use std::collections::HashMap;
 
 use omni_protocol::{
-    CachedRequestData, DType, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs,
-    EngineCoreRequest, FinishReason, LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput,
-    NewRequestData, SamplingParams, SchedulerOutput, SchedulerStats, StopReason, TensorRef,
-    TokenLogprobs, WorkerCommand, WorkerResponse,
+    AddRequestError, CachedRequestData, DType, EngineCoreInput, EngineCoreOutput,
+    EngineCoreOutputs, EngineCoreRequest, EngineDeadError, FinishReason, LoadFormat, LoadModelSpec,
+    Logprob, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput, SchedulerStats,
+    StopReason, TensorRef, TokenLogprobs, WorkerCommand, WorkerResponse,
 };
 use serde::{Serialize, de::DeserializeOwned};
 
@@ -223,6 +223,17 @@ fn engine_core_outputs_roundtrip() {
         }),
         timestamp: 1.7e9,
         tensors: vec![],
+        rejected: vec![(
+            "req-2".into(),
+            AddRequestError::PromptTooLong {
+                prompt_len: 9000,
+                max_model_len: 8192,
+            },
+        )],
+        engine_dead: Some(EngineDeadError::Worker {
+            rank: 1,
+            cause: "worker process killed by signal 9".into(),
+        }),
     };
     roundtrip(&outputs);
 }

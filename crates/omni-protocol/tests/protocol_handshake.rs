@@ -1,11 +1,15 @@
-//! The worker handshake survives the one JSON line it travels as, in both directions.
+//! The worker and engine-core handshakes survive the one JSON line each travels as, in both
+//! directions.
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use omni_ipc::{Handle, MessageQueueConfig};
-use omni_protocol::{PROTOCOL_VERSION, WorkerHandshake, WorkerHello};
+use omni_protocol::{
+    Device, EngineCoreHandshake, EngineCoreReady, EngineCoreStartup, PROTOCOL_VERSION,
+    WorkerHandshake, WorkerHello,
+};
 
 fn handle() -> Handle {
     Handle {
@@ -49,4 +53,47 @@ fn handshake_and_hello_survive_one_json_line_each() {
     let line = serde_json::to_string(&hello).unwrap();
     assert!(!line.contains('\n'));
     assert_eq!(serde_json::from_str::<WorkerHello>(&line).unwrap(), hello);
+}
+
+#[test]
+fn engine_core_handshake_and_startup_survive_one_json_line_each() {
+    #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Config {
+        max_model_len: u32,
+    }
+    let hs = EngineCoreHandshake {
+        protocol_version: PROTOCOL_VERSION,
+        parent_pid: 1,
+        input: handle(),
+        output_queue: MessageQueueConfig::default(),
+        ready_timeout: Duration::from_secs(300),
+        config: Config { max_model_len: 512 },
+    };
+    let line = serde_json::to_string(&hs).unwrap();
+    assert!(!line.contains('\n'));
+    assert_eq!(
+        serde_json::from_str::<EngineCoreHandshake<Config>>(&line).unwrap(),
+        hs
+    );
+
+    for startup in [
+        EngineCoreStartup::Ready(EngineCoreReady {
+            protocol_version: PROTOCOL_VERSION,
+            pid: 42,
+            output: handle(),
+            num_gpu_blocks: 1024,
+            model: "/models/tiny".into(),
+            device: Device::Cpu,
+        }),
+        EngineCoreStartup::Failed {
+            message: "no such model".into(),
+        },
+    ] {
+        let line = serde_json::to_string(&startup).unwrap();
+        assert!(!line.contains('\n'));
+        assert_eq!(
+            serde_json::from_str::<EngineCoreStartup>(&line).unwrap(),
+            startup
+        );
+    }
 }

@@ -16,25 +16,14 @@
 mod multiproc;
 mod startup;
 mod uniproc;
-mod workers;
+pub(crate) mod workers;
 
 pub use multiproc::{MultiprocConfig, MultiprocExecutor};
 pub use uniproc::UniprocExecutor;
 
 use omni_protocol::{ModelRunnerOutput, SchedulerOutput};
 
-/// Why the engine cannot go on.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum EngineError {
-    /// A worker died, answered with an error, or stopped answering. Every live request fails.
-    #[error("engine dead: worker {rank} failed: {cause}")]
-    EngineDead {
-        /// The failing worker's rank.
-        rank: u32,
-        /// What happened (exit status, the worker's error message, a timeout).
-        cause: String,
-    },
-}
+pub use omni_protocol::EngineDeadError;
 
 /// Runs one step of the model for a scheduled batch.
 pub trait Executor {
@@ -50,10 +39,10 @@ pub trait Executor {
         &mut self,
         scheduler_output: &SchedulerOutput,
         buffers: &[&[u8]],
-    ) -> Result<ModelRunnerOutput, EngineError>;
+    ) -> Result<ModelRunnerOutput, EngineDeadError>;
 
     /// Checks that every worker is alive.
-    fn check_health(&mut self) -> Result<(), EngineError> {
+    fn check_health(&mut self) -> Result<(), EngineDeadError> {
         Ok(())
     }
 
@@ -66,11 +55,11 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
         &mut self,
         scheduler_output: &SchedulerOutput,
         buffers: &[&[u8]],
-    ) -> Result<ModelRunnerOutput, EngineError> {
+    ) -> Result<ModelRunnerOutput, EngineDeadError> {
         (**self).execute_model(scheduler_output, buffers)
     }
 
-    fn check_health(&mut self) -> Result<(), EngineError> {
+    fn check_health(&mut self) -> Result<(), EngineDeadError> {
         (**self).check_health()
     }
 
@@ -84,7 +73,7 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
 pub enum ExecutorStartError {
     /// A worker failed or died during start-up.
     #[error(transparent)]
-    Worker(#[from] EngineError),
+    Worker(#[from] EngineDeadError),
     /// The KV cache budget cannot hold a single block.
     #[error(
         "KV cache budget of {budget_bytes} bytes is smaller than one block ({kv_bytes_per_block} \

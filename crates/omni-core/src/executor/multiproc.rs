@@ -20,7 +20,7 @@ use omni_protocol::{ModelRunnerOutput, SchedulerOutput, WorkerCommandRef, Worker
 
 use super::startup::{load_model_and_init_cache, unexpected};
 use super::workers::WorkerGroup;
-use super::{EngineError, ExecutorStartError, StartupSpec};
+use super::{EngineDeadError, ExecutorStartError, StartupSpec};
 use crate::Executor;
 
 /// How to start the workers.
@@ -125,7 +125,7 @@ impl Executor for MultiprocExecutor {
         &mut self,
         scheduler_output: &SchedulerOutput,
         buffers: &[&[u8]],
-    ) -> Result<ModelRunnerOutput, EngineError> {
+    ) -> Result<ModelRunnerOutput, EngineDeadError> {
         // By reference: the batch is encoded straight from the scheduler's output, not cloned.
         self.group
             .broadcast(WorkerCommandRef::ExecuteModel(scheduler_output), buffers)?;
@@ -140,14 +140,14 @@ impl Executor for MultiprocExecutor {
             }
         }
         output.ok_or_else(|| {
-            self.group.fail(EngineError::EngineDead {
+            self.group.fail(EngineDeadError::Worker {
                 rank: 0,
                 cause: "no output from rank 0".into(),
             })
         })
     }
 
-    fn check_health(&mut self) -> Result<(), EngineError> {
+    fn check_health(&mut self) -> Result<(), EngineDeadError> {
         self.group.check()
     }
 

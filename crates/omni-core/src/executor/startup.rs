@@ -4,7 +4,7 @@
 
 use omni_protocol::{WorkerCommand, WorkerResponse};
 
-use super::{EngineError, ExecutorStartError, StartupSpec, kv_budget_bytes, plan_num_blocks};
+use super::{EngineDeadError, ExecutorStartError, StartupSpec, kv_budget_bytes, plan_num_blocks};
 
 /// What start-up decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +19,7 @@ pub(crate) struct CacheLayout {
 /// command to every rank and returns each rank's answer, by rank (vLLM's `collective_rpc`).
 pub(crate) fn load_model_and_init_cache(
     spec: &StartupSpec,
-    mut collective_rpc: impl FnMut(&WorkerCommand) -> Result<Vec<WorkerResponse>, EngineError>,
+    mut collective_rpc: impl FnMut(&WorkerCommand) -> Result<Vec<WorkerResponse>, EngineDeadError>,
 ) -> Result<CacheLayout, ExecutorStartError> {
     let mut kv_bytes_per_block = 0u64;
     let mut available = Vec::new();
@@ -61,13 +61,13 @@ pub(crate) fn load_model_and_init_cache(
 
 /// The error for an answer that is not the one `what` expects from `rank`: the worker's own
 /// message when it answered [`WorkerResponse::Error`].
-pub(crate) fn unexpected(rank: usize, what: &str, resp: WorkerResponse) -> EngineError {
+pub(crate) fn unexpected(rank: usize, what: &str, resp: WorkerResponse) -> EngineDeadError {
     match resp {
-        WorkerResponse::Error { rank, message } => EngineError::EngineDead {
+        WorkerResponse::Error { rank, message } => EngineDeadError::Worker {
             rank,
             cause: message,
         },
-        other => EngineError::EngineDead {
+        other => EngineDeadError::Worker {
             rank: rank as u32,
             cause: format!("unexpected answer to {what}: {other:?}"),
         },

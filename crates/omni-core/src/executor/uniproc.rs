@@ -5,7 +5,7 @@ use omni_protocol::{
 };
 
 use super::startup::{load_model_and_init_cache, unexpected};
-use super::{EngineError, ExecutorStartError, StartupSpec};
+use super::{EngineDeadError, ExecutorStartError, StartupSpec};
 use crate::Executor;
 
 /// Drives one in-process [`WorkerBase`] (rank 0, no tensor parallelism across processes).
@@ -13,7 +13,7 @@ use crate::Executor;
 pub struct UniprocExecutor<W> {
     worker: W,
     num_blocks: u32,
-    dead: Option<EngineError>,
+    dead: Option<EngineDeadError>,
 }
 
 impl<W: WorkerBase> UniprocExecutor<W> {
@@ -22,7 +22,7 @@ impl<W: WorkerBase> UniprocExecutor<W> {
     pub fn start(mut worker: W, spec: &StartupSpec) -> Result<Self, ExecutorStartError> {
         let layout = load_model_and_init_cache(spec, |cmd| match worker.handle(cmd) {
             Some(answer) => Ok(vec![answer]),
-            None => Err(EngineError::EngineDead {
+            None => Err(EngineDeadError::Worker {
                 rank: 0,
                 cause: format!("no answer to {cmd:?}"),
             }),
@@ -50,7 +50,7 @@ impl<W: WorkerBase> Executor for UniprocExecutor<W> {
         &mut self,
         scheduler_output: &SchedulerOutput,
         buffers: &[&[u8]],
-    ) -> Result<ModelRunnerOutput, EngineError> {
+    ) -> Result<ModelRunnerOutput, EngineDeadError> {
         if let Some(e) = &self.dead {
             return Err(e.clone());
         }
@@ -64,7 +64,7 @@ impl<W: WorkerBase> Executor for UniprocExecutor<W> {
         }
     }
 
-    fn check_health(&mut self) -> Result<(), EngineError> {
+    fn check_health(&mut self) -> Result<(), EngineDeadError> {
         match &self.dead {
             Some(e) => Err(e.clone()),
             None => Ok(()),

@@ -28,7 +28,7 @@ pub(crate) struct Spawned {
     pub stdout: BufReader<ChildStdout>,
 }
 
-/// Starts `exe args...` with piped stdin and stdout (stderr inherited: the worker's logs).
+/// Starts `exe args...` with piped stdin and stdout (stderr inherited: the child's logs).
 pub(crate) fn spawn(exe: &Path, args: &[String]) -> Result<Spawned, ExecutorStartError> {
     let mut child = Command::new(exe)
         .args(args)
@@ -56,10 +56,19 @@ pub(crate) fn send_handshake(
     stdin: &mut ChildStdin,
     hs: &WorkerHandshake,
 ) -> Result<(), ExecutorStartError> {
-    let line = serde_json::to_string(hs).map_err(|e| spawn_err("handshake", &e))?;
+    send_line(stdin, hs, &format!("rank {}", hs.rank))
+}
+
+/// Writes `value` as one JSON line to a child's stdin (`who` names the child in errors).
+pub(crate) fn send_line<T: serde::Serialize>(
+    stdin: &mut ChildStdin,
+    value: &T,
+    who: &str,
+) -> Result<(), ExecutorStartError> {
+    let line = serde_json::to_string(value).map_err(|e| spawn_err("handshake", &e))?;
     writeln!(stdin, "{line}")
         .and_then(|()| stdin.flush())
-        .map_err(|e| spawn_err(&format!("writing the handshake to rank {}", hs.rank), &e))
+        .map_err(|e| spawn_err(&format!("writing the handshake to {who}"), &e))
 }
 
 /// Reads rank `rank`'s hello line and checks its protocol version and rank; `None` when the

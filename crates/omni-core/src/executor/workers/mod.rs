@@ -5,7 +5,7 @@
 //!            broadcast MessageQueue "bcast" (1 -> world)             response queues "resp<r>"
 //! group ───WorkerCommand──▶ omni-worker-0 ... omni-worker-<w-1> ───WorkerResponse──▶ group
 //!    │  stdin / stdout: the handshake (launch.rs), then stdin held open: EOF = "parent died"
-//!    └─ monitor thread (monitor.rs): a death is recorded as EngineDead { rank, cause } and
+//!    └─ monitor thread (monitor.rs): a death is recorded as EngineDeadError::Worker { rank, cause } and
 //!       seen by pending and new calls within ~100 ms
 //! ```
 //!
@@ -14,8 +14,8 @@
 //! response queue. Shutdown: `Shutdown` command, close stdin, wait, SIGTERM, wait, SIGKILL;
 //! then every `/dev/shm/omni.<instance>.*` segment left behind by a killed worker is removed.
 
-mod launch;
-mod monitor;
+pub(crate) mod launch;
+pub(crate) mod monitor;
 
 use std::io::BufReader;
 use std::process::{ChildStdin, ChildStdout};
@@ -27,9 +27,9 @@ use omni_protocol::{
     PROTOCOL_VERSION, WorkerCommand, WorkerCommandRef, WorkerHandshake, WorkerResponse,
 };
 
-use self::monitor::{WorkerProcesses, dead_rank};
+use self::monitor::{ChildProcesses, ChildRole, dead_rank};
 use super::multiproc::MultiprocConfig;
-use super::{EngineError, ExecutorStartError};
+use super::{EngineDeadError, ExecutorStartError};
 
 /// One slice of a start-up wait, between checks for dead workers.
 const READY_SLICE: Duration = Duration::from_millis(200);
@@ -41,7 +41,7 @@ pub(crate) struct WorkerGroup {
     world: usize,
     broadcast: Option<MessageQueue>,
     responses: Vec<MessageQueueReader>,
-    processes: WorkerProcesses,
+    processes: ChildProcesses,
     stdins: Vec<ChildStdin>,
     _stdouts: Vec<BufReader<ChildStdout>>,
     all_reduce: Option<ShmSegment>,
@@ -79,7 +79,7 @@ impl WorkerGroup {
             world,
             broadcast: Some(broadcast),
             responses: Vec::new(),
-            processes: WorkerProcesses::default(),
+            processes: ChildProcesses::new(ChildRole::Worker),
             stdins: Vec::new(),
             _stdouts: Vec::new(),
             all_reduce,
@@ -146,12 +146,12 @@ impl WorkerGroup {
     }
 
     /// The group's error, once a worker died or failed.
-    pub(crate) fn check(&self) -> Result<(), EngineError> {
+    pub(crate) fn check(&self) -> Result<(), EngineDeadError> {
         self.processes.dead().get().map_or(Ok(()), Err)
     }
 
     /// Records `e` as the group's error (unless one is recorded) and returns it.
-    pub(crate) fn fail(&self, e: EngineError) -> EngineError {
+    pub(crate) fn fail(&self, e: EngineDeadError) -> EngineDeadError {
         self.processes.dead().set(e.clone());
         e
     }
@@ -179,7 +179,7 @@ impl WorkerGroup {
         &mut self,
         cmd: WorkerCommandRef<'_>,
         buffers: &[&[u8]],
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), EngineDeadError> {
         self.check()?;
         let Some(queue) = self.broadcast.as_mut() else {
             return Err(dead_rank(0, "executor is shut down"));
@@ -210,7 +210,7 @@ impl WorkerGroup {
         &mut self,
         rank: usize,
         timeout: Duration,
-    ) -> Result<WorkerResponse, EngineError> {
+    ) -> Result<WorkerResponse, EngineDeadError> {
         let deadline = Instant::now() + timeout;
         loop {
             self.check()?;
@@ -248,7 +248,7 @@ impl WorkerGroup {
         &mut self,
         cmd: &WorkerCommand,
         timeout: Duration,
-    ) -> Result<Vec<WorkerResponse>, EngineError> {
+    ) -> Result<Vec<WorkerResponse>, EngineDeadError> {
         self.broadcast(cmd.as_ref(), &[])?;
         (0..self.world)
             .map(|rank| self.recv(rank, timeout))
