@@ -1,6 +1,6 @@
-//! One streamed OpenAI request, timed chunk by chunk.
+//! One streamed OpenAI request, timed chunk by chunk, and the ready check before a run.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -95,6 +95,44 @@ impl StreamState {
     }
 }
 
+/// How long to wait for the end of a body after its `[DONE]` before closing the connection.
+const DRAIN_AFTER_DONE: Duration = Duration::from_secs(1);
+
+/// Time between two attempts of the ready check (vLLM's `retry_interval`).
+const READY_RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
+/// vLLM's `wait_for_endpoint`: sends the test request until it succeeds or `timeout` passes,
+/// `READY_RETRY_INTERVAL` apart; returns the last outcome (an error when none succeeded).
+pub async fn wait_for_endpoint(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    prompt_len: usize,
+    timeout: Duration,
+) -> RequestOutcome {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let attempt = tokio::time::timeout_at(deadline, send(http, url, body, prompt_len)).await;
+        let outcome = match attempt {
+            Ok(o) if o.success => return o,
+            Ok(o) => o,
+            Err(_) => RequestOutcome {
+                error: Some(format!("no answer within {} s", timeout.as_secs())),
+                ..RequestOutcome::default()
+            },
+        };
+        let now = tokio::time::Instant::now();
+        if now + READY_RETRY_INTERVAL >= deadline {
+            return outcome;
+        }
+        eprintln!(
+            "endpoint not ready: {}",
+            outcome.error.as_deref().unwrap_or("?")
+        );
+        tokio::time::sleep(READY_RETRY_INTERVAL).await;
+    }
+}
+
 /// Sends one request and times it; failures are outcomes, not errors.
 pub async fn send(
     http: &reqwest::Client,
@@ -120,6 +158,7 @@ pub async fn send(
     let mut st = StreamState::default();
     let mut buf: Vec<u8> = Vec::new();
     let mut stream = resp.bytes_stream();
+    let mut done_at = None;
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
@@ -135,16 +174,21 @@ pub async fn send(
             }
         }
         if st.error.is_some() || st.done {
+            done_at = Some(now);
             break;
         }
     }
     if let Some(e) = st.error {
         return fail(e);
     }
-    if !st.done {
+    let Some(done_at) = done_at else {
         return fail("stream ended without [DONE]".into());
-    }
-    let latency = start.elapsed().as_secs_f64();
+    };
+    // Read on to the end of the body, so that the connection goes back to the pool for the
+    // next request instead of being closed (a body dropped unfinished closes it).
+    let drain = async { while let Some(Ok(_)) = stream.next().await {} };
+    let _ = tokio::time::timeout(DRAIN_AFTER_DONE, drain).await;
+    let latency = (done_at - start).as_secs_f64();
     RequestOutcome {
         success: true,
         error: None,

@@ -2,6 +2,16 @@
 //! end-to-end latency over streamed requests and prints vLLM's `Serving Benchmark Result` block.
 //! It speaks only the public OpenAI API, so the same command benchmarks omni-engine and vLLM.
 //!
+//! Requests go out as `vllm bench serve` sends them (its `benchmark` and `get_request`): one
+//! test request first (retried until the server answers, `--ready-check-timeout-sec`); then
+//! every request gets an arrival time (all at once at `--request-rate inf`, else exponential
+//! gaps rescaled so the last arrives at `num_prompts / rate`), becomes a task at that time, and
+//! waits there on a FIFO semaphore of `--max-concurrency` permits: a request starts the moment
+//! any earlier one finishes. Each response is read to its end so that its keep-alive connection
+//! carries the next request, as aiohttp's pool does (a body dropped at `[DONE]` can close its
+//! connection, and a request that has to open a new one reaches the server later than one that
+//! reuses one).
+//!
 //! ```no_run
 //! use clap::Parser;
 //! #[derive(Parser)]
@@ -67,7 +77,8 @@ pub struct ServeBenchArgs {
     /// Requests per second (Poisson arrivals); `inf` sends all at once.
     #[arg(long, default_value_t = f64::INFINITY)]
     pub request_rate: f64,
-    /// Random dataset: prompt tokens.
+    /// Random dataset: prompt tokens, exactly as the server counts a completion prompt (the BOS
+    /// it adds included) when `--tokenizer` is given; else a word count.
     #[arg(long, default_value_t = 1024)]
     pub random_input_len: usize,
     /// Random dataset: output tokens.
@@ -88,9 +99,14 @@ pub struct ServeBenchArgs {
     /// Write the figures as JSON to this file.
     #[arg(long)]
     pub save_result: Option<PathBuf>,
-    /// Tokenizer (HF directory or GGUF file) to build prompts of exact token lengths.
+    /// Tokenizer (HF directory or GGUF file, the server's) to build prompts of exact token
+    /// lengths.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Wait up to this many seconds for the first test request to succeed before the run,
+    /// retrying every 5 s (vLLM's ready check); 0 skips the test request.
+    #[arg(long, default_value_t = 600)]
+    pub ready_check_timeout_sec: u64,
     /// Sections to print: any of ttft,tpot,itl,e2el.
     #[arg(long, default_value = "ttft,tpot,itl", value_delimiter = ',')]
     pub percentile_metrics: Vec<String>,
@@ -145,6 +161,29 @@ fn load_tokenizer(path: &std::path::Path) -> Result<Tokenizer, ServeBenchError> 
     }
 }
 
+/// When each request arrives, from the start of the run (vLLM's `get_request` at burstiness 1):
+/// all at once for an infinite rate; else exponential gaps of mean `1 / rate`, summed and
+/// rescaled so the last request arrives at exactly `n / rate` (vLLM does so that runs of
+/// different seeds send at the same average rate).
+pub fn arrival_times(n: usize, rate: f64, rng: &mut StdRng) -> Vec<Duration> {
+    if !rate.is_finite() || n == 0 {
+        return vec![Duration::ZERO; n];
+    }
+    let mut at = 0.0;
+    let cumulative: Vec<f64> = (0..n)
+        .map(|_| {
+            let u: f64 = rng.random_range(f64::EPSILON..1.0);
+            at += -u.ln() / rate;
+            at
+        })
+        .collect();
+    let scale = n as f64 / rate / at;
+    cumulative
+        .into_iter()
+        .map(|t| Duration::from_secs_f64(t * scale))
+        .collect()
+}
+
 async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchError> {
     if args.request_rate.is_nan() || args.request_rate <= 0.0 {
         return Err(ServeBenchError::Args("--request-rate must be > 0".into()));
@@ -172,14 +211,34 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
             dataset::sharegpt(path, tokenizer.as_ref(), args.num_prompts, args.seed)?
         }
     };
-    let http = reqwest::Client::new();
     let base = args.base_url.trim_end_matches('/').to_string();
+    // Keep-alive connections, no Nagle: what aiohttp's connector does for vLLM's client.
+    let http = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .build()
+        .map_err(|e| ServeBenchError::Server {
+            url: base.clone(),
+            reason: format!("building the HTTP client: {e}"),
+        })?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => client::first_model(&http, &base).await?,
     };
     let url = format!("{base}{}", args.endpoint);
     let chat = args.endpoint.contains("chat");
+    if args.ready_check_timeout_sec > 0
+        && let Some(first) = samples.first()
+    {
+        let body = client::request_body(&model, first, chat, args.ignore_eos);
+        let timeout = Duration::from_secs(args.ready_check_timeout_sec);
+        let test = client::wait_for_endpoint(&http, &url, &body, first.prompt_len, timeout).await;
+        if let Some(e) = test.error {
+            return Err(ServeBenchError::Server {
+                url,
+                reason: format!("the initial test request failed: {e}"),
+            });
+        }
+    }
 
     let progress = if args.disable_tqdm {
         ProgressBar::hidden()
@@ -194,13 +253,14 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
         args.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
     ));
     let mut rng = StdRng::seed_from_u64(args.seed);
+    let arrivals = arrival_times(samples.len(), args.request_rate, &mut rng);
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(samples.len());
-    for sample in samples {
-        if args.request_rate.is_finite() {
-            // Poisson process: exponential gaps with mean 1 / rate.
-            let u: f64 = rng.random_range(f64::EPSILON..1.0);
-            tokio::time::sleep(Duration::from_secs_f64(-u.ln() / args.request_rate)).await;
+    for (sample, at) in samples.into_iter().zip(arrivals) {
+        if let Some(wait) = (start + at).checked_duration_since(Instant::now())
+            && !wait.is_zero()
+        {
+            tokio::time::sleep(wait).await;
         }
         let body = client::request_body(&model, &sample, chat, args.ignore_eos);
         let (http, url, limit, progress) =

@@ -1,7 +1,8 @@
 //! OpenAI-compatible HTTP API server (layer L4, the `omni-api` process).
 //!
 //! Owns the HTTP surface: `POST /v1/chat/completions`, `POST /v1/completions` (plain JSON and
-//! SSE streaming), `GET /v1/models`, `/health`, `/version` and `/metrics` (vLLM's metric names).
+//! SSE streaming), `GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`, `/health`,
+//! `/version` and `/metrics` (vLLM's metric names).
 //! Tokenization, chat templating, incremental detokenization and stop strings happen here; the
 //! engine receives token ids through the [`EngineClient`] trait and never sees text. Every error
 //! is one [`ApiError`] rendered as OpenAI's error JSON. The listener ([`serve_on`]) closes idle
@@ -28,6 +29,7 @@ mod generate;
 mod metrics;
 pub mod openai;
 mod prepare;
+mod tokenize;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -100,8 +102,12 @@ pub fn router(
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route_layer(middleware::from_fn_with_state(state.clone(), check_api_key));
+    // As in vLLM, the API key guards `/v1/*` only; the tokenizer endpoints never reach the
+    // engine.
     Router::new()
         .merge(v1)
+        .route("/tokenize", post(tokenize_handler))
+        .route("/detokenize", post(detokenize_handler))
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics_handler))
@@ -198,10 +204,10 @@ fn parse_body<T: DeserializeOwned>(
 }
 
 /// Runs tokenization (CPU work) on a blocking thread.
-async fn prepare_blocking(
+async fn blocking<T: Send + 'static>(
     state: &Arc<AppState>,
-    f: impl FnOnce(&ServerConfig, &Tokenizer) -> Result<Prepared, ApiError> + Send + 'static,
-) -> Result<Prepared, ApiError> {
+    f: impl FnOnce(&ServerConfig, &Tokenizer) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
     let st = state.clone();
     tokio::task::spawn_blocking(move || f(&st.config, &st.tokenizer))
         .await
@@ -238,7 +244,7 @@ async fn chat_completions(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match prepare_blocking(&state, move |c, t| prepare::prepare_chat(c, t, req)).await {
+    match blocking(&state, move |c, t| prepare::prepare_chat(c, t, req)).await {
         Ok(prep) => run(state, prep).await,
         Err(e) => e.into_response(),
     }
@@ -253,8 +259,38 @@ async fn completions(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match prepare_blocking(&state, move |c, t| prepare::prepare_completion(c, t, req)).await {
+    match blocking(&state, move |c, t| prepare::prepare_completion(c, t, req)).await {
         Ok(prep) => run(state, prep).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn tokenize_handler(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let req = match parse_body::<openai::TokenizeRequest>(&headers, body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    match blocking(&state, move |c, t| tokenize::tokenize(c, t, req)).await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize_handler(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let req = match parse_body::<openai::DetokenizeRequest>(&headers, body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    match blocking(&state, move |c, t| tokenize::detokenize(c, t, req)).await {
+        Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
     }
 }

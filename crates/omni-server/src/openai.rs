@@ -1,7 +1,9 @@
-//! OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`), as accepted here. Unknown
-//! fields are ignored, as OpenAI and vLLM do; wrong types are a 400.
+//! OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) and vLLM's tokenizer
+//! endpoints (`/tokenize`, `/detokenize`, request and response), as accepted here. Unknown fields
+//! are ignored, as OpenAI and vLLM do; wrong types are a 400.
 
-use serde::Deserialize;
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
@@ -161,4 +163,100 @@ pub struct CompletionRequest {
     pub logprobs: Option<u32>,
     /// Put the prompt text before the completion.
     pub echo: Option<bool>,
+}
+
+/// `POST /tokenize` with a text prompt (vLLM's `TokenizeCompletionRequest`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeCompletionRequest {
+    /// Model name; must be one of the served names when given.
+    pub model: Option<String>,
+    /// The text to tokenize.
+    pub prompt: String,
+    /// Add the tokenizer's special tokens (BOS, ...) as a completion prompt gets them (default
+    /// true).
+    pub add_special_tokens: Option<bool>,
+    /// Also return each token's string (default false).
+    pub return_token_strs: Option<bool>,
+}
+
+/// `POST /tokenize` with chat messages (vLLM's `TokenizeChatRequest`): the prompt a chat
+/// completion of these messages would get.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeChatRequest {
+    /// Model name; must be one of the served names when given.
+    pub model: Option<String>,
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// End the prompt with the assistant header (default true, or false when
+    /// `continue_final_message` is true).
+    pub add_generation_prompt: Option<bool>,
+    /// Leave the final message open, to be continued (default false; needs
+    /// `add_generation_prompt: false`).
+    pub continue_final_message: Option<bool>,
+    /// Add the tokenizer's special tokens on top of the chat template's (default false: the
+    /// template already holds them).
+    pub add_special_tokens: Option<bool>,
+    /// Also return each token's string (default false).
+    pub return_token_strs: Option<bool>,
+}
+
+/// `POST /tokenize` body: the chat form when it has `messages`, else the text form (vLLM's
+/// `TokenizeRequest` union).
+#[derive(Debug, Clone)]
+pub enum TokenizeRequest {
+    /// `{"prompt": ...}`.
+    Completion(TokenizeCompletionRequest),
+    /// `{"messages": [...]}`.
+    Chat(TokenizeChatRequest),
+}
+
+impl<'de> Deserialize<'de> for TokenizeRequest {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(deserializer)?;
+        let chat = value.get("messages").is_some();
+        if chat && value.get("prompt").is_some() {
+            return Err(D::Error::custom(
+                "give either `prompt` or `messages`, not both",
+            ));
+        }
+        if chat {
+            serde_json::from_value(value)
+                .map(Self::Chat)
+                .map_err(D::Error::custom)
+        } else {
+            serde_json::from_value(value)
+                .map(Self::Completion)
+                .map_err(D::Error::custom)
+        }
+    }
+}
+
+/// `POST /tokenize` answer (vLLM's `TokenizeResponse`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizeResponse {
+    /// Number of tokens.
+    pub count: usize,
+    /// The server's context length.
+    pub max_model_len: u32,
+    /// The token ids.
+    pub tokens: Vec<u32>,
+    /// Each token's string in the vocabulary (`Ġthe`), when `return_token_strs` was true;
+    /// `null` otherwise.
+    pub token_strs: Option<Vec<String>>,
+}
+
+/// `POST /detokenize` body (vLLM's `DetokenizeRequest`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    /// Model name; must be one of the served names when given.
+    pub model: Option<String>,
+    /// The token ids to turn into text.
+    pub tokens: Vec<u32>,
+}
+
+/// `POST /detokenize` answer (vLLM's `DetokenizeResponse`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DetokenizeResponse {
+    /// The text of the tokens, special tokens included.
+    pub prompt: String,
 }

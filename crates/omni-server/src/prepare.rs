@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::config::ServerConfig;
 use crate::error::ApiError;
 use crate::openai::{
-    ChatCompletionRequest, CommonParams, CompletionRequest, MessageContent, PromptSpec,
+    ChatCompletionRequest, ChatMessage, CommonParams, CompletionRequest, MessageContent, PromptSpec,
 };
 
 /// Which endpoint a request came from (decides the response shapes).
@@ -66,7 +66,10 @@ const MAX_STOP_STRINGS: usize = 32;
 /// text that may begin a stop string is held back from the stream until it cannot.
 const MAX_STOP_STRING_BYTES: usize = 256;
 
-fn check_model(config: &ServerConfig, model: &Option<String>) -> Result<String, ApiError> {
+pub(crate) fn check_model(
+    config: &ServerConfig,
+    model: &Option<String>,
+) -> Result<String, ApiError> {
     match model {
         Some(m) if !config.serves(m) => Err(ApiError::model_not_found(m)),
         _ => Ok(config.model_name().to_string()),
@@ -202,6 +205,45 @@ fn fit_prompt(
     Ok(params)
 }
 
+/// The messages as the chat template sees them: `{role, content, name?}` with the text parts of a
+/// content list joined by newlines. Any other part type is a 400 naming the message.
+pub(crate) fn chat_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
+    let mut messages_json = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let content = match &m.content {
+            None => Value::Null,
+            Some(MessageContent::Text(t)) => Value::String(t.clone()),
+            Some(MessageContent::Parts(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => texts.push(t.as_str()),
+                        ("text", None) => {
+                            return Err(ApiError::bad_param(
+                                format!("messages[{i}].content"),
+                                "a text content part needs a `text` string",
+                            ));
+                        }
+                        (other, _) => {
+                            return Err(ApiError::bad_param(
+                                format!("messages[{i}].content"),
+                                format!("content part type `{other}` is not supported"),
+                            ));
+                        }
+                    }
+                }
+                Value::String(texts.join("\n"))
+            }
+        };
+        let mut msg = json!({ "role": m.role, "content": content });
+        if let Some(name) = &m.name {
+            msg["name"] = Value::String(name.clone());
+        }
+        messages_json.push(msg);
+    }
+    Ok(messages_json)
+}
+
 /// Validates and tokenizes a chat request.
 pub fn prepare_chat(
     config: &ServerConfig,
@@ -250,39 +292,7 @@ pub fn prepare_chat(
         (true, k) => Some(k.unwrap_or(0)),
         (false, _) => None,
     };
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
-        let content = match &m.content {
-            None => Value::Null,
-            Some(MessageContent::Text(t)) => Value::String(t.clone()),
-            Some(MessageContent::Parts(parts)) => {
-                let mut texts = Vec::with_capacity(parts.len());
-                for p in parts {
-                    match (p.kind.as_str(), &p.text) {
-                        ("text", Some(t)) => texts.push(t.as_str()),
-                        ("text", None) => {
-                            return Err(ApiError::bad_param(
-                                format!("messages[{i}].content"),
-                                "a text content part needs a `text` string",
-                            ));
-                        }
-                        (other, _) => {
-                            return Err(ApiError::bad_param(
-                                format!("messages[{i}].content"),
-                                format!("content part type `{other}` is not supported"),
-                            ));
-                        }
-                    }
-                }
-                Value::String(texts.join("\n"))
-            }
-        };
-        let mut msg = json!({ "role": m.role, "content": content });
-        if let Some(name) = &m.name {
-            msg["name"] = Value::String(name.clone());
-        }
-        messages.push(msg);
-    }
+    let messages = chat_messages(&req.messages)?;
     let ids = tokenizer
         .encode_chat(&messages, req.add_generation_prompt.unwrap_or(true))
         .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;

@@ -39,6 +39,22 @@ fn byte_chars() -> Vec<char> {
 
 /// Byte-level BPE without merges: 3 specials, then one token per byte (id = 3 + byte).
 pub fn tokenizer() -> Arc<Tokenizer> {
+    tokenizer_with(serde_json::Value::Null)
+}
+
+/// [`tokenizer`] whose post-processor puts `<|endoftext|>` (id 0) before every text encoded with
+/// special tokens, as a BOS-adding checkpoint does.
+pub fn tokenizer_with_bos() -> Arc<Tokenizer> {
+    tokenizer_with(json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}
+    }))
+}
+
+fn tokenizer_with(post_processor: serde_json::Value) -> Arc<Tokenizer> {
     let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
     let mut vocab = serde_json::Map::new();
     for (i, s) in specials.iter().enumerate() {
@@ -59,7 +75,7 @@ pub fn tokenizer() -> Arc<Tokenizer> {
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-        "post_processor": null,
+        "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
             "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []}
