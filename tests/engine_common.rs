@@ -12,10 +12,17 @@ pub fn engine_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_omni-engine")))
 }
 
+/// A fixture directory. Test binaries built here and run elsewhere (the GPU machine runs them
+/// from a copy of the repository) fall back to the path relative to the working directory.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../crates/omni-models/tests/fixtures")
-        .join(name)
+    let built =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../crates/omni-models/tests/fixtures");
+    let base = if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("crates/omni-models/tests/fixtures")
+    };
+    base.join(name)
 }
 
 #[derive(Debug, serde::Deserialize)]
