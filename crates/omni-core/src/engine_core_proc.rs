@@ -5,7 +5,7 @@
 //!    client's input queue, the output queue's config).
 //! 2. `PR_SET_PDEATHSIG(SIGKILL)`, then check the parent is still the one that wrote the
 //!    handshake; name the process `omni-engine-core` (`PR_SET_NAME` keeps 15 bytes:
-//!    `omni-engine-cor`).
+//!    `omni-engine-cor`); ignore SIGINT (the client stops us in order on CTRL+C).
 //! 3. A thread keeps reading stdin: EOF means the parent is gone: remove this process's
 //!    segments (`omni.<pid>x*`: the output queue, the workers' queues) and exit at once.
 //! 4. Attach to the input queue as local reader 0.
@@ -68,10 +68,18 @@ pub(crate) fn remove_segments_of(pid: u32) -> Vec<String> {
     removed
 }
 
-/// `PR_SET_PDEATHSIG(SIGKILL)` and the process name.
+/// `PR_SET_PDEATHSIG(SIGKILL)`, the process name, and SIGINT ignored: a terminal's CTRL+C
+/// reaches the whole process group, and the client, which gets it too, stops this process in
+/// order (its workers inherit the disposition and are stopped by it in turn).
 fn arm_process() {
-    if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL) {
+    use nix::sys::signal::{SigHandler, Signal};
+    if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
         tracing::warn!("PR_SET_PDEATHSIG failed: {e}");
+    }
+    // SAFETY: SIG_IGN installs no handler code, so nothing can run in signal context; no
+    // other handler for SIGINT exists in this process to be replaced.
+    if let Err(e) = unsafe { nix::sys::signal::signal(Signal::SIGINT, SigHandler::SigIgn) } {
+        tracing::warn!("ignoring SIGINT failed: {e}");
     }
     let mut name = ENGINE_CORE_PROCESS_NAME.as_bytes()[..15].to_vec();
     name.push(0);

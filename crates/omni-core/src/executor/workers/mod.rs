@@ -5,8 +5,8 @@
 //!            broadcast MessageQueue "bcast" (1 -> world)             response queues "resp<r>"
 //! group ───WorkerCommand──▶ omni-worker-0 ... omni-worker-<w-1> ───WorkerResponse──▶ group
 //!    │  stdin / stdout: the handshake (launch.rs), then stdin held open: EOF = "parent died"
-//!    └─ monitor thread (monitor.rs): a death is recorded as EngineDeadError::Worker { rank, cause } and
-//!       seen by pending and new calls within ~100 ms
+//!    └─ monitor thread (monitor.rs): a death is recorded as
+//!       EngineDeadError::Worker { rank, cause } and seen by pending and new calls within ~100 ms
 //! ```
 //!
 //! Set-up: sweep stale segments, create the all-reduce segment (world > 1) and the broadcast
