@@ -1,8 +1,9 @@
 //! Queue behaviour that does not need a second process: timeouts, shutdown, warnings, errors.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use omni_ipc::{
@@ -115,18 +116,6 @@ fn writer_drop_lets_readers_drain_then_closed() {
     ));
 }
 
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-impl std::io::Write for Capture {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[test]
 fn blocked_writer_logs_the_warning_line_and_times_out() {
     let cfg = MessageQueueConfig {
@@ -135,7 +124,7 @@ fn blocked_writer_logs_the_warning_line_and_times_out() {
         ..small()
     };
     let (mut q, _r) = pair(cfg);
-    let cap = Capture::default();
+    let cap = common::Capture::default();
     let sub = tracing_subscriber::fmt().with_writer({
         let c = cap.clone();
         move || c.clone()

@@ -88,3 +88,17 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     ticks as f64 / hz
 }
+
+/// A tracing writer that keeps what was logged (to check warning lines).
+#[derive(Clone, Default)]
+pub struct Capture(pub std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
