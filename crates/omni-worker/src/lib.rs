@@ -14,7 +14,7 @@
 //! use omni_protocol::{LoadFormat, LoadModelSpec, WorkerCommand};
 //! use omni_worker::Worker;
 //!
-//! let mut worker = Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
+//! let mut worker = Worker::in_process(0, Arc::new(omni_models::IdentityAllReduce));
 //! let spec = LoadModelSpec { model: "path/to/SmolLM2-135M".into(), load_format: LoadFormat::Auto,
 //!     ..LoadModelSpec::default() };
 //! let loaded = worker.handle(&WorkerCommand::LoadModel(spec));

@@ -80,7 +80,7 @@ fn arm_process(name: &str) {
 /// Returns when told to shut down; exits the process directly when the parent goes away.
 pub fn run_worker_process() -> Result<(), WorkerProcessError> {
     serve(|hs| {
-        Worker::in_process_group(
+        Worker::in_worker_process(
             hs.rank,
             hs.world_size as usize,
             hs.all_reduce_segment.clone(),

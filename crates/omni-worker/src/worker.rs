@@ -45,8 +45,9 @@ enum TpGroup {
 }
 
 impl Worker {
-    /// Rank `rank`, joined to its peers by `all_reduce` (an identity for one rank). CPU only.
-    pub fn new(rank: u32, all_reduce: Arc<dyn AllReduce>) -> Self {
+    /// Rank `rank` running inside the engine's own process (`UniprocExecutor`, tests), joined to
+    /// its peers by `all_reduce` (an identity for one rank). CPU only.
+    pub fn in_process(rank: u32, all_reduce: Arc<dyn AllReduce>) -> Self {
         Self {
             rank,
             group: TpGroup::Given(all_reduce),
@@ -54,9 +55,10 @@ impl Worker {
         }
     }
 
-    /// Rank `rank` of `world` worker processes; `segment` is the executor's tensor-parallel
+    /// Rank `rank` of `world` worker processes (`omni-engine worker`, one per rank, started by
+    /// the `MultiprocExecutor`); `segment` is the executor's tensor-parallel
     /// segment (required when `world > 1`). The backend is chosen at `LoadModel`.
-    pub fn in_process_group(rank: u32, world: usize, segment: Option<String>) -> Self {
+    pub fn in_worker_process(rank: u32, world: usize, segment: Option<String>) -> Self {
         Self {
             rank,
             group: TpGroup::Segment {

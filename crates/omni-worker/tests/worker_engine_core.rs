@@ -48,7 +48,7 @@ fn engine(
         kv_cache_memory_bytes: Some(1 << 20),
         num_blocks_override: Some(num_blocks),
     };
-    let worker = Worker::new(0, Arc::new(omni_models::IdentityAllReduce));
+    let worker = Worker::in_process(0, Arc::new(omni_models::IdentityAllReduce));
     let exec = UniprocExecutor::start(worker, &spec).unwrap();
     EngineCore::new(
         SchedulerConfig {
