@@ -213,7 +213,8 @@ pub fn build_engine_core(
             (Box::new(ex), n)
         }
         ExecutorKind::Uni => {
-            let worker = omni_worker::Worker::in_process(0, Arc::new(omni_models::IdentityAllReduce));
+            let worker =
+                omni_worker::Worker::in_process(0, Arc::new(omni_models::IdentityAllReduce));
             let ex = UniprocExecutor::start(worker, &startup)?;
             let n = ex.num_blocks();
             (Box::new(ex), n)
