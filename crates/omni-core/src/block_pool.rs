@@ -19,12 +19,26 @@ pub struct BlockHash(pub u128);
 
 /// Hashes one full block given the hash of the block before it (`None` for the first block).
 pub fn hash_block_tokens(parent: Option<BlockHash>, tokens: &[TokenId]) -> BlockHash {
+    hash_block_tokens_with_keys(parent, tokens, &[])
+}
+
+/// [`hash_block_tokens`] with extra keys (vLLM's `extra_keys`): the content hashes of the
+/// multimodal items whose placeholder tokens fall in the block, so two prompts whose token ids
+/// are equal but whose images differ get different block hashes. No keys gives the plain hash.
+pub fn hash_block_tokens_with_keys(
+    parent: Option<BlockHash>,
+    tokens: &[TokenId],
+    extra_keys: &[u64],
+) -> BlockHash {
     let half = |salt: u64| {
         // `DefaultHasher::new()` has fixed keys: deterministic within one build.
         let mut h = DefaultHasher::new();
         salt.hash(&mut h);
         parent.hash(&mut h);
         tokens.hash(&mut h);
+        if !extra_keys.is_empty() {
+            extra_keys.hash(&mut h);
+        }
         h.finish()
     };
     BlockHash((u128::from(half(0x9e37_79b9)) << 64) | u128::from(half(0x7f4a_7c15)))

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use omni_protocol::{BlockId, RequestId};
 
-use crate::block_pool::{BlockPool, hash_block_tokens};
+use crate::block_pool::{BlockPool, hash_block_tokens_with_keys};
 use crate::request::Request;
 
 /// The prefix-cache hit of a request about to be scheduled from the waiting queue.
@@ -92,8 +92,19 @@ impl KvCacheManager {
         while req.block_hashes.len() < num_full {
             let i = req.block_hashes.len();
             let parent = req.block_hashes.last().copied();
-            let tokens = &req.all_token_ids()[i * self.block_size..(i + 1) * self.block_size];
-            let hash = hash_block_tokens(parent, tokens);
+            let span = i * self.block_size..(i + 1) * self.block_size;
+            // The content hashes of the items whose placeholders overlap this block.
+            let keys: Vec<u64> = req
+                .mm_placeholders
+                .iter()
+                .filter(|p| {
+                    let (start, end) = (p.offset as usize, (p.offset + p.length) as usize);
+                    start < span.end && span.start < end
+                })
+                .map(|p| p.mm_hash)
+                .collect();
+            let tokens = &req.all_token_ids()[span];
+            let hash = hash_block_tokens_with_keys(parent, tokens, &keys);
             req.block_hashes.push(hash);
         }
     }
@@ -270,6 +281,45 @@ mod tests {
         assert_eq!(kv.block_pool().ref_cnt(got[0]), 2);
         assert_eq!(kv.prefix_cache_hits(), 8);
         assert_eq!(kv.prefix_cache_queries(), 8 + 10);
+    }
+
+    fn with_image(id: &str, tokens: Vec<u32>, mm_hash: u64) -> Request {
+        let mut r = EngineCoreRequest::new(id, tokens, SamplingParams::default(), None);
+        // Placeholder tokens 6..10: the second and third blocks of 4.
+        r.mm_placeholders = vec![omni_protocol::MultiModalPlaceholder {
+            mm_hash,
+            offset: 6,
+            length: 4,
+        }];
+        Request::new(r, 0)
+    }
+
+    #[test]
+    fn equal_placeholder_ids_with_different_media_never_share_blocks() {
+        let mut kv = KvCacheManager::new(16, 4, true);
+        // 13 tokens: three full blocks; the image's placeholders touch blocks 1 and 2.
+        let tokens: Vec<u32> = (0..13).collect();
+        let mut a = with_image("a", tokens.clone(), 0xAAAA);
+        let got = kv
+            .allocate_slots(&a, 13, &ComputedBlocks::default())
+            .unwrap();
+        a.num_computed_tokens = 13;
+        kv.cache_blocks(&mut a);
+
+        // Another image, the same token ids: only the block before the image is shared.
+        let mut b = with_image("b", tokens.clone(), 0xBBBB);
+        let hit = kv.get_computed_blocks(&mut b);
+        assert_eq!(hit.blocks, vec![got[0]]);
+        assert_ne!(a.block_hashes[1], b.block_hashes[1]);
+        assert_ne!(a.block_hashes[2], b.block_hashes[2]);
+
+        // The same image again: every full block hits.
+        let mut c = with_image("c", tokens.clone(), 0xAAAA);
+        assert_eq!(kv.get_computed_blocks(&mut c).blocks, got[..3].to_vec());
+
+        // No image at all: the text-only hash differs from both from block 1 on.
+        let mut d = request("d", tokens);
+        assert_eq!(kv.get_computed_blocks(&mut d).blocks, vec![got[0]]);
     }
 
     #[test]

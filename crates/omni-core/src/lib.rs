@@ -60,7 +60,9 @@ mod mp_client;
 mod request;
 mod scheduler;
 
-pub use block_pool::{BlockAllocError, BlockHash, BlockPool, hash_block_tokens};
+pub use block_pool::{
+    BlockAllocError, BlockHash, BlockPool, hash_block_tokens, hash_block_tokens_with_keys,
+};
 pub use config::{SchedulerConfig, SchedulerConfigError};
 pub use engine_core::EngineCore;
 pub use engine_core_client::{EngineCoreClient, RequestError, RequestOutput, RequestStream};

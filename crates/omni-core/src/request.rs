@@ -1,7 +1,8 @@
 //! A request as the scheduler tracks it (vLLM's `Request`).
 
 use omni_protocol::{
-    EngineCoreRequest, FinishReason, RequestId, SamplingParams, StopReason, TensorRef, TokenId,
+    EngineCoreRequest, FinishReason, MultiModalPlaceholder, RequestId, SamplingParams, StopReason,
+    TensorRef, TokenId,
 };
 
 use crate::block_pool::BlockHash;
@@ -39,6 +40,8 @@ pub struct Request {
     pub arrival_time: f64,
     /// Multimodal inputs (sent to the workers with the first scheduling).
     pub tensors: Vec<TensorRef>,
+    /// Where the multimodal items sit in the prompt, with their content hashes.
+    pub mm_placeholders: Vec<MultiModalPlaceholder>,
     /// Lifecycle state.
     pub status: RequestStatus,
     /// Tokens whose KV is in the cache (or scheduled to be, once the current step returns).
@@ -73,6 +76,7 @@ impl Request {
             eos_token_id: req.eos_token_id,
             arrival_time: req.arrival_time,
             tensors: req.tensors,
+            mm_placeholders: req.mm_placeholders,
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
             num_cached_tokens: 0,

@@ -55,7 +55,7 @@ pub use handshake::{
     EngineCoreHandshake, EngineCoreReady, EngineCoreStartup, WorkerHandshake, WorkerHello,
 };
 pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, StopReason};
-pub use request::{EngineCoreInput, EngineCoreRequest};
+pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};
@@ -66,7 +66,7 @@ pub use worker::{
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

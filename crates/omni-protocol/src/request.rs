@@ -19,6 +19,22 @@ pub struct EngineCoreRequest {
     pub arrival_time: f64,
     /// Multimodal inputs carried as out-of-band buffers of the same message.
     pub tensors: Vec<TensorRef>,
+    /// Where each multimodal item sits in the prompt and its content hash (vLLM's
+    /// `PlaceholderRange` + `mm_hash`): the hash enters the prefix-cache hash of every block the
+    /// item's placeholder tokens touch, so equal token ids with different media never share
+    /// KV blocks.
+    pub mm_placeholders: Vec<MultiModalPlaceholder>,
+}
+
+/// One multimodal item's placeholder range in the prompt, with its content hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MultiModalPlaceholder {
+    /// Content hash of the item (the encoder cache key).
+    pub mm_hash: u64,
+    /// First placeholder token, as an index into the prompt.
+    pub offset: u32,
+    /// Placeholder tokens.
+    pub length: u32,
 }
 
 impl EngineCoreRequest {
@@ -40,6 +56,7 @@ impl EngineCoreRequest {
             eos_token_id,
             arrival_time,
             tensors: Vec::new(),
+            mm_placeholders: Vec::new(),
         }
     }
 }
