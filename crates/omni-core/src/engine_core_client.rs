@@ -184,7 +184,11 @@ impl Frontend {
             }
             routes.streams.insert(request_id.clone(), tx);
         }
-        if self.inputs.send(EngineCoreInput::Add(req)).is_err() {
+        if self
+            .inputs
+            .send(EngineCoreInput::Add(Box::new(req)))
+            .is_err()
+        {
             self.routes().streams.remove(&request_id);
             stream.done = true;
             return Err(RequestError::Shutdown);

@@ -187,7 +187,7 @@ impl<E: Executor> CoreLoop<E> {
     /// Applies one input; `false` means stop.
     fn handle(&mut self, input: EngineCoreInput) -> bool {
         match input {
-            EngineCoreInput::Add(req) => self.add(req),
+            EngineCoreInput::Add(req) => self.add(*req),
             EngineCoreInput::Abort(ids) => {
                 for id in self.core.abort(&ids) {
                     self.pending.outputs.push(abort_output(id));

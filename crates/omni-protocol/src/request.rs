@@ -64,8 +64,8 @@ impl EngineCoreRequest {
 /// A message from the API process to the engine core (vLLM's `EngineCoreRequestType`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum EngineCoreInput {
-    /// Admit a new request.
-    Add(EngineCoreRequest),
+    /// Admit a new request (boxed: the other variants are a few bytes).
+    Add(Box<EngineCoreRequest>),
     /// Stop these requests now and free their KV cache (client went away, stop string hit).
     Abort(Vec<RequestId>),
     /// Finish the in-flight step, then exit.

@@ -88,7 +88,7 @@ fn engine_core_inputs_roundtrip() {
         EngineCoreRequest::new("req-1", vec![10, 20, 30], full_sampling_params(), Some(2));
     req.tensors.push(tensor(1));
     roundtrip(&req);
-    roundtrip(&EngineCoreInput::Add(req));
+    roundtrip(&EngineCoreInput::Add(Box::new(req)));
     roundtrip(&EngineCoreInput::Abort(vec!["a".into(), "b".into()]));
     roundtrip(&EngineCoreInput::Shutdown);
 }
