@@ -25,6 +25,16 @@ pub fn fixture(name: &str) -> PathBuf {
     base.join(name)
 }
 
+/// `/dev/shm/omni.<pid>x*`: the segments of the engine instances of process `pid`.
+pub fn segments_of(pid: u32) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("omni.{pid}x")))
+        .collect()
+}
+
 #[derive(Debug, serde::Deserialize)]
 pub struct Reference {
     pub input_ids: Vec<Vec<u32>>,

@@ -63,16 +63,6 @@ fn tp2_engine_core_process_greedy_tokens_equal_in_process_ones() {
     check("qwen3-moe", 2);
 }
 
-/// `/dev/shm/omni.<pid>x*`: the segments of the engine instances of process `pid`.
-fn segments_of(pid: u32) -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&format!("omni.{pid}x")))
-        .collect()
-}
-
 #[test]
 fn killing_the_engine_core_fails_generate_within_2s_naming_it() {
     let mut child = Command::new(engine_bin())

@@ -13,15 +13,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn segments_of(pid: u32) -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&format!("omni.{pid}x")))
-        .collect()
-}
-
 #[test]
 fn killing_a_worker_fails_requests_within_a_second_naming_the_rank() {
     let mut child = Command::new(engine_bin())

@@ -13,7 +13,7 @@ use serde_json::Value;
 #[path = "engine_common.rs"]
 mod engine_common;
 #[allow(unused_imports)] // each test binary uses a different subset
-pub use engine_common::{children_named, engine_bin, fixture};
+pub use engine_common::{children_named, engine_bin, fixture, segments_of};
 
 /// A ChatML-like template for the fixture models, which ship none.
 pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
@@ -229,16 +229,6 @@ pub fn metric_value(text: &str, name: &str) -> Option<f64> {
     })
 }
 
-/// `/dev/shm/omni.<pid>x*` segments: the shared memory of the engine instance in `pid`.
-pub fn segments_of(pid: u32) -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&format!("omni.{pid}x")))
-        .collect()
-}
-
 /// Polls `cond` every 20 ms until it holds or `timeout` passes; returns whether it held.
 pub async fn eventually<F, Fut>(timeout: Duration, mut cond: F) -> bool
 where
@@ -322,4 +312,37 @@ pub async fn raw_get(s: &mut tokio::net::TcpStream, path: &str) -> (u16, String,
         assert!(n > 0, "closed before a whole response: {text:?}");
         got.extend_from_slice(&buf[..n]);
     }
+}
+
+/// Starts a long stream (8000 tokens of the fixture) and returns it after its first text.
+pub async fn long_stream(
+    server: &Server,
+) -> impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin + use<> {
+    use futures::StreamExt;
+    let resp = server
+        .http
+        .post(server.url("/v1/completions"))
+        .json(&serde_json::json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 8000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut body = Box::pin(resp.bytes_stream());
+    let mut first = body.next().await.unwrap().unwrap().to_vec();
+    while !String::from_utf8_lossy(&first).contains("text") {
+        first.extend_from_slice(&body.next().await.unwrap().unwrap());
+    }
+    body
+}
+
+/// Reads a stream to its end: its text, and when it ended.
+pub async fn rest_of(
+    mut body: impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
+) -> (String, Instant) {
+    use futures::StreamExt;
+    let mut out = Vec::new();
+    while let Some(Ok(chunk)) = body.next().await {
+        out.extend_from_slice(&chunk);
+    }
+    (String::from_utf8_lossy(&out).into_owned(), Instant::now())
 }

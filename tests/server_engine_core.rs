@@ -12,7 +12,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use futures::StreamExt;
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 
@@ -37,37 +36,6 @@ fn exited(pid: u32) -> bool {
             .and_then(|i| stat[i + 1..].split_whitespace().next())
             .is_some_and(|state| state == "Z" || state == "X"),
     }
-}
-
-/// Starts a long stream and returns it after its first text.
-async fn long_stream(
-    server: &Server,
-) -> impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin + use<> {
-    let resp = server
-        .http
-        .post(server.url("/v1/completions"))
-        .json(&json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 8000, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status().as_u16(), 200);
-    let mut body = Box::pin(resp.bytes_stream());
-    let mut first = body.next().await.unwrap().unwrap().to_vec();
-    while !String::from_utf8_lossy(&first).contains("text") {
-        first.extend_from_slice(&body.next().await.unwrap().unwrap());
-    }
-    body
-}
-
-/// Reads a stream to its end; its text and when it ended.
-async fn rest_of(
-    mut body: impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
-) -> (String, Instant) {
-    let mut out = Vec::new();
-    while let Some(Ok(chunk)) = body.next().await {
-        out.extend_from_slice(&chunk);
-    }
-    (String::from_utf8_lossy(&out).into_owned(), Instant::now())
 }
 
 /// The error event before `[DONE]` of a stream that ended abnormally.

@@ -11,40 +11,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use futures::StreamExt;
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-
-/// Starts a long stream and returns it after its first bytes.
-async fn long_stream(
-    server: &Server,
-) -> impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> {
-    let resp = server
-        .http
-        .post(server.url("/v1/completions"))
-        .json(&json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 8000, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status().as_u16(), 200);
-    let mut body = Box::pin(resp.bytes_stream());
-    let mut first = body.next().await.unwrap().unwrap().to_vec();
-    while !String::from_utf8_lossy(&first).contains("text") {
-        first.extend_from_slice(&body.next().await.unwrap().unwrap());
-    }
-    body
-}
-
-/// Reads a stream to its end and returns its text.
-async fn rest_of(
-    mut body: impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
-) -> String {
-    let mut out = Vec::new();
-    while let Some(Ok(chunk)) = body.next().await {
-        out.extend_from_slice(&chunk);
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_a_worker_makes_requests_fail_with_503_naming_the_rank() {
@@ -64,7 +32,7 @@ async fn killing_a_worker_makes_requests_fail_with_503_naming_the_rank() {
     )
     .unwrap();
     // The in-flight stream ends with one error event (503, rank named), then [DONE].
-    let text = tokio::time::timeout(Duration::from_secs(5), rest_of(Box::pin(stream)))
+    let (text, _) = tokio::time::timeout(Duration::from_secs(5), rest_of(stream))
         .await
         .expect("stream still open 5 s after the worker died");
     let events: Vec<&str> = text
@@ -119,7 +87,7 @@ async fn sigterm_aborts_in_flight_requests_and_leaves_no_shared_memory() {
     assert!(!segments_of(pid).is_empty());
 
     server.signal(Signal::SIGTERM);
-    let text = tokio::time::timeout(Duration::from_secs(10), rest_of(Box::pin(stream)))
+    let (text, _) = tokio::time::timeout(Duration::from_secs(10), rest_of(stream))
         .await
         .expect("stream still open 10 s after SIGTERM");
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
