@@ -231,7 +231,11 @@ pub struct IpcConfig {
     pub ipc_warn_interval_s: u64,
     /// Ring slot size of each worker's response queue in MiB (responses are a few KB per
     /// step; the broadcast chunk size does not apply to them).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    #[arg(
+        long,
+        default_value_t = (omni_ipc::config::SMALL_QUEUE_CHUNK_BYTES >> 20) as u64,
+        value_parser = clap::value_parser!(u64).range(1..=1024)
+    )]
     pub ipc_response_chunk_bytes_mb: u64,
 }
 
@@ -255,7 +259,7 @@ impl IpcConfig {
         let max_chunk_bytes = (self.ipc_response_chunk_bytes_mb as usize) << 20;
         MessageQueueConfig {
             max_chunk_bytes,
-            max_chunks: 4,
+            max_chunks: omni_ipc::config::SMALL_QUEUE_CHUNKS,
             ..self.broadcast()
         }
     }

@@ -3,6 +3,12 @@
 
 use std::time::Duration;
 
+/// Slot size of a queue that carries small answers (a worker's responses, the engine core's
+/// inputs and outputs): a few KB per message, a larger one takes the overflow path.
+pub const SMALL_QUEUE_CHUNK_BYTES: usize = 2 << 20;
+/// Slots of such a queue: one is in use at a time; the rest leave room for pipelined batches.
+pub const SMALL_QUEUE_CHUNKS: usize = 4;
+
 /// Sizes and timings of one broadcast queue.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MessageQueueConfig {
@@ -41,6 +47,16 @@ impl Default for MessageQueueConfig {
 }
 
 impl MessageQueueConfig {
+    /// A queue of small answers: [`SMALL_QUEUE_CHUNKS`] slots of [`SMALL_QUEUE_CHUNK_BYTES`],
+    /// the default timings.
+    pub fn small() -> Self {
+        Self {
+            max_chunk_bytes: SMALL_QUEUE_CHUNK_BYTES,
+            max_chunks: SMALL_QUEUE_CHUNKS,
+            ..Self::default()
+        }
+    }
+
     /// Checks the values; every problem is reported, not just the first.
     pub fn validate(&self) -> Result<(), crate::IpcError> {
         let mut problems = Vec::new();

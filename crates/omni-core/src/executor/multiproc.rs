@@ -71,11 +71,7 @@ impl MultiprocConfig {
     /// `ModelRunnerOutput` is a few KB (about 45 KB for 256 requests with 20 top logprobs each);
     /// a larger answer (hidden states) takes the overflow path.
     pub fn default_response_queue() -> MessageQueueConfig {
-        MessageQueueConfig {
-            max_chunk_bytes: 2 << 20,
-            max_chunks: 4,
-            ..MessageQueueConfig::default()
-        }
+        MessageQueueConfig::small()
     }
 }
 
