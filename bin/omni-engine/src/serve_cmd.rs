@@ -22,12 +22,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use omni_core::EngineCoreClient;
-use omni_server::{CacheInfo, ConnectionLimits, EngineClient as _, ServerConfig, Tokenizer};
+use omni_server::{CacheInfo, EngineClient as _, ServerConfig, Tokenizer};
 use tokio::signal::unix::{Signal, SignalKind, signal};
 
 use crate::engine_adapter::CoreEngineClient;
 use crate::generate_cmd::{load_tokenizer, start_engine};
-use omni_config::EngineConfig;
+use omni_config::{EngineConfig, FrontendConfig};
 use omni_launch::StartedEngine;
 
 /// How long in-flight connections may take to close after a shutdown signal.
@@ -46,60 +46,10 @@ pub struct Args {
     pub config: Option<PathBuf>,
     /// HTTP server.
     #[command(flatten)]
-    pub server: ServerArgs,
+    pub server: FrontendConfig,
     /// Engine: model loading, parallelism, KV cache, scheduler.
     #[command(flatten)]
     pub engine: EngineConfig,
-}
-
-/// Flags of the HTTP layer.
-#[derive(Debug, Clone, clap::Args)]
-#[command(next_help_heading = "Server")]
-pub struct ServerArgs {
-    /// Address to bind.
-    #[arg(long, default_value = "0.0.0.0")]
-    pub host: String,
-    /// Port to bind (0: any free port; the log line `listening on ...` says which).
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
-    /// Names the model answers to in `model` (the first is reported). Default: MODEL as given,
-    /// or the default model's name.
-    #[arg(long, num_args = 1..)]
-    pub served_model_name: Vec<String>,
-    /// Require `Authorization: Bearer <KEY>` on /v1/*.
-    #[arg(long, value_name = "KEY")]
-    pub api_key: Option<String>,
-    /// Chat template: a Jinja file, or the template itself. Default: the model's own.
-    #[arg(long)]
-    pub chat_template: Option<String>,
-    /// Close a connection that has no request in flight after this many seconds without a byte
-    /// from the client (uvicorn's `--timeout-keep-alive`; env VLLM_HTTP_TIMEOUT_KEEP_ALIVE, as
-    /// vLLM reads it).
-    #[arg(
-        long,
-        value_name = "SECONDS",
-        default_value_t = ConnectionLimits::DEFAULT_TIMEOUT_KEEP_ALIVE.as_secs(),
-        value_parser = clap::value_parser!(u64).range(1..)
-    )]
-    pub timeout_keep_alive: u64,
-    /// Close a connection whose request header is still incomplete this many seconds after its
-    /// first byte (a client trickling its header).
-    #[arg(
-        long,
-        value_name = "SECONDS",
-        default_value_t = ConnectionLimits::DEFAULT_HEADER_READ_TIMEOUT.as_secs(),
-        value_parser = clap::value_parser!(u64).range(1..)
-    )]
-    pub header_read_timeout: u64,
-    /// Most connections open at once (uvicorn's `--limit-concurrency`): a connection beyond it
-    /// gets a 503 error and is closed. Keep it below the open-file limit (`ulimit -n`).
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = ConnectionLimits::DEFAULT_LIMIT_CONCURRENCY,
-        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
-    )]
-    pub limit_concurrency: usize,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -133,12 +83,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(
         config_file = ?args.config,
         served_model_name = ?config.served_model_names,
-        host = %config.host,
-        port = config.port,
-        api_key = config.api_key.is_some(),
-        timeout_keep_alive = ?config.connections.timeout_keep_alive,
-        header_read_timeout = ?config.connections.header_read_timeout,
-        limit_concurrency = config.connections.limit_concurrency,
+        config = %serde_json::to_string(&args.server).unwrap_or_default(),
         "resolved server config"
     );
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -187,19 +132,7 @@ fn server_config(args: &Args, given: Option<&Path>) -> ServerConfig {
     } else {
         args.server.served_model_name.clone()
     };
-    ServerConfig {
-        host: args.server.host.clone(),
-        port: args.server.port,
-        served_model_names: names,
-        api_key: args.server.api_key.clone(),
-        max_model_len: args.engine.model.max_model_len,
-        connections: ConnectionLimits {
-            timeout_keep_alive: Duration::from_secs(args.server.timeout_keep_alive),
-            header_read_timeout: Duration::from_secs(args.server.header_read_timeout),
-            limit_concurrency: args.server.limit_concurrency,
-        },
-        ..ServerConfig::default()
-    }
+    ServerConfig::new(&args.server, names, args.engine.model.max_model_len)
 }
 
 /// `--chat-template`: a file's contents, or the argument itself when it is a template.

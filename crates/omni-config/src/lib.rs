@@ -2,6 +2,8 @@
 //!
 //! Layer L1 (depends on omni-ipc only, for the queue's config type). An engine's every setting
 //! is a field of one [`EngineConfig`] part (model, cache, parallel, scheduler, device, ipc),
+//! and the API server's are [`FrontendConfig`]'s (kept out of the engine config, which every
+//! stage and child process receives),
 //! each a clap argument group and a serde struct, with its default written once (in the clap
 //! attribute). Precedence is defaults < `--config FILE` (YAML; keys are the long flag names, as
 //! in vLLM) < environment < command line: [`layered_argv`] turns the file and the environment
@@ -22,12 +24,14 @@
 //! ```
 
 mod engine;
+mod frontend;
 mod layers;
 
 pub use engine::{
     CacheConfig, DeviceConfig, DeviceKind, Dtype, EngineConfig, ExecutorKind, IpcConfig,
     LoadFormat, ModelConfig, ParallelConfig, SchedulerConfig, parse_bytes,
 };
+pub use frontend::FrontendConfig;
 pub use layers::{ENV_FLAGS, layered_argv, override_self};
 
 /// Configuration errors; all problems are reported together.

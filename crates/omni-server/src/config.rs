@@ -1,4 +1,5 @@
-//! [`ServerConfig`]: what the HTTP layer needs to know (the binary fills it from `EngineConfig`),
+//! [`ServerConfig`]: what the HTTP layer needs to know (the binary fills it from omni-config's
+//! `FrontendConfig` and `EngineConfig`),
 //! and [`ConnectionLimits`]: how long and how many connections the listener keeps.
 
 use std::time::Duration;
@@ -27,17 +28,35 @@ pub struct ServerConfig {
 }
 
 impl Default for ServerConfig {
+    /// omni-config's defaults for what it configures (host, port, connection limits, the
+    /// engine's `--max-model-len`); the rest are the HTTP layer's own.
     fn default() -> Self {
+        Self::new(
+            &omni_config::FrontendConfig::default(),
+            vec!["default".into()],
+            omni_config::EngineConfig::default().model.max_model_len,
+        )
+    }
+}
+
+impl ServerConfig {
+    /// The settings `serve` resolved: `frontend` (host, port, API key, connection limits), the
+    /// names to answer to, and the engine's longest sequence.
+    pub fn new(
+        frontend: &omni_config::FrontendConfig,
+        served_model_names: Vec<String>,
+        max_model_len: u32,
+    ) -> Self {
         Self {
-            host: "0.0.0.0".into(),
-            port: 8000,
-            served_model_names: vec!["default".into()],
-            api_key: None,
-            max_model_len: 4096,
+            host: frontend.host.clone(),
+            port: frontend.port,
+            served_model_names,
+            api_key: frontend.api_key.clone(),
+            max_model_len,
             max_body_bytes: 32 * 1024 * 1024,
             audio_output: false,
             max_n: 128,
-            connections: ConnectionLimits::default(),
+            connections: ConnectionLimits::from(frontend),
         }
     }
 }
@@ -71,31 +90,30 @@ impl ServerConfig {
 pub struct ConnectionLimits {
     /// Close an idle connection after this long without a byte from the client (also counted
     /// from the moment it was accepted). vLLM: `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, passed to
-    /// uvicorn's `timeout_keep_alive`; default 5 s.
+    /// uvicorn's `timeout_keep_alive`.
     pub timeout_keep_alive: Duration,
     /// Close a connection whose request header has not arrived whole this long after its first
-    /// byte (a client trickling a header byte by byte). Default 10 s.
+    /// byte (a client trickling a header byte by byte).
     pub header_read_timeout: Duration,
     /// Most connections open at once (uvicorn's `limit_concurrency`). A connection beyond it gets
-    /// one `503` in OpenAI's error shape and is closed. Default 1024.
+    /// one `503` in OpenAI's error shape and is closed.
     pub limit_concurrency: usize,
 }
 
-impl ConnectionLimits {
-    /// [`ConnectionLimits::timeout_keep_alive`]'s default (vLLM's).
-    pub const DEFAULT_TIMEOUT_KEEP_ALIVE: Duration = Duration::from_secs(5);
-    /// [`ConnectionLimits::header_read_timeout`]'s default.
-    pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-    /// [`ConnectionLimits::limit_concurrency`]'s default.
-    pub const DEFAULT_LIMIT_CONCURRENCY: usize = 1024;
+impl From<&omni_config::FrontendConfig> for ConnectionLimits {
+    fn from(c: &omni_config::FrontendConfig) -> Self {
+        Self {
+            timeout_keep_alive: c.keep_alive(),
+            header_read_timeout: c.header_read(),
+            limit_concurrency: c.limit_concurrency,
+        }
+    }
 }
 
 impl Default for ConnectionLimits {
+    /// omni-config's defaults (`--timeout-keep-alive 5`, `--header-read-timeout 10`,
+    /// `--limit-concurrency 1024`), written there once.
     fn default() -> Self {
-        Self {
-            timeout_keep_alive: Self::DEFAULT_TIMEOUT_KEEP_ALIVE,
-            header_read_timeout: Self::DEFAULT_HEADER_READ_TIMEOUT,
-            limit_concurrency: Self::DEFAULT_LIMIT_CONCURRENCY,
-        }
+        Self::from(&omni_config::FrontendConfig::default())
     }
 }
