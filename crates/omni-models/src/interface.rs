@@ -11,7 +11,8 @@
 //!   broadcast as out-of-band buffers); which hidden states to capture.
 //! * Outputs: logits of the batch's output rows, captured hidden states of named layers (the
 //!   Thinker -> Talker hand-off needs the layer-0 input embedding and the residual stream after
-//!   a given layer, for every computed position), and codes (a Talker's codec frames).
+//!   a given layer, for every computed position), codes (a Talker's codec frames) and
+//!   waveforms (Code2Wav).
 //!
 //! The CPU [`crate::DecoderModel`] implements it (logits, embeddings in, captures); the CUDA
 //! decoder keeps its own step interface until it is migrated.
@@ -89,6 +90,9 @@ pub enum Capture {
     Embedding,
     /// The residual stream after this many decoder layers (1 = after layer 0).
     AfterLayers(usize),
+    /// The final norm's output at the batch's output rows, `[rows, hidden]` (what the head
+    /// reads; a Talker's code predictor starts from it).
+    FinalNorm,
 }
 
 /// One step's inputs.
@@ -128,6 +132,8 @@ pub struct ModelOutputs {
     pub hidden_states: Vec<(Capture, HostTensor)>,
     /// Codes produced this step (a Talker's codec frames), when the network makes them.
     pub codes: Option<Vec<u32>>,
+    /// Waveforms produced this step (Code2Wav), one `[samples]` tensor per request.
+    pub audio: Vec<HostTensor>,
 }
 
 /// A network that runs one engine stage on one tensor-parallel rank.

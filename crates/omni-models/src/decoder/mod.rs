@@ -444,6 +444,15 @@ impl DecoderModel {
             sel.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         ops::rms_norm_inplace(&mut sel, &self.norm, h, eps)?;
+        for c in capture.iter().filter(|c| **c == Capture::FinalNorm) {
+            out.hidden_states.push((
+                *c,
+                HostTensor {
+                    shape: vec![rows.len(), h],
+                    data: sel.clone(),
+                },
+            ));
+        }
         let v = self.spec.vocab_size;
         let mut logits = vec![0.0; rows.len() * v];
         let head = self.lm_head.as_deref().unwrap_or(&self.embed);
