@@ -24,13 +24,16 @@
 //! assert_eq!(out, [11.0, 17.0]);
 //! ```
 
+pub mod activation;
 pub mod attention;
 pub mod comm;
+pub mod conv;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod linalg;
 pub mod ops;
 pub mod rope;
+pub mod window_attention;
 
 /// Errors from backend ops: all of them are shape or argument mismatches.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
