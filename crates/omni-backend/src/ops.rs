@@ -31,6 +31,12 @@ pub fn rms_norm(x: &[f32], weight: &[f32], out: &mut [f32], dim: usize, eps: f32
     rms_norm_inplace(out, weight, dim, eps)
 }
 
+/// `sigmoid(x) = 1 / (1 + e^-x)`.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// `silu(x) = x * sigmoid(x)`.
 #[inline]
 pub fn silu(x: f32) -> f32 {

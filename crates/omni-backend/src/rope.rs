@@ -28,6 +28,58 @@ pub enum RopeScaling {
     },
 }
 
+/// Which of the three position rows (0 temporal, 1 height, 2 width) turns each rotary frequency
+/// under multimodal RoPE (M-RoPE; HF `rope_parameters.mrope_section`).
+///
+/// Interleaved (Qwen3-VL / Qwen3-Omni, `interleaved: true`): frequency `i` follows height when
+/// `i % 3 == 1` and `i < 3 * section[1]`, width when `i % 3 == 2` and `i < 3 * section[2]`,
+/// temporal otherwise; sections [24, 20, 20] over 64 frequencies give 24/20/20. Contiguous
+/// (Qwen2-VL): the first `section[0]` frequencies temporal, the next `section[1]` height, the
+/// rest width.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MropeLayout {
+    axes: Vec<u8>,
+}
+
+impl MropeLayout {
+    /// The layout of `section` over `head_dim / 2` frequencies.
+    pub fn new(head_dim: usize, section: [usize; 3], interleaved: bool) -> Result<Self> {
+        let half = head_dim / 2;
+        if section.iter().sum::<usize>() != half {
+            return Err(Error::Shape {
+                what: "mrope_section (sums to head_dim / 2)",
+                expected: half,
+                got: section.iter().sum(),
+            });
+        }
+        let axes = (0..half)
+            .map(|i| {
+                if interleaved {
+                    if i % 3 == 1 && i < 3 * section[1] {
+                        1
+                    } else if i % 3 == 2 && i < 3 * section[2] {
+                        2
+                    } else {
+                        0
+                    }
+                } else if i < section[0] {
+                    0
+                } else if i < section[0] + section[1] {
+                    1
+                } else {
+                    2
+                }
+            })
+            .collect();
+        Ok(Self { axes })
+    }
+
+    /// The row (0, 1, 2) of each frequency.
+    pub fn axes(&self) -> &[u8] {
+        &self.axes
+    }
+}
+
 /// Precomputed inverse frequencies for one head size.
 #[derive(Debug, Clone)]
 pub struct Rope {
@@ -105,6 +157,34 @@ impl Rope {
         }
     }
 
+    /// [`Rope::cos_sin`] for M-RoPE: frequency `i` of token `t` turns by
+    /// `rows[layout.axis(i)][t]` (temporal, height or width position) instead of one position.
+    /// With equal rows this is exactly [`Rope::cos_sin`].
+    pub fn cos_sin_mrope(
+        &self,
+        rows: [&[i64]; 3],
+        layout: &MropeLayout,
+        cos_sin: &mut Vec<f32>,
+    ) -> Result<()> {
+        let half = self.head_dim / 2;
+        crate::check_len("M-RoPE frequencies", layout.axes.len(), half)?;
+        let t = rows[0].len();
+        crate::check_len("M-RoPE height row", rows[1].len(), t)?;
+        crate::check_len("M-RoPE width row", rows[2].len(), t)?;
+        cos_sin.clear();
+        cos_sin.resize(t * self.head_dim, 0.0);
+        for (tok, row) in cos_sin.chunks_exact_mut(self.head_dim).enumerate() {
+            let (c, s) = row.split_at_mut(half);
+            for i in 0..half {
+                // As the reference: an f32 position times an f32 frequency.
+                let angle = rows[layout.axes[i] as usize][tok] as f32 * self.inv_freq[i];
+                c[i] = angle.cos();
+                s[i] = angle.sin();
+            }
+        }
+        Ok(())
+    }
+
     /// Rotates `x` (`[tokens, heads, head_dim]`) in place using rows from [`Rope::cos_sin`].
     pub fn apply(&self, x: &mut [f32], heads: usize, cos_sin: &[f32]) -> Result<()> {
         let hd = self.head_dim;
@@ -130,6 +210,33 @@ impl Rope {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interleaved_mrope_gives_each_axis_its_section() {
+        let l = MropeLayout::new(128, [24, 20, 20], true).unwrap();
+        let count = |a: u8| l.axes().iter().filter(|&&x| x == a).count();
+        assert_eq!((count(0), count(1), count(2)), (24, 20, 20));
+        assert_eq!(&l.axes()[..6], &[0, 1, 2, 0, 1, 2]);
+        assert_eq!(&l.axes()[60..], &[0, 0, 0, 0]);
+        let c = MropeLayout::new(16, [4, 2, 2], false).unwrap();
+        assert_eq!(c.axes(), &[0, 0, 0, 0, 1, 1, 2, 2]);
+        assert!(MropeLayout::new(16, [4, 2, 1], true).is_err());
+    }
+
+    #[test]
+    fn mrope_with_equal_rows_is_plain_rope() {
+        let r = Rope::new(16, 1e6, &RopeScaling::None).unwrap();
+        let l = MropeLayout::new(16, [4, 2, 2], true).unwrap();
+        let pos = [0usize, 3, 7, 100];
+        let row: Vec<i64> = pos.iter().map(|&p| p as i64).collect();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        r.cos_sin(&pos, &mut a);
+        r.cos_sin_mrope([&row, &row, &row], &l, &mut b).unwrap();
+        assert_eq!(a, b);
+        let other: Vec<i64> = vec![0, 1, 1, 2];
+        r.cos_sin_mrope([&row, &other, &row], &l, &mut b).unwrap();
+        assert_ne!(a, b, "a different height row turns the height frequencies");
+    }
 
     #[test]
     fn position_zero_is_identity_and_rotation_keeps_norm() {

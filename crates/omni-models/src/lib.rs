@@ -44,6 +44,7 @@ pub mod interface;
 pub mod llama;
 pub mod qwen3;
 pub mod qwen3_moe;
+pub mod qwen3_omni;
 pub mod registry;
 pub mod weights;
 
@@ -56,7 +57,7 @@ pub use interface::{
 };
 pub use omni_backend::attention::LayerKvCache;
 pub use omni_backend::comm::{AllReduce, IdentityAllReduce, InProcessAllReduce};
-pub use weights::{HostTensor, WeightSource};
+pub use weights::{HostTensor, SubmodelWeights, WeightSource};
 
 /// The KV cache geometry of one rank's model: per layer, its local KV heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -92,6 +92,8 @@ impl Config {
             attention_bias: self.attention_bias,
             qk_norm: false,
             moe: None,
+            mrope: None,
+            embed_and_head: true,
         })
     }
 }

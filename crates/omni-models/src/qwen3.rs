@@ -90,6 +90,8 @@ impl Config {
             attention_bias: self.attention_bias,
             qk_norm: true,
             moe: None,
+            mrope: None,
+            embed_and_head: true,
         })
     }
 }

@@ -57,6 +57,7 @@ impl Config {
                 moe_intermediate_size: self.moe_intermediate_size,
                 decoder_sparse_step: self.decoder_sparse_step,
                 mlp_only_layers: self.mlp_only_layers.clone(),
+                shared_expert_intermediate_size: None,
             }),
             ..self.base.spec()?
         })

@@ -107,3 +107,71 @@ impl WeightSource for ProgressWeights<'_> {
         Ok(t)
     }
 }
+
+/// One sub-model of a checkpoint seen under the names a single-model loader expects: `name` is
+/// read as `prefix` + `name`, after `renames` (`(as the loader asks, as the checkpoint saves)`).
+/// Qwen3-Omni's Talker is `SubmodelWeights::new(ws, "talker.", &[("model.embed_tokens.weight",
+/// "model.codec_embedding.weight"), ("lm_head.weight", "codec_head.weight")])`.
+pub struct SubmodelWeights<'a> {
+    inner: &'a dyn WeightSource,
+    prefix: &'a str,
+    renames: &'a [(&'a str, &'a str)],
+}
+
+impl<'a> SubmodelWeights<'a> {
+    /// The view of `inner` under `prefix`, with `renames`.
+    pub fn new(
+        inner: &'a dyn WeightSource,
+        prefix: &'a str,
+        renames: &'a [(&'a str, &'a str)],
+    ) -> Self {
+        Self {
+            inner,
+            prefix,
+            renames,
+        }
+    }
+
+    fn full(&self, name: &str) -> String {
+        let saved = self
+            .renames
+            .iter()
+            .find(|(asked, _)| *asked == name)
+            .map_or(name, |(_, saved)| saved);
+        format!("{}{saved}", self.prefix)
+    }
+}
+
+impl std::fmt::Debug for SubmodelWeights<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SubmodelWeights")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WeightSource for SubmodelWeights<'_> {
+    fn tensor_names(&self) -> Vec<String> {
+        self.inner
+            .tensor_names()
+            .into_iter()
+            .filter_map(|n| {
+                let local = n.strip_prefix(self.prefix)?;
+                let asked = self
+                    .renames
+                    .iter()
+                    .find(|(_, saved)| *saved == local)
+                    .map_or(local, |(asked, _)| asked);
+                Some(asked.to_string())
+            })
+            .collect()
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
+        self.inner.shape(&self.full(name))
+    }
+
+    fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
+        self.inner.load(&self.full(name))
+    }
+}

@@ -143,6 +143,16 @@ impl CudaDecoderModel {
         on_layer: &dyn Fn(usize, usize),
     ) -> Result<Self, ModelError> {
         let heads = spec.head_layout(rank, tp_size)?;
+        let shared_expert = spec
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.shared_expert_intermediate_size.is_some());
+        if shared_expert || spec.mrope.is_some() || !spec.embed_and_head {
+            return Err(ModelError::Config(format!(
+                "{}: the CUDA decoder has no shared expert, M-RoPE or embedding-only mode yet",
+                spec.architecture
+            )));
+        }
         match (&all_reduce, tp_size) {
             (_, 1) => {}
             (Some(ar), n) if ar.world_size() == n => {}

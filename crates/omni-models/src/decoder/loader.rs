@@ -214,11 +214,19 @@ impl<'a> Loader<'a> {
                 let experts = (0..m.num_experts)
                     .map(|e| self.mlp(&format!("{p}.mlp.experts.{e}"), m.moe_intermediate_size))
                     .collect::<Result<Vec<_>, _>>()?;
+                let shared = match m.shared_expert_intermediate_size {
+                    Some(si) => Some((
+                        self.mlp(&format!("{p}.mlp.shared_expert"), si)?,
+                        self.vector(&format!("{p}.mlp.shared_expert_gate.weight"), h)?,
+                    )),
+                    None => None,
+                };
                 Mlp::Moe(MoeMlp {
                     router,
                     experts,
                     top_k: m.top_k,
                     norm_topk_prob: m.norm_topk_prob,
+                    shared,
                 })
             }
             _ => Mlp::Dense(self.mlp(&format!("{p}.mlp"), s.intermediate_size)?),

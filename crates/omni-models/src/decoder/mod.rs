@@ -19,7 +19,7 @@
 use omni_backend::attention::{LayerKvCache, paged_attention, reshape_and_cache};
 use omni_backend::linalg::matmul_nt;
 use omni_backend::ops;
-use omni_backend::rope::Rope;
+use omni_backend::rope::{MropeLayout, Rope};
 
 use crate::batch::ForwardBatch;
 use crate::error::ModelError;
@@ -33,7 +33,7 @@ mod loader;
 mod spec;
 
 pub(crate) use loader::{Loader, load_shaped};
-pub use spec::{DecoderSpec, HeadLayout, MoeSpec, TpContext};
+pub use spec::{DecoderSpec, HeadLayout, MoeSpec, MropeSpec, TpContext};
 
 /// A weight matrix `[out, in]` (HF layout) with an optional bias.
 #[derive(Debug, Clone)]
@@ -45,7 +45,12 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
-    fn forward(&self, x: &[f32], tokens: usize, out: &mut Vec<f32>) -> Result<(), ModelError> {
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         out.clear();
         out.resize(tokens * self.out, 0.0);
         matmul_nt(x, &self.w, out, tokens, self.inp, self.out)?;
@@ -71,6 +76,8 @@ pub(crate) struct MoeMlp {
     pub(crate) experts: Vec<DenseMlp>,
     pub(crate) top_k: usize,
     pub(crate) norm_topk_prob: bool,
+    /// The shared expert and its gate vector `[hidden]` (output scaled by `sigmoid(gate . x)`).
+    pub(crate) shared: Option<(DenseMlp, Vec<f32>)>,
 }
 
 #[derive(Debug, Clone)]
@@ -113,11 +120,13 @@ pub struct DecoderModel {
     spec: DecoderSpec,
     heads: HeadLayout,
     tp: TpContext,
+    /// `[vocab, hidden]`; empty without `embed_and_head`.
     embed: Vec<f32>,
     lm_head: Option<Vec<f32>>,
     norm: Vec<f32>,
     layers: Vec<DecoderLayer>,
     rope: Rope,
+    mrope: Option<MropeLayout>,
     /// When enabled, each token's smallest MoE routing margin of the last forward.
     routing_trace: std::sync::Mutex<Option<Vec<f32>>>,
 }
@@ -159,17 +168,28 @@ impl DecoderModel {
         }
         let loader = Loader::new(ws, &spec, tp.rank, tp.size)?;
         let (v, h) = (spec.vocab_size, spec.hidden_size);
-        let embed = load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data;
-        let lm_head = if spec.tie_word_embeddings {
-            None
+        let (embed, lm_head) = if !spec.embed_and_head {
+            (Vec::new(), None)
+        } else if spec.tie_word_embeddings {
+            (
+                load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data,
+                None,
+            )
         } else {
-            Some(load_shaped(ws, "lm_head.weight", &[v, h])?.data)
+            (
+                load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data,
+                Some(load_shaped(ws, "lm_head.weight", &[v, h])?.data),
+            )
         };
         let norm = loader.vector("model.norm.weight", h)?;
         let layers = (0..spec.num_layers)
             .map(|i| loader.layer(i))
             .collect::<Result<Vec<_>, _>>()?;
         let rope = Rope::new(spec.head_dim, spec.rope_theta, &spec.rope_scaling)?;
+        let mrope = spec
+            .mrope
+            .map(|m| MropeLayout::new(spec.head_dim, m.section, m.interleaved))
+            .transpose()?;
         tracing::info!(
             architecture = spec.architecture,
             layers = spec.num_layers,
@@ -188,6 +208,7 @@ impl DecoderModel {
             norm,
             layers,
             rope,
+            mrope,
             routing_trace: std::sync::Mutex::new(None),
         })
     }
@@ -195,6 +216,20 @@ impl DecoderModel {
     /// The spec this model was built from.
     pub fn spec(&self) -> &DecoderSpec {
         &self.spec
+    }
+
+    /// The token-embedding rows of `ids`, `[ids, hidden]` (what enters layer 0 for text).
+    pub fn embed_ids(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        if !self.spec.embed_and_head {
+            return Err(ModelError::Batch(format!(
+                "{} has no token embedding",
+                self.spec.architecture
+            )));
+        }
+        let h = self.spec.hidden_size;
+        let mut x = vec![0.0; ids.len() * h];
+        ops::embedding(&self.embed, h, ids, &mut x)?;
+        Ok(x)
     }
 
     fn attention(
@@ -308,6 +343,19 @@ impl DecoderModel {
                 }
             }
         }
+        if let Some((shared, gate)) = &m.shared {
+            Self::dense_mlp(shared, &s.h, t, &mut s.gate_up, &mut s.act, &mut out)?;
+            for ((x, d), y) in
+                s.h.chunks_exact(h)
+                    .zip(s.proj.chunks_exact_mut(h))
+                    .zip(out.chunks_exact(h))
+            {
+                // The gate reads the replicated input, so with tensor parallelism each rank
+                // scales its partial sum by the same factor before the all-reduce.
+                let g = ops::sigmoid(x.iter().zip(gate).map(|(a, b)| a * b).sum());
+                d.iter_mut().zip(y).for_each(|(d, y)| *d += g * y);
+            }
+        }
         Ok(())
     }
 }
@@ -334,7 +382,7 @@ impl CausalLm for DecoderModel {
         batch: &ForwardBatch,
         kv: &mut [LayerKvCache],
     ) -> Result<HostTensor, ModelError> {
-        self.run(batch, None, &[], kv)?
+        self.run(batch, None, PositionInputs::Batch, &[], kv)?
             .logits
             .ok_or_else(|| ModelError::Batch("the decoder produced no logits".into()))
     }
@@ -347,6 +395,7 @@ impl DecoderModel {
         &self,
         batch: &ForwardBatch,
         embeds: Option<&[f32]>,
+        positions: PositionInputs<'_>,
         capture: &[Capture],
         kv: &mut [LayerKvCache],
     ) -> Result<ModelOutputs, ModelError> {
@@ -395,6 +444,12 @@ impl DecoderModel {
                     e.len()
                 )));
             }
+            None if !self.spec.embed_and_head => {
+                return Err(ModelError::Batch(format!(
+                    "{} takes input embeddings only (it has no token embedding)",
+                    self.spec.architecture
+                )));
+            }
             None => {
                 let mut x = vec![0.0; t * h];
                 ops::embedding(&self.embed, h, &batch.input_ids, &mut x)?;
@@ -416,7 +471,13 @@ impl DecoderModel {
         keep(&mut out, Capture::Embedding, &x);
         keep(&mut out, Capture::AfterLayers(0), &x);
         let mut s = Scratch::default();
-        self.rope.cos_sin(&batch.positions, &mut s.cos_sin);
+        match (positions, &self.mrope) {
+            (PositionInputs::Mrope(m), Some(layout)) => {
+                let [a, b, c] = &m.rows;
+                self.rope.cos_sin_mrope([a, b, c], layout, &mut s.cos_sin)?;
+            }
+            _ => self.rope.cos_sin(&batch.positions, &mut s.cos_sin),
+        }
         let eps = self.spec.rms_norm_eps;
         for (i, (l, cache)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
             s.h.clear();
@@ -453,14 +514,16 @@ impl DecoderModel {
                 },
             ));
         }
-        let v = self.spec.vocab_size;
-        let mut logits = vec![0.0; rows.len() * v];
-        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-        matmul_nt(&sel, head, &mut logits, rows.len(), h, v)?;
-        out.logits = Some(HostTensor {
-            shape: vec![rows.len(), v],
-            data: logits,
-        });
+        if self.spec.embed_and_head {
+            let v = self.spec.vocab_size;
+            let mut logits = vec![0.0; rows.len() * v];
+            let head = self.lm_head.as_deref().unwrap_or(&self.embed);
+            matmul_nt(&sel, head, &mut logits, rows.len(), h, v)?;
+            out.logits = Some(HostTensor {
+                shape: vec![rows.len(), v],
+                data: logits,
+            });
+        }
         Ok(out)
     }
 }
@@ -489,7 +552,20 @@ impl StageModel for DecoderModel {
                 self.spec.architecture, f.modality
             )));
         }
-        if let PositionInputs::Mrope(m) = inputs.positions {
+        if let PositionInputs::Mrope(m) = inputs.positions
+            && m.rows
+                .iter()
+                .any(|r| r.len() != inputs.batch.positions.len())
+        {
+            return Err(ModelError::Batch(format!(
+                "M-RoPE rows of {:?} positions for {} tokens",
+                m.rows.iter().map(Vec::len).collect::<Vec<_>>(),
+                inputs.batch.positions.len()
+            )));
+        }
+        if let PositionInputs::Mrope(m) = inputs.positions
+            && self.mrope.is_none()
+        {
             // Equal rows are 1-D RoPE; this decoder has no multi-section rotary embedding.
             let same = m.is_text_only()
                 && m.rows[0].len() == inputs.batch.positions.len()
@@ -508,6 +584,6 @@ impl StageModel for DecoderModel {
             TokenInputs::Ids => None,
             TokenInputs::Embeds(e) => Some(e),
         };
-        self.run(inputs.batch, embeds, inputs.capture, kv)
+        self.run(inputs.batch, embeds, inputs.positions, inputs.capture, kv)
     }
 }

@@ -24,6 +24,19 @@ pub struct MoeSpec {
     pub decoder_sparse_step: usize,
     /// Layers that keep a dense MLP.
     pub mlp_only_layers: Vec<usize>,
+    /// A shared expert every token goes through beside the routed ones, scaled by
+    /// `sigmoid(shared_expert_gate(x))` (Qwen3-Omni's Talker), with this intermediate size.
+    pub shared_expert_intermediate_size: Option<usize>,
+}
+
+/// Multimodal RoPE: three position rows split the rotary frequencies (HF
+/// `rope_parameters.mrope_section` and `interleaved`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MropeSpec {
+    /// Frequencies per row (temporal, height, width); they sum to `head_dim / 2`.
+    pub section: [usize; 3],
+    /// Interleaved assignment (Qwen3-Omni) rather than contiguous blocks (Qwen2-VL).
+    pub interleaved: bool,
 }
 
 /// Everything the shared decoder needs to know, from an architecture's config.
@@ -59,6 +72,12 @@ pub struct DecoderSpec {
     pub qk_norm: bool,
     /// Mixture of experts, if any.
     pub moe: Option<MoeSpec>,
+    /// M-RoPE, if the network takes three position rows.
+    pub mrope: Option<MropeSpec>,
+    /// The checkpoint has `model.embed_tokens` and a head (`lm_head`, or the tied embedding).
+    /// `false` for a network fed only input embeddings whose heads live outside the decoder (a
+    /// Talker's code predictor): it returns no logits, only captured states.
+    pub embed_and_head: bool,
 }
 
 impl DecoderSpec {
@@ -93,13 +112,12 @@ impl DecoderSpec {
     /// Every tensor a checkpoint of this spec holds, with its full (unsharded) HF shape.
     pub fn weight_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (h, hd) = (self.hidden_size, self.head_dim);
-        let mut v = vec![(
-            "model.embed_tokens.weight".to_string(),
-            vec![self.vocab_size, h],
-        )];
-        v.push(("model.norm.weight".into(), vec![h]));
-        if !self.tie_word_embeddings {
-            v.push(("lm_head.weight".into(), vec![self.vocab_size, h]));
+        let mut v = vec![("model.norm.weight".to_string(), vec![h])];
+        if self.embed_and_head {
+            v.push(("model.embed_tokens.weight".into(), vec![self.vocab_size, h]));
+            if !self.tie_word_embeddings {
+                v.push(("lm_head.weight".into(), vec![self.vocab_size, h]));
+            }
         }
         for i in 0..self.num_layers {
             let p = format!("model.layers.{i}");
@@ -138,6 +156,13 @@ impl DecoderSpec {
                             format!("{ep}.down_proj.weight"),
                             vec![h, m.moe_intermediate_size],
                         ));
+                    }
+                    if let Some(si) = m.shared_expert_intermediate_size {
+                        let sp = format!("{p}.mlp.shared_expert");
+                        v.push((format!("{sp}.gate_proj.weight"), vec![si, h]));
+                        v.push((format!("{sp}.up_proj.weight"), vec![si, h]));
+                        v.push((format!("{sp}.down_proj.weight"), vec![h, si]));
+                        v.push((format!("{p}.mlp.shared_expert_gate.weight"), vec![1, h]));
                     }
                 }
                 _ => {
