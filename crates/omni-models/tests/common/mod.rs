@@ -124,3 +124,25 @@ pub fn run_all(
         .with_all_logits();
     model.forward(&batch, kv).unwrap().data
 }
+
+/// A named f32 tensor of a fixture's `reference.safetensors`: (data, shape).
+pub fn reference_tensor(name: &str, key: &str) -> (Vec<f32>, Vec<usize>) {
+    let bytes = std::fs::read(dir(name).join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st
+        .tensor(key)
+        .unwrap_or_else(|e| panic!("{name}: {key}: {e}"));
+    assert_eq!(t.dtype(), safetensors::Dtype::F32, "{key}");
+    let data = t
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    (data, t.shape().to_vec())
+}
+
+/// A fixture's `reference.json`, untyped.
+pub fn reference_json(name: &str) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir(name).join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
