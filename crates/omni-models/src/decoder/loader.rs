@@ -217,7 +217,12 @@ impl<'a> Loader<'a> {
                 let shared = match m.shared_expert_intermediate_size {
                     Some(si) => Some((
                         self.mlp(&format!("{p}.mlp.shared_expert"), si)?,
-                        self.vector(&format!("{p}.mlp.shared_expert_gate.weight"), h)?,
+                        load_shaped(
+                            self.ws,
+                            &format!("{p}.mlp.shared_expert_gate.weight"),
+                            &[1, h],
+                        )?
+                        .data,
                     )),
                     None => None,
                 };
