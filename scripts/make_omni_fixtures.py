@@ -7,7 +7,9 @@ Writes `crates/omni-models/tests/fixtures/qwen3-omni/`:
   a config only (no hub access), random weights, saved by `save_pretrained` in bfloat16 (hub layout, per-expert
   tensors). The real checkpoint's token ids, vocabularies, codebook sizes, code groups and upsampling rates are kept;
   the widths and depths are tiny. The thinker's `embed_tokens` and `lm_head` are zero outside an active id set S
-  (ids 0..1023 plus the chat/TTS special ids), which keeps the file small once compressed.
+  (ids 0..1023 plus the chat/TTS special ids), and the tables over codec vocabularies (talker codec embedding and
+  head, code predictor embeddings and heads, Code2Wav codebooks) hold random ternary values; both keep the committed
+  file small once compressed.
 - `reference.safetensors` (float32; integer tensors are stored as float32 too) and `reference.json`:
   * thinker, text-only chat prompts: `thinker.logits.{i}` `[T_i, |S|]` (the logits restricted to S, every other
     column is exactly 0), `thinker.hidden.0.{i}` / `thinker.hidden.{A}.{i}` `[T_i, hidden]` (`output_hidden_states`
@@ -18,8 +20,13 @@ Writes `crates/omni-models/tests/fixtures/qwen3-omni/`:
     prompt and speaker: `talker.prefill_embeds.{i}.{speaker}` `[P, H]`, `talker.trailing_text.{i}.{speaker}`
     `[N, H]`, `talker.tts_pad_embed` `[H]`, `talker.prefill_logits.{i}.{speaker}` `[P, talker vocab]` (raw
     `codec_head` output) and `talker.frames.{i}.{speaker}` `[F, num_code_groups]` (the codes handed to Code2Wav);
-    reference.json `talker.thinker_sequence.{i}` and `talker.speakers`;
-  * code2wav: `code2wav.codes.{T}` `[16, T]` and `code2wav.wav.{T}` `[1920*T - 555]` for several T, and a 3-window
+    reference.json `talker.thinker_sequence.{i}`, `talker.speakers` and `talker.layer0_codes.{i}.{speaker}` (every
+    layer-0 code the talker sampled: a frame is completed one step after its layer-0 code, so the last code, EOS or
+    the one at `max_new_tokens`, has no frame);
+  * `*.min_greedy_margin`: the smallest top-1/top-2 gap among the greedy choices (thinker, talker layer 0 after
+    suppression and repetition penalty, code predictor), a measure of how much numerical slack a reimplementation has;
+  * code2wav: `code2wav.codes.{T}` `[16, T]` and `code2wav.wav.{T}` `[1920*T - 555]` for T in reference.json
+    `code2wav.lengths` (80 exceeds the 72-frame attention window), and a 3-window
     streaming decode (`code2wav.stream.codes`, `code2wav.stream.wav.{k}`, reference.json `code2wav.stream.windows`
     as `[start, end, left_context]`) trimmed the way vLLM-Omni's `chunked_decode_streaming` trims.
 
@@ -57,7 +64,8 @@ UPSAMPLE_RATES = [8, 5, 4, 3]
 SPEAKERS = ["chelsie", "ethan"]
 THINKER_NEW_TOKENS = 8
 TALKER_NEW_TOKENS = 12
-CODE2WAV_LENGTHS = [1, 4, 25, 29, 50]
+# 80 > sliding_window (72): the only length where Code2Wav's attention window changes the output.
+CODE2WAV_LENGTHS = [1, 4, 25, 29, 50, 80]
 # vLLM-Omni's async chunking (initial 4 frames, then 25 with 25 frames of left context) over 54 frames.
 STREAM_FRAMES = 54
 STREAM_WINDOWS = [(0, 4, 0), (0, 29, 4), (4, 54, 25)]
@@ -557,6 +565,17 @@ def code2wav_references(model, ref, out):
         total += wav.numel()
         out[f"code2wav.codes.{t}"] = codes.float().contiguous()
         out[f"code2wav.wav.{t}"] = wav.contiguous()
+        if t > cfg.sliding_window:
+            # The window matters: without it only the first `sliding_window` frames' samples stay the same.
+            window_cfg, window = c2w.pre_transformer.config, cfg.sliding_window
+            window_cfg.sliding_window = 1 << 20
+            try:
+                unwindowed = c2w(codes[None])[0, 0]
+            finally:
+                window_cfg.sliding_window = window
+            keep = up * window - 555
+            assert torch.allclose(unwindowed[:keep], wav[:keep], atol=1e-5)
+            assert (unwindowed[keep:] - wav[keep:]).abs().max() > 1e-3, "sliding window had no effect"
     ref["code2wav.lengths"] = CODE2WAV_LENGTHS
     ref["code2wav.clipped_fraction"] = clipped / total
 
@@ -624,8 +643,10 @@ def main() -> int:
     out = {k: v.float().contiguous() for k, v in sorted(out.items())}
     save_file(out, os.path.join(OUT, "reference.safetensors"))
     with open(os.path.join(OUT, "reference.json"), "w") as f:
-        json.dump(ref, f, indent=1)
-        f.write("\n")
+        # One key a line, values compact.
+        lines = [f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in ref.items()]
+        f.write("{\n" + ",\n".join(lines) + "\n}\n")
+    assert json.load(open(os.path.join(OUT, "reference.json"))) == ref
 
     for k, v in out.items():
         print(f"  {k} {list(v.shape)}")
