@@ -10,8 +10,10 @@ use crate::dummy::DummyWeights;
 use crate::error::ModelError;
 use crate::hf_dir::SafetensorsDir;
 use crate::interface::{ModelStage, StageModel};
-use crate::weights::{LoadProgressFn, ProgressWeights, WeightSource};
-use crate::{CausalLm, KvCacheSpec, llama, qwen3, qwen3_moe};
+use crate::qwen3_omni::talker::Talker;
+use crate::qwen3_omni::thinker::Thinker;
+use crate::weights::{LoadProgressFn, ProgressWeights, SubmodelWeights, WeightSource};
+use crate::{CausalLm, KvCacheSpec, llama, qwen3, qwen3_moe, qwen3_omni};
 
 /// One registered architecture.
 #[derive(Debug, Clone, Copy)]
@@ -20,8 +22,11 @@ pub struct Architecture {
     pub name: &'static str,
     /// The stage networks this architecture string stands for (one, for a text LLM).
     pub stages: &'static [ModelStage],
-    /// Parses `config.json` into the decoder spec.
+    /// Parses `config.json` into the spec of the decoder that runs as a text LLM
+    /// ([`ModelStage::CausalLm`]; an omni model's Thinker).
     pub spec: fn(&Value) -> Result<DecoderSpec, ModelError>,
+    /// Where that decoder's tensors live in the checkpoint (`thinker.` for Qwen3-Omni).
+    pub weights_prefix: &'static str,
 }
 
 /// Every supported architecture.
@@ -30,16 +35,31 @@ pub const ARCHITECTURES: &[Architecture] = &[
         name: llama::ARCHITECTURE,
         stages: &[ModelStage::CausalLm],
         spec: llama::spec_from_json,
+        weights_prefix: "",
     },
     Architecture {
         name: qwen3::ARCHITECTURE,
         stages: &[ModelStage::CausalLm],
         spec: qwen3::spec_from_json,
+        weights_prefix: "",
     },
     Architecture {
         name: qwen3_moe::ARCHITECTURE,
         stages: &[ModelStage::CausalLm],
         spec: qwen3_moe::spec_from_json,
+        weights_prefix: "",
+    },
+    Architecture {
+        name: qwen3_omni::config::ARCHITECTURE,
+        // As a text LLM (no `--omni`) the checkpoint serves its Thinker, text out.
+        stages: &[
+            ModelStage::CausalLm,
+            ModelStage::Thinker,
+            ModelStage::Talker,
+            ModelStage::Code2Wav,
+        ],
+        spec: qwen3_omni::thinker_spec_from_json,
+        weights_prefix: "thinker.",
     },
 ];
 
@@ -108,8 +128,22 @@ pub fn build_model_with_progress(
 ) -> Result<Box<dyn CausalLm>, ModelError> {
     let spec = decoder_spec(config)?;
     let total = spec.weight_shapes().len();
-    let weights = ProgressWeights::new(weights, total, on_load);
+    let view = causal_lm_weights(config, weights)?;
+    let weights = ProgressWeights::new(&view, total, on_load);
     Ok(Box::new(DecoderModel::load(spec, &weights, tp)?))
+}
+
+/// The tensors of the decoder that runs as a text LLM, under the names its loader asks for
+/// (`model.layers.0...`): the checkpoint itself, or its `thinker.` part for Qwen3-Omni.
+pub fn causal_lm_weights<'a>(
+    config: &Value,
+    weights: &'a dyn WeightSource,
+) -> Result<SubmodelWeights<'a>, ModelError> {
+    Ok(SubmodelWeights::new(
+        weights,
+        architecture(config)?.weights_prefix,
+        &[],
+    ))
 }
 
 /// Builds rank `tp.rank`'s network of `stage` (keyed by (architecture, stage): one HF
@@ -130,9 +164,11 @@ pub fn build_stage_model(
     match stage {
         ModelStage::CausalLm => Ok(Box::new(DecoderModel::load(
             (arch.spec)(config)?,
-            weights,
+            &causal_lm_weights(config, weights)?,
             tp,
         )?)),
+        ModelStage::Thinker => Ok(Box::new(Thinker::load(config, weights, tp)?)),
+        ModelStage::Talker => Ok(Box::new(Talker::load(config, weights, tp)?)),
         other => Err(ModelError::Config(format!(
             "no {other:?} network is implemented for {}",
             arch.name
@@ -140,8 +176,13 @@ pub fn build_stage_model(
     }
 }
 
-/// Random weights with every tensor the config's checkpoint would hold.
+/// Random weights with every tensor the config's checkpoint would hold (each stage's, for a
+/// multi-stage model).
 pub fn dummy_weights(config: &Value, seed: u64) -> Result<DummyWeights, ModelError> {
+    let arch = architecture(config)?;
+    if arch.name == qwen3_omni::config::ARCHITECTURE {
+        return Ok(DummyWeights::new(qwen3_omni::weight_shapes(config)?, seed));
+    }
     Ok(DummyWeights::new(
         decoder_spec(config)?.weight_shapes(),
         seed,

@@ -363,3 +363,32 @@ fn talker_prompt_prefill_logits_and_greedy_frames_match_transformers() {
         }
     }
 }
+
+#[test]
+fn the_registry_builds_each_stage_and_the_thinker_as_a_text_llm() {
+    use omni_models::ModelStage;
+    use omni_models::registry::{LoadFormat, build_stage_model, dummy_weights, load_model_dir};
+    let c = common::config(FIXTURE);
+    let ws = SafetensorsDir::open(&dir(FIXTURE)).unwrap();
+    for stage in [ModelStage::Thinker, ModelStage::Talker] {
+        let m = build_stage_model(&c, stage, &ws, TpContext::single()).unwrap();
+        assert_eq!(m.stage(), stage);
+        // Dummy weights name every tensor each stage reads.
+        let d = dummy_weights(&c, 7).unwrap();
+        build_stage_model(&c, stage, &d, TpContext::single()).unwrap();
+    }
+    // Without `--omni` the checkpoint is its Thinker, text out: the same greedy tokens.
+    let text = load_model_dir(&dir(FIXTURE), LoadFormat::Safetensors, TpContext::single()).unwrap();
+    let r = reference_json(FIXTURE);
+    let prompt = ids(&r["thinker.prompts"][0]);
+    let mut kv = text.kv_cache_spec().allocate(NUM_BLOCKS, BLOCK_SIZE);
+    let table = Blocks::new().table(prompt.len());
+    let chunk = SeqChunk {
+        tokens: &prompt,
+        start_pos: 0,
+        block_table: &table,
+    };
+    let batch = ForwardBatch::from_chunks(&[chunk], BLOCK_SIZE).unwrap();
+    let logits = text.forward(&batch, &mut kv).unwrap().data;
+    assert_eq!(argmax(&logits), ids(&r["thinker.greedy.0"])[0]);
+}

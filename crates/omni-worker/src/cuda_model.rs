@@ -158,16 +158,9 @@ pub fn load_cuda_model(
         .stream()
         .alloc_zeros::<i32>(limits.max_seqs)
         .map_err(|e| WorkerError::Model(CudaError::from(e).into()))?;
+    let view = registry::causal_lm_weights(&config, ws.as_ref())?;
     let mut model = CudaDecoderModel::load(
-        cx,
-        dspec,
-        ws.as_ref(),
-        init,
-        rank,
-        world,
-        all_reduce,
-        limits,
-        on_layer,
+        cx, dspec, &view, init, rank, world, all_reduce, limits, on_layer,
     )?;
     model.enable_profiler(u64::from(spec.cuda_profile_steps));
     Ok(CudaStepModel {

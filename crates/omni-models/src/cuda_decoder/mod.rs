@@ -147,9 +147,12 @@ impl CudaDecoderModel {
             .moe
             .as_ref()
             .is_some_and(|m| m.shared_expert_intermediate_size.is_some());
-        if shared_expert || spec.mrope.is_some() || !spec.embed_and_head {
+        // M-RoPE with the equal rows of text-only input is 1-D RoPE, which is what this
+        // decoder's positions give; three distinct rows never reach it (no multimodal input
+        // on CUDA yet).
+        if shared_expert || !spec.embed_and_head {
             return Err(ModelError::Config(format!(
-                "{}: the CUDA decoder has no shared expert, M-RoPE or embedding-only mode yet",
+                "{}: the CUDA decoder has no shared expert or embedding-only mode yet",
                 spec.architecture
             )));
         }

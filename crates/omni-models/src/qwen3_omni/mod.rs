@@ -12,3 +12,24 @@
 pub mod config;
 pub mod talker;
 pub mod thinker;
+
+use serde_json::Value;
+
+use crate::decoder::DecoderSpec;
+use crate::error::ModelError;
+
+/// The Thinker's decoder spec (the registry's text-LLM view of the checkpoint).
+pub fn thinker_spec_from_json(config: &Value) -> Result<DecoderSpec, ModelError> {
+    config::OmniConfig::from_json(config)?
+        .thinker_config
+        .text_config
+        .spec(true)
+}
+
+/// Every tensor the three stage networks read, with checkpoint names and full shapes (what
+/// `--load-format dummy` generates; the audio and vision towers are not read yet).
+pub fn weight_shapes(config: &Value) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
+    let mut v = thinker::Thinker::weight_shapes(config)?;
+    v.extend(talker::Talker::weight_shapes(config)?);
+    Ok(v)
+}
