@@ -33,3 +33,40 @@ pub fn weight_shapes(config: &Value) -> Result<Vec<(String, Vec<usize>)>, ModelE
     v.extend(talker::Talker::weight_shapes(config)?);
     Ok(v)
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn params(shapes: &[(String, Vec<usize>)]) -> usize {
+        shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+    }
+
+    /// The real checkpoint's sizes (bench/models/qwen3-omni-30b-a3b, written and counted by
+    /// scripts/make_omni_bench_config.py with transformers): the tensors we read have the
+    /// parameter counts transformers builds.
+    #[test]
+    fn real_config_shapes_match_transformers_parameter_counts() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../bench/models/qwen3-omni-30b-a3b/config.json"
+        );
+        let c: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        assert_eq!(params(&thinker::Thinker::weight_shapes(&c).unwrap()), 30_532_646_912);
+        assert_eq!(params(&talker::Talker::weight_shapes(&c).unwrap()), 3_324_596_480);
+        let cfg = config::OmniConfig::from_json(&c).unwrap();
+        assert_eq!(cfg.talker_config.accept_hidden_layer, 24);
+        assert_eq!(cfg.talker_config.codec_eos_token_id, 2150);
+        assert_eq!(cfg.talker_config.speaker("Ethan").unwrap(), 2302);
+        let spec = thinker_spec_from_json(&c).unwrap();
+        assert_eq!((spec.head_dim, spec.moe.as_ref().unwrap().top_k), (128, 8));
+        assert_eq!(
+            spec.mrope,
+            Some(crate::decoder::MropeSpec {
+                section: [24, 20, 20],
+                interleaved: true
+            })
+        );
+    }
+}
