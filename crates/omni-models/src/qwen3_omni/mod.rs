@@ -9,6 +9,7 @@
 //!
 //! [`config`] reads every id and size from `config.json`.
 
+pub mod code2wav;
 pub mod config;
 pub mod talker;
 pub mod thinker;
