@@ -392,3 +392,103 @@ fn the_registry_builds_each_stage_and_the_thinker_as_a_text_llm() {
     let logits = text.forward(&batch, &mut kv).unwrap().data;
     assert_eq!(argmax(&logits), ids(&r["thinker.greedy.0"])[0]);
 }
+
+/// The four (prompt, speaker) requests of the fixture decoded together: one batch for the four
+/// prefills, one batch per decode step, one code-predictor call per step for every request.
+/// Each request's frames equal transformers' single-request ones.
+#[test]
+fn talker_batches_requests_in_every_network() {
+    let (thinker, talker) = (load_thinker(), load_talker());
+    let r = reference_json(FIXTURE);
+    let h = talker.hidden_size();
+    let eos = talker.config().talker_config.codec_eos_token_id;
+    let mut prompts = Vec::new();
+    let mut want = Vec::new();
+    for (i, prompt) in r["thinker.prompts"].as_array().unwrap().iter().enumerate() {
+        let prompt_len = ids(prompt).len();
+        let seq = ids(&r[format!("talker.thinker_sequence.{i}").as_str()]);
+        let (embed, hidden) = exports(&thinker, &seq, seq.len() - 1);
+        for speaker in r["talker.speakers"].as_array().unwrap() {
+            let speaker = speaker.as_str().unwrap();
+            let ex = ThinkerExports {
+                ids: &seq,
+                prompt_len,
+                embed: &embed,
+                hidden: &hidden,
+                tts: thinker.tts_embeddings(),
+            };
+            let id = talker.config().talker_config.speaker(speaker).unwrap();
+            prompts.push(talker.build_prompt(&ex, id).unwrap());
+            let (f, _) = reference_tensor(FIXTURE, &format!("talker.frames.{i}.{speaker}"));
+            want.push(f.iter().map(|&c| c as u32).collect::<Vec<u32>>());
+        }
+    }
+    let n = prompts.len();
+    let steps = want[0].len() / 16;
+    let mut kv = cache(&talker);
+    let mut blocks = Blocks::new();
+    let tables: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| blocks.table(p.prefill_len() + steps + 1))
+        .collect();
+    let dummies: Vec<Vec<u32>> = prompts.iter().map(|p| vec![0; p.prefill_len()]).collect();
+    let run = |kv: &mut [LayerKvCache], chunks: &[SeqChunk<'_>], embeds: &[f32]| {
+        let batch = ForwardBatch::from_chunks(chunks, BLOCK_SIZE).unwrap();
+        let inputs = ModelInputs {
+            batch: &batch,
+            tokens: TokenInputs::Embeds(embeds),
+            positions: PositionInputs::Batch,
+            mm_features: &[],
+            capture: &[Capture::FinalNorm],
+        };
+        let out = talker.forward(&inputs, kv).unwrap();
+        let hidden = captured(&out, Capture::FinalNorm);
+        (out.logits.unwrap().data, hidden)
+    };
+    let chunks: Vec<SeqChunk<'_>> = (0..n)
+        .map(|k| SeqChunk {
+            tokens: &dummies[k],
+            start_pos: 0,
+            block_table: &tables[k],
+        })
+        .collect();
+    let embeds: Vec<f32> = prompts.iter().flat_map(|p| p.prefill.clone()).collect();
+    let (mut logits, mut hidden) = run(&mut kv, &chunks, &embeds);
+    let v = logits.len() / n;
+    let mut layer0: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut frames: Vec<Vec<u32>> = vec![Vec::new(); n];
+    for step in 0..steps {
+        let mut c0 = Vec::with_capacity(n);
+        for (k, row) in logits.chunks_exact_mut(v).enumerate() {
+            repetition_penalty(row, &layer0[k], REPETITION_PENALTY);
+            suppress_control_codes(row, eos);
+            let c = argmax(row);
+            assert_ne!(c, eos, "the fixture's requests never stop early");
+            layer0[k].push(c);
+            c0.push(c);
+        }
+        let c0_embed = talker.embed_codec(&c0).unwrap();
+        let f = talker
+            .code_predictor()
+            .predict(&hidden, &c0, &c0_embed, &mut |_, _, l| argmax(l))
+            .unwrap();
+        for k in 0..n {
+            frames[k].extend_from_slice(&f.codes[k * 16..(k + 1) * 16]);
+        }
+        let mut input = Vec::with_capacity(n * h);
+        for (k, p) in prompts.iter().enumerate() {
+            let sum = &f.codec_sum[k * h..(k + 1) * h];
+            input.extend(sum.iter().zip(p.text_for_step(step)).map(|(a, b)| a + b));
+        }
+        let one = [0u32];
+        let chunks: Vec<SeqChunk<'_>> = (0..n)
+            .map(|k| SeqChunk {
+                tokens: &one,
+                start_pos: prompts[k].prefill_len() + step,
+                block_table: &tables[k],
+            })
+            .collect();
+        (logits, hidden) = run(&mut kv, &chunks, &input);
+    }
+    assert_eq!(frames, want);
+}
