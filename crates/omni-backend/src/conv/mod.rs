@@ -3,15 +3,26 @@
 //! and [`conv_transpose1d`] (`weight [in, out, k]`), plus the causal forms of Qwen3-Omni's
 //! Code2Wav ([`causal_conv1d`], [`causal_conv_transpose1d`]).
 //!
-//! Dense convolutions are one strided GEMM per kernel tap (`out[t, :] += x[t*s + tap*d - pad, :]
-//! @ W[:, :, tap]^T`) through [`crate::linalg::gemm_strided`], over the rows where the tap reads
-//! inside the input: the zero padding is never materialised or multiplied. Depthwise
-//! convolutions are a per-channel loop (vectorisable across channels in this layout).
+//! Products go through [`crate::linalg::gemm_strided`]. A one-group convolution unfolds blocks
+//! of output rows (im2col: `col[t, i * k + tap] = x[t*s + tap*d - pad, i]`) and does one GEMM of
+//! depth `in * k` per block against the weight as stored. Grouped convolutions and 1x1 kernels
+//! do one strided GEMM per (group, tap) (`out[t, :] += x[t*s + tap*d - pad, :] @ W[:, :, tap]^T`)
+//! over the rows where the tap reads inside the input, so the zero padding is never
+//! materialised. Depthwise convolutions are a per-channel loop (vectorisable across channels in
+//! this layout). Transposed convolutions are one strided GEMM per tap into the output rows it
+//! reaches.
 
 use rayon::prelude::*;
 
 use crate::linalg::{MatMut, MatRef, Threads, gemm_strided};
 use crate::{Error, Result, check_len};
+
+mod transpose;
+
+pub use transpose::{ConvTranspose1dSpec, causal_conv_transpose1d, conv_transpose1d};
+
+/// Elements of one block of the unfolded input in [`conv1d`]'s im2col path (16 MiB).
+const IM2COL_BLOCK_ELEMENTS: usize = 1 << 22;
 
 /// Output rows per rayon task in the depthwise loop.
 const DEPTHWISE_ROWS_PER_TASK: usize = 256;
@@ -101,6 +112,8 @@ impl Conv1dSpec {
             || self.stride == 0
             || self.dilation == 0
             || self.kernel_size == 0
+            || self.in_channels == 0
+            || self.out_channels == 0
             || !self.in_channels.is_multiple_of(g)
             || !self.out_channels.is_multiple_of(g)
         {
@@ -146,6 +159,9 @@ pub fn conv1d(
     if cin_g == 1 && cout_g == 1 {
         return depthwise(x, len, weight, spec, pad.0, out);
     }
+    if spec.groups == 1 && k > 1 {
+        return im2col(x, len, weight, spec, pad.0, out, IM2COL_BLOCK_ELEMENTS);
+    }
     for tap in 0..k {
         let offset = (tap * spec.dilation) as isize - pad.0 as isize;
         let (t0, t1) = tap_rows(offset, spec.stride, len, out_len);
@@ -187,8 +203,57 @@ pub fn conv1d(
     Ok(())
 }
 
+/// One dense GEMM per block of output rows over the unfolded input: `col[t, i * k + tap] =
+/// x[t * s + tap * d - pad, i]` (zero outside), so `out = col @ W^T` with `W` `[out, in * k]` as
+/// stored. One product of depth `in * k` instead of `k` accumulating products of depth `in`.
+/// `out` holds the bias rows (or zeros) already; `block_elements` bounds the unfolded block.
+fn im2col(
+    x: &[f32],
+    len: usize,
+    weight: &[f32],
+    spec: &Conv1dSpec,
+    pad_left: usize,
+    out: &mut [f32],
+    block_elements: usize,
+) -> Result<()> {
+    let (cin, cout, k) = (spec.in_channels, spec.out_channels, spec.kernel_size);
+    let depth = cin * k;
+    let out_len = out.len() / cout;
+    let rows = (block_elements / depth).clamp(1, out_len.max(1));
+    let mut col = vec![0.0f32; rows * depth];
+    for t0 in (0..out_len).step_by(rows) {
+        let n = rows.min(out_len - t0);
+        let col = &mut col[..n * depth];
+        col.par_chunks_mut(depth).enumerate().for_each(|(r, c)| {
+            let t = t0 + r;
+            for tap in 0..k {
+                let src = (t * spec.stride + tap * spec.dilation) as isize - pad_left as isize;
+                if src < 0 || src as usize >= len {
+                    c.iter_mut().skip(tap).step_by(k).for_each(|v| *v = 0.0);
+                } else {
+                    let xs = &x[src as usize * cin..(src as usize + 1) * cin];
+                    c.iter_mut()
+                        .skip(tap)
+                        .step_by(k)
+                        .zip(xs)
+                        .for_each(|(v, xv)| *v = *xv);
+                }
+            }
+        });
+        gemm_strided(
+            MatMut::row_major(&mut out[t0 * cout..(t0 + n) * cout], n, cout),
+            MatRef::row_major(col, n, depth),
+            MatRef::row_major(weight, cout, depth).t(),
+            1.0,
+            true,
+            Threads::Auto,
+        )?;
+    }
+    Ok(())
+}
+
 /// Sets every row of `out` (`[rows, channels]`) to `bias`, or to zero.
-fn init_with_bias(out: &mut [f32], bias: Option<&[f32]>, channels: usize) -> Result<()> {
+pub(crate) fn init_with_bias(out: &mut [f32], bias: Option<&[f32]>, channels: usize) -> Result<()> {
     match bias {
         Some(b) => {
             check_len("conv bias", b.len(), channels)?;
@@ -255,135 +320,12 @@ pub fn causal_conv1d(
     Ok((out, out_len))
 }
 
-/// The geometry of a [`conv_transpose1d`] (one group, dilation 1, no output padding).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConvTranspose1dSpec {
-    /// Input channels.
-    pub in_channels: usize,
-    /// Output channels.
-    pub out_channels: usize,
-    /// Kernel taps.
-    pub kernel_size: usize,
-    /// Output samples per input sample.
-    pub stride: usize,
-}
-
-impl ConvTranspose1dSpec {
-    /// Elements of the weight, `[in, out, k]`.
-    pub fn weight_len(&self) -> usize {
-        self.in_channels * self.out_channels * self.kernel_size
-    }
-
-    /// Untrimmed output length `(len - 1) * stride + k` (0 for an empty input).
-    pub fn full_len(&self, len: usize) -> usize {
-        if len == 0 {
-            0
-        } else {
-            (len - 1) * self.stride + self.kernel_size
-        }
-    }
-
-    /// Hugging Face's causal trim (`Qwen3OmniMoeCausalTransConvNet`): `k - stride` samples off
-    /// each end, so `len` inputs give `len * stride - (k - stride)` outputs.
-    pub fn causal_trim(&self) -> Result<(usize, usize)> {
-        let (k, s) = (self.kernel_size, self.stride);
-        if s == 0 || k < s {
-            return Err(Error::Metadata(format!(
-                "causal transposed conv: stride {s} must be in 1..={k} (the kernel)"
-            )));
-        }
-        Ok((k - s, k - s))
-    }
-}
-
-/// `out = trim(conv_transpose1d(x))` for `x` `[len, in_channels]`, `weight` `[in, out, k]`
-/// (PyTorch `nn.ConvTranspose1d` layout), optional `bias` `[out]`; `trim = (left, right)`
-/// samples dropped from the full output; `out` is `[full_len - left - right, out_channels]`.
-pub fn conv_transpose1d(
-    x: &[f32],
-    len: usize,
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    spec: &ConvTranspose1dSpec,
-    trim: (usize, usize),
-    out: &mut [f32],
-) -> Result<()> {
-    let (cin, cout, k, s) = (
-        spec.in_channels,
-        spec.out_channels,
-        spec.kernel_size,
-        spec.stride,
-    );
-    if s == 0 || k == 0 {
-        return Err(Error::Metadata(format!(
-            "invalid conv_transpose1d geometry {spec:?}"
-        )));
-    }
-    let out_len = spec.full_len(len).saturating_sub(trim.0 + trim.1);
-    check_len("conv_transpose1d input", x.len(), len * cin)?;
-    check_len("conv_transpose1d weight", weight.len(), spec.weight_len())?;
-    check_len("conv_transpose1d out", out.len(), out_len * cout)?;
-    init_with_bias(out, bias, cout)?;
-    for tap in 0..k {
-        // Input row t lands on output row t * s + tap - trim_left.
-        let offset = tap as isize - trim.0 as isize;
-        let first = if offset < 0 {
-            (-offset + s as isize - 1) / s as isize
-        } else {
-            0
-        } as usize;
-        let end = ((out_len as isize - offset + s as isize - 1).div_euclid(s as isize)).max(0);
-        let end = (end as usize).min(len);
-        if first >= end {
-            continue;
-        }
-        let first_out = (first * s) as isize + offset;
-        gemm_strided(
-            MatMut {
-                data: &mut out[first_out as usize * cout..],
-                rows: end - first,
-                cols: cout,
-                rs: s * cout,
-                cs: 1,
-            },
-            MatRef::row_major(&x[first * cin..end * cin], end - first, cin),
-            // W[:, :, tap]: element (i, o) at (i * cout + o) * k + tap.
-            MatRef {
-                data: &weight[tap..],
-                rows: cin,
-                cols: cout,
-                rs: cout * k,
-                cs: k,
-            },
-            1.0,
-            true,
-            Threads::Auto,
-        )?;
-    }
-    Ok(())
-}
-
-/// [`conv_transpose1d`] with [`ConvTranspose1dSpec::causal_trim`]; returns `(out, out_len)`.
-pub fn causal_conv_transpose1d(
-    x: &[f32],
-    len: usize,
-    weight: &[f32],
-    bias: Option<&[f32]>,
-    spec: &ConvTranspose1dSpec,
-) -> Result<(Vec<f32>, usize)> {
-    let trim = spec.causal_trim()?;
-    let out_len = spec.full_len(len).saturating_sub(trim.0 + trim.1);
-    let mut out = vec![0.0; out_len * spec.out_channels];
-    conv_transpose1d(x, len, weight, bias, spec, trim, &mut out)?;
-    Ok((out, out_len))
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn data(n: usize, seed: usize) -> Vec<f32> {
+    pub(crate) fn data(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
             .map(|i| (((i * 37 + seed * 11) % 29) as f32 - 14.0) / 9.0)
             .collect()
@@ -420,7 +362,7 @@ mod tests {
         out
     }
 
-    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    pub(crate) fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         assert_eq!(a.len(), b.len());
         a.iter()
             .zip(b)
@@ -458,6 +400,23 @@ mod tests {
     }
 
     #[test]
+    fn im2col_blocks_of_rows_match_naive() {
+        let spec = Conv1dSpec::new(3, 2, 5).with_dilation(2).with_stride(2);
+        let (len, pad) = (23, (8, 1));
+        let x = data(len * 3, 9);
+        let w = data(spec.weight_len(), 10);
+        let b = data(2, 11);
+        let want = naive_conv(&x, len, &w, &b, &spec, pad);
+        // 15 * 3 elements: blocks of 3 rows, the last one short.
+        for block in [15, 45, 10_000] {
+            let mut got = vec![0.0; want.len()];
+            init_with_bias(&mut got, Some(&b), 2).unwrap();
+            im2col(&x, len, &w, &spec, pad.0, &mut got, block).unwrap();
+            assert!(max_diff(&got, &want) < 1e-5, "block {block}");
+        }
+    }
+
+    #[test]
     fn causal_padding_keeps_stride_one_lengths_and_rounds_strided_up() {
         let s = Conv1dSpec::new(1, 1, 7).with_dilation(9);
         assert_eq!(s.causal_padding(10).unwrap(), (54, 0));
@@ -483,80 +442,6 @@ mod tests {
         let (head, n) = causal_conv1d(&x[..12 * 3], 12, &w, None, &spec).unwrap();
         assert_eq!(n, 12);
         assert!(max_diff(&full[..12 * 2], &head) < 1e-6);
-    }
-
-    /// PyTorch `F.conv_transpose1d` then `[..., left:full - right]`.
-    fn naive_transpose(
-        x: &[f32],
-        len: usize,
-        w: &[f32],
-        b: &[f32],
-        s: &ConvTranspose1dSpec,
-        trim: (usize, usize),
-    ) -> Vec<f32> {
-        let full = s.full_len(len);
-        let mut y = vec![0.0; full * s.out_channels];
-        for t in 0..len {
-            for i in 0..s.in_channels {
-                for o in 0..s.out_channels {
-                    for tap in 0..s.kernel_size {
-                        y[(t * s.stride + tap) * s.out_channels + o] += x[t * s.in_channels + i]
-                            * w[(i * s.out_channels + o) * s.kernel_size + tap];
-                    }
-                }
-            }
-        }
-        let mut out = y[trim.0 * s.out_channels..(full - trim.1) * s.out_channels].to_vec();
-        for row in out.chunks_exact_mut(s.out_channels) {
-            for (v, bo) in row.iter_mut().zip(b) {
-                *v += bo;
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn conv_transpose1d_matches_naive_with_and_without_trim() {
-        let cases = [
-            (2, 2, (0, 0)),
-            (16, 8, (8, 8)),
-            (10, 5, (5, 5)),
-            (6, 3, (3, 3)),
-            (5, 2, (1, 2)),
-            (3, 3, (0, 0)),
-        ];
-        for (k, s, trim) in cases {
-            let spec = ConvTranspose1dSpec {
-                in_channels: 3,
-                out_channels: 4,
-                kernel_size: k,
-                stride: s,
-            };
-            for len in [1, 2, 7] {
-                let x = data(len * 3, 6);
-                let w = data(spec.weight_len(), 7);
-                let b = data(4, 8);
-                let want = naive_transpose(&x, len, &w, &b, &spec, trim);
-                let mut got = vec![0.0; want.len()];
-                conv_transpose1d(&x, len, &w, Some(&b), &spec, trim, &mut got).unwrap();
-                assert!(max_diff(&got, &want) < 1e-5, "k {k} s {s} len {len}");
-            }
-        }
-    }
-
-    #[test]
-    fn causal_transposed_conv_gives_len_minus_one_times_rate() {
-        for r in [3, 4, 5, 8] {
-            let spec = ConvTranspose1dSpec {
-                in_channels: 2,
-                out_channels: 1,
-                kernel_size: 2 * r,
-                stride: r,
-            };
-            let (_, n) =
-                causal_conv_transpose1d(&[1.0; 2 * 6], 6, &vec![0.5; 4 * r], None, &spec).unwrap();
-            assert_eq!(n, 5 * r);
-        }
     }
 
     #[test]
