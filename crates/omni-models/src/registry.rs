@@ -10,6 +10,7 @@ use crate::dummy::DummyWeights;
 use crate::error::ModelError;
 use crate::hf_dir::SafetensorsDir;
 use crate::interface::{ModelStage, StageModel};
+use crate::qwen3_omni::code2wav::Code2Wav;
 use crate::qwen3_omni::talker::Talker;
 use crate::qwen3_omni::thinker::Thinker;
 use crate::weights::{LoadProgressFn, ProgressWeights, SubmodelWeights, WeightSource};
@@ -169,10 +170,8 @@ pub fn build_stage_model(
         )?)),
         ModelStage::Thinker => Ok(Box::new(Thinker::load(config, weights, tp)?)),
         ModelStage::Talker => Ok(Box::new(Talker::load(config, weights, tp)?)),
-        other => Err(ModelError::Config(format!(
-            "no {other:?} network is implemented for {}",
-            arch.name
-        ))),
+        // No tensor parallelism: vLLM-Omni runs Code2Wav on one device per replica too.
+        ModelStage::Code2Wav => Ok(Box::new(Code2Wav::load(config, weights)?)),
     }
 }
 

@@ -370,7 +370,11 @@ fn the_registry_builds_each_stage_and_the_thinker_as_a_text_llm() {
     use omni_models::registry::{LoadFormat, build_stage_model, dummy_weights, load_model_dir};
     let c = common::config(FIXTURE);
     let ws = SafetensorsDir::open(&dir(FIXTURE)).unwrap();
-    for stage in [ModelStage::Thinker, ModelStage::Talker] {
+    for stage in [
+        ModelStage::Thinker,
+        ModelStage::Talker,
+        ModelStage::Code2Wav,
+    ] {
         let m = build_stage_model(&c, stage, &ws, TpContext::single()).unwrap();
         assert_eq!(m.stage(), stage);
         // Dummy weights name every tensor each stage reads.

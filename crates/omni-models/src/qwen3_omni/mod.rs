@@ -5,7 +5,7 @@
 //!   `accept_hidden_layer` layers (what the Talker reads);
 //! - [`talker`]: the projections, the MoE codec decoder with a gated shared expert, the codec
 //!   head and the code predictor of the residual codebooks;
-//! - `code2wav`: codes to a 24 kHz waveform.
+//! - [`code2wav`]: codes to a 24 kHz waveform.
 //!
 //! [`config`] reads every id and size from `config.json`.
 
@@ -32,6 +32,7 @@ pub fn thinker_spec_from_json(config: &Value) -> Result<DecoderSpec, ModelError>
 pub fn weight_shapes(config: &Value) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
     let mut v = thinker::Thinker::weight_shapes(config)?;
     v.extend(talker::Talker::weight_shapes(config)?);
+    v.extend(code2wav::Code2Wav::weight_shapes(config)?);
     Ok(v)
 }
 
@@ -56,6 +57,7 @@ mod tests {
         let c: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         assert_eq!(params(&thinker::Thinker::weight_shapes(&c).unwrap()), 30_532_646_912);
         assert_eq!(params(&talker::Talker::weight_shapes(&c).unwrap()), 3_324_596_480);
+        assert_eq!(params(&code2wav::Code2Wav::weight_shapes(&c).unwrap()), 216_016_577);
         let cfg = config::OmniConfig::from_json(&c).unwrap();
         assert_eq!(cfg.talker_config.accept_hidden_layer, 24);
         assert_eq!(cfg.talker_config.codec_eos_token_id, 2150);
