@@ -476,8 +476,8 @@ fn talker_batches_requests_in_every_network() {
             .code_predictor()
             .predict(&hidden, &c0, &c0_embed, &mut |_, _, l| argmax(l))
             .unwrap();
-        for k in 0..n {
-            frames[k].extend_from_slice(&f.codes[k * 16..(k + 1) * 16]);
+        for (frame, codes) in frames.iter_mut().zip(f.codes.chunks_exact(16)) {
+            frame.extend_from_slice(codes);
         }
         let mut input = Vec::with_capacity(n * h);
         for (k, p) in prompts.iter().enumerate() {

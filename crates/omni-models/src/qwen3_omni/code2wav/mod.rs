@@ -27,22 +27,14 @@ pub use config::Code2WavConfig;
 
 use crate::error::ModelError;
 use crate::interface::{ModelInputs, ModelOutputs, ModelStage, StageModel, TokenInputs};
-use crate::weights::{HostTensor, WeightError, WeightSource};
+use crate::weights::{HostTensor, WeightSource};
 use crate::{KvCacheSpec, LayerKvCache};
 use transformer::PreTransformer;
 use vocoder::Vocoder;
 
 /// Reads a tensor and checks its shape.
 fn load_vec(ws: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-    let t = ws.load(name)?;
-    if t.shape != shape {
-        return Err(WeightError::Invalid {
-            name: name.into(),
-            reason: format!("shape {:?}, expected {:?}", t.shape, shape),
-        }
-        .into());
-    }
-    Ok(t.data)
+    Ok(crate::decoder::load_shaped(ws, name, shape)?.data)
 }
 
 /// The Code2Wav network, loaded.
@@ -249,7 +241,7 @@ impl StageModel for Code2Wav {
 mod tests {
     use super::*;
     use crate::dummy::DummyWeights;
-    use crate::weights::ProgressWeights;
+    use crate::weights::{ProgressWeights, WeightError};
 
     /// A small `code2wav_config` with the real rates.
     fn tiny() -> Value {
