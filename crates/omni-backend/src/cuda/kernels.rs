@@ -164,6 +164,7 @@ mod tests {
     fn every_module() -> Vec<(String, String)> {
         let mut v = vec![
             ("elementwise".to_string(), silu_mul_source()),
+            ("audio".to_string(), crate::cuda::audio::audio_source()),
             ("layers".to_string(), layers::layers_source()),
             (
                 "attention reduce".to_string(),

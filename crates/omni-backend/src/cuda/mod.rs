@@ -14,6 +14,7 @@
 //! Each op family is a module here: `layers` (the fused per-layer kernels), `attention`, `moe`,
 //! `sampling`; `launch` holds the checks every launcher makes.
 
+pub mod audio;
 mod attention;
 mod collective;
 mod kernels;
