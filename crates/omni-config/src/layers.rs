@@ -64,6 +64,17 @@ pub fn layered_argv(
     root: &Command,
     env: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Vec<String>, Error> {
+    layered_argv_with(argv, root, env, &[])
+}
+
+/// [`layered_argv`] with one more layer between the `--config` file and the environment:
+/// `stage_args`, the flags a deploy profile gives one stage ([`crate::StageDeployConfig`]).
+pub fn layered_argv_with(
+    argv: Vec<String>,
+    root: &Command,
+    env: impl IntoIterator<Item = (String, String)>,
+    stage_args: &[String],
+) -> Result<Vec<String>, Error> {
     let mut it = argv.into_iter();
     let mut prefix: Vec<String> = it.next().into_iter().collect();
     let mut rest: Vec<String> = it.collect();
@@ -85,6 +96,7 @@ pub fn layered_argv(
     Ok(prefix
         .into_iter()
         .chain(file_args)
+        .chain(stage_args.iter().cloned())
         .chain(env_args)
         .chain(rest)
         .collect())
@@ -107,7 +119,7 @@ fn config_path(args: &[String]) -> Option<PathBuf> {
     None
 }
 
-fn find_long<'a>(cmd: &'a Command, name: &str) -> Option<&'a clap::Arg> {
+pub(crate) fn find_long<'a>(cmd: &'a Command, name: &str) -> Option<&'a clap::Arg> {
     cmd.get_arguments().find(|a| {
         a.get_long() == Some(name) || a.get_all_aliases().is_some_and(|al| al.contains(&name))
     })
@@ -175,6 +187,22 @@ fn file_to_args(path: &Path, leaf: &Command) -> Result<Vec<String>, Error> {
         serde_norway::Value::Null => return Ok(Vec::new()),
         _ => return Err(bad("expected a mapping of flag names to values".into())),
     };
+    let (out, problems) = mapping_to_args(map, leaf, &|_| false);
+    if problems.is_empty() {
+        Ok(out)
+    } else {
+        Err(bad(problems.join("; ")))
+    }
+}
+
+/// The flags a mapping of long flag names (`max-model-len` or `max_model_len`) to values stands
+/// for, and a problem per key that names no flag of `leaf` (unless `skip(key)`) or has a value
+/// the flag cannot take.
+pub(crate) fn mapping_to_args(
+    map: serde_norway::Mapping,
+    leaf: &Command,
+    skip: &dyn Fn(&str) -> bool,
+) -> (Vec<String>, Vec<String>) {
     let mut out = Vec::new();
     let mut problems = Vec::new();
     for (k, v) in map {
@@ -182,6 +210,9 @@ fn file_to_args(path: &Path, leaf: &Command) -> Result<Vec<String>, Error> {
             problems.push(format!("key {k:?} is not a string"));
             continue;
         };
+        if skip(key) {
+            continue;
+        }
         let name = key.replace('_', "-");
         if name == "config" {
             problems.push("a config file cannot name another (`config`)".into());
@@ -200,11 +231,7 @@ fn file_to_args(path: &Path, leaf: &Command) -> Result<Vec<String>, Error> {
             Err(m) => problems.push(format!("key `{key}`: {m}")),
         }
     }
-    if problems.is_empty() {
-        Ok(out)
-    } else {
-        Err(bad(problems.join("; ")))
-    }
+    (out, problems)
 }
 
 fn scalar(v: &serde_norway::Value) -> Option<String> {

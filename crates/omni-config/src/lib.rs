@@ -23,16 +23,21 @@
 //! assert!(c.validate().unwrap_err().to_string().contains("gpu-memory-utilization"));
 //! ```
 
+mod deploy;
 mod engine;
 mod frontend;
 mod layers;
 
+pub use deploy::{
+    CodecChunking, ConnectorConfig, DEFAULT_PROFILES, DeployConfig, DeployOverrides, DeploySource,
+    StageDeployConfig,
+};
 pub use engine::{
     CacheConfig, DeviceConfig, DeviceKind, Dtype, EngineConfig, ExecutorKind, IpcConfig,
     LoadFormat, ModelConfig, ParallelConfig, SchedulerConfig, parse_bytes,
 };
 pub use frontend::FrontendConfig;
-pub use layers::{ENV_FLAGS, layered_argv, override_self};
+pub use layers::{ENV_FLAGS, layered_argv, layered_argv_with, override_self};
 
 /// Configuration errors; all problems are reported together.
 #[derive(Debug, thiserror::Error)]

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::resolve;
+use common::{resolve, tempdir};
 use omni_config::EngineConfig;
 
 fn yaml(text: &str) -> (tempdir::Dir, String) {
@@ -12,33 +12,6 @@ fn yaml(text: &str) -> (tempdir::Dir, String) {
     std::fs::write(&p, text).unwrap();
     let s = p.display().to_string();
     (d, s)
-}
-
-/// A temporary directory removed on drop (no extra dependency for one test file).
-mod tempdir {
-    pub struct Dir(std::path::PathBuf);
-    impl Dir {
-        pub fn new() -> Self {
-            let p = std::env::temp_dir().join(format!(
-                "omni-config-test-{}-{}",
-                std::process::id(),
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos()
-            ));
-            std::fs::create_dir_all(&p).unwrap();
-            Dir(p)
-        }
-        pub fn path(&self) -> &std::path::Path {
-            &self.0
-        }
-    }
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }
 
 #[test]

@@ -29,3 +29,30 @@ pub fn resolve(cli: &[&str], env: &[(&str, &str)]) -> Result<EngineConfig, Error
         .map_err(|e| Error::Invalid(vec![e.to_string()]))?;
     Ok(EngineConfig::from_arg_matches(&m).unwrap())
 }
+
+/// A temporary directory removed on drop (no extra dependency for one test file).
+pub mod tempdir {
+    pub struct Dir(std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Self {
+            let p = std::env::temp_dir().join(format!(
+                "omni-config-test-{}-{}",
+                std::process::id(),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos()
+            ));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+        pub fn path(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
