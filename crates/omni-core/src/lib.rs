@@ -12,6 +12,8 @@
 //! - [`KvCacheManager`]: per-request block tables, prefix caching by chained block hash.
 //! - [`Scheduler`]: continuous batching with chunked prefill and preemption by recompute.
 //! - [`EngineCore`]: `add_request`, `abort`, `step`.
+//! - [`connector`]: what flows between omni stages ([`connector::CodecChunker`]: Talker frames
+//!   into Code2Wav windows).
 //! - `engine_loop`: the busy loop, and [`InprocClient`]; `engine_core_proc` / `mp_client`: the
 //!   two ends of the engine-core process; `engine_core_client`: the trait, [`RequestStream`] and
 //!   the frontend that routes outputs to requests.
@@ -50,6 +52,7 @@
 
 mod block_pool;
 mod config;
+pub mod connector;
 mod engine_core;
 mod engine_core_client;
 mod engine_core_proc;
