@@ -8,17 +8,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 STAGE=.gpu-bin
+TARGET=${CARGO_TARGET_DIR:-target}
 rm -rf "$STAGE" && mkdir -p "$STAGE"
 
 exe_of() { # the test executable cargo reports for a --no-run build
-    grep -oE '\(target/release/deps/[^)]+\)' | tr -d '()' | tail -1
+    grep -oE '\([^)]*release/deps/[^)]+\)' | tr -d '()' | tail -1
 }
 cargo build --release -p omni-engine
-cp target/release/omni-engine "$STAGE/omni-engine"
+cp "$TARGET/release/omni-engine" "$STAGE/omni-engine"
 t=$(cargo test --release -p omni-backend --features cuda --lib --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/backend-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_reference --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/model-tests"
+t=$(cargo test --release -p omni-models --features cuda --test cuda_talker --no-run 2>&1 | exe_of)
+cp "$t" "$STAGE/talker-tests"
 t=$(cargo test --release -p omni-engine --test engine_gpu --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/engine-tests"
 strip --strip-debug "$STAGE"/*

@@ -12,6 +12,10 @@
 #   nccl    `omni-engine bench nccl` over every GPU (also part of bench)
 #   profile per-kernel GPU time of eager decode steps (batch 1 and 64) and of a 2k prefill
 #           (OMNI_CUDA_PROFILE), both shapes, one GPU
+#   talker  Qwen3-Omni's Talker + code predictor: CUDA vs CPU on the tiny fixture (prefill logits,
+#           greedy frames, graphs == eager, top-k/top-p draws), then `omni-engine bench talker`
+#           (frames/s at batch 1/16/32/64, graphs and eager, dummy weights of the real shapes)
+#           and a per-kernel profile of eager steps at batch 1 and 64
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -68,6 +72,14 @@ if want tests; then
   step kernels "$BIN/backend-tests" cuda:: --test-threads=1 --nocapture
   step model "$BIN/model-tests" --test-threads=1 --nocapture
   OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" --test-threads=1 --nocapture
+fi
+
+if want talker; then
+  step talker-tests "$BIN/talker-tests" --test-threads=1 --nocapture
+  step talker-bench "$BIN/omni-engine" bench talker --model bench/models/qwen3-omni-30b-a3b \
+    --load-format dummy --batch-sizes 1,16,32,64 --frames 64 --json "$LOGS/talker.json"
+  step talker-profile "$BIN/omni-engine" bench talker --model bench/models/qwen3-omni-30b-a3b \
+    --load-format dummy --batch-sizes 1,64 --frames 16 --warmup 0 --cuda-profile-steps 16
 fi
 
 latency() { # model tp

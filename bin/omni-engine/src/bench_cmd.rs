@@ -24,6 +24,9 @@ pub enum BenchCommand {
     /// Offline latency of the engine (vLLM's `bench latency`): decode tok/s and ms per step
     /// for each batch size, prefill tok/s, each against its roofline bound on this device.
     Latency(Box<LatencyArgs>),
+    /// Qwen3-Omni's Talker on one GPU: frames/s (one Talker step + 15 code-predictor steps per
+    /// frame) per batch size, with CUDA graphs and eagerly, and where the GPU time goes.
+    Talker(Box<crate::bench_talker::TalkerArgs>),
     /// Internal: a reader process of `bench ipc`.
     #[command(hide = true)]
     IpcReader(IpcReaderArgs),
@@ -127,6 +130,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             print!("{}", ipc::format_table(&rows));
             Ok(())
         }
+        BenchCommand::Talker(a) => crate::bench_talker::run(*a),
         BenchCommand::Serve(a) => {
             // Prints the result block last and writes `--save-result` JSON.
             let result = omni_bench::serve::run(a)?;

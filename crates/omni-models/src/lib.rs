@@ -34,6 +34,8 @@
 pub mod batch;
 #[cfg(feature = "cuda")]
 pub mod cuda_decoder;
+#[cfg(feature = "cuda")]
+pub mod cuda_talker;
 pub mod decoder;
 pub mod dummy;
 pub mod error;

@@ -12,7 +12,7 @@
 //! The kernels are CUDA C++ files under the crate's `kernels/` folder, embedded with
 //! `include_str!` and compiled at run time by NVRTC for the device's architecture (`kernels.rs`).
 //! Each op family is a module here: `layers` (the fused per-layer kernels), `attention`, `moe`,
-//! `sampling`; `launch` holds the checks every launcher makes.
+//! `sampling`, `talker` (Qwen3-Omni's Talker and code predictor); `launch` holds the checks every launcher makes.
 
 pub mod audio;
 mod attention;
@@ -24,6 +24,7 @@ mod moe;
 mod nccl;
 mod probe;
 mod sampling;
+mod talker;
 #[cfg(test)]
 pub(crate) mod tests;
 
@@ -34,6 +35,7 @@ pub use moe::*;
 pub use nccl::*;
 pub use probe::*;
 pub use sampling::*;
+pub use talker::*;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

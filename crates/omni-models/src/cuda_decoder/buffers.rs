@@ -14,16 +14,16 @@ use crate::decoder::{DecoderSpec, HeadLayout};
 
 /// Per-step inputs uploaded before each forward (sized for [`StepLimits`]).
 #[derive(Debug)]
-pub(super) struct StepInputs {
-    pub(super) ids: CudaSlice<i32>,
-    pub(super) positions: CudaSlice<i32>,
-    pub(super) slots: CudaSlice<i64>,
-    pub(super) query_start_loc: CudaSlice<i32>,
-    pub(super) seq_lens: CudaSlice<i32>,
+pub(crate) struct StepInputs {
+    pub(crate) ids: CudaSlice<i32>,
+    pub(crate) positions: CudaSlice<i32>,
+    pub(crate) slots: CudaSlice<i64>,
+    pub(crate) query_start_loc: CudaSlice<i32>,
+    pub(crate) seq_lens: CudaSlice<i32>,
     /// `[max_seqs, max_blocks_per_seq]`.
-    pub(super) block_tables: CudaSlice<i32>,
+    pub(crate) block_tables: CudaSlice<i32>,
     /// Rows of the final hidden state whose logits to compute.
-    pub(super) logits_rows: CudaSlice<i32>,
+    pub(crate) logits_rows: CudaSlice<i32>,
 }
 
 /// Activations, sized for [`StepLimits`].
@@ -55,6 +55,8 @@ pub(super) struct Activations {
     pub(super) topk_ids: CudaSlice<i32>,
     pub(super) topk_weights: CudaSlice<f32>,
     pub(super) moe_workspace: CudaSlice<u8>,
+    /// The shared expert's f32 output before its gate scales it into `proj`.
+    pub(super) shared_out: CudaSlice<f32>,
 }
 
 impl CudaDecoderModel {
@@ -71,6 +73,7 @@ impl CudaDecoderModel {
         let mbps = limits.max_blocks_per_seq();
         let mut inter = 0;
         let mut moe_shape: Option<MoeShape> = None;
+        let mut shared = false;
         for l in layers {
             match &l.mlp {
                 DMlp::Dense { inter: i, .. } => inter = inter.max(*i),
@@ -78,8 +81,13 @@ impl CudaDecoderModel {
                     inter: i,
                     num_experts,
                     top_k,
+                    shared: se,
                     ..
                 } => {
+                    if let Some(se) = se {
+                        shared = true;
+                        inter = inter.max(se.inter);
+                    }
                     moe_shape = Some(MoeShape {
                         tokens: t,
                         hidden: h,
@@ -131,13 +139,18 @@ impl CudaDecoderModel {
             act: s.alloc_zeros((t * inter).max(1))?,
             sel: s.alloc_zeros(n * h)?,
             sel_embed: s.alloc_zeros(t * h)?,
-            logits: s.alloc_zeros(n * spec.vocab_size)?,
+            logits: s.alloc_zeros(if spec.embed_and_head {
+                n * spec.vocab_size
+            } else {
+                1
+            })?,
             attn_workspace: s.alloc_zeros(attn_workspace.max(1))?,
             router_logits: s.alloc_zeros((t * e).max(1))?,
             h32: s.alloc_zeros(if moe_shape.is_some() { t * h } else { 1 })?,
             topk_ids: s.alloc_zeros((t * k).max(1))?,
             topk_weights: s.alloc_zeros((t * k).max(1))?,
             moe_workspace: s.alloc_zeros(moe_shape.map_or(1, fused_moe_workspace_bytes))?,
+            shared_out: s.alloc_zeros(if shared { t * h } else { 1 })?,
         };
         Ok((inputs, act))
     }

@@ -12,6 +12,25 @@ impl CudaDecoderModel {
     /// first run once eagerly, so kernels are loaded and cuBLAS has chosen its algorithms).
     /// Returns the sizes captured.
     pub fn capture_decode_graphs(&mut self, sizes: &[usize]) -> Result<Vec<usize>, ModelError> {
+        self.capture(sizes, false)
+    }
+
+    /// [`CudaDecoderModel::capture_decode_graphs`] for steps that start from the input-embedding
+    /// buffer ([`CudaDecoderModel::forward_device_embeds`] replays them).
+    pub fn capture_decode_graphs_embeds(
+        &mut self,
+        sizes: &[usize],
+    ) -> Result<Vec<usize>, ModelError> {
+        self.capture(sizes, true)
+    }
+
+    fn capture(&mut self, sizes: &[usize], embeds: bool) -> Result<Vec<usize>, ModelError> {
+        if !embeds && !self.spec.embed_and_head {
+            return Err(ModelError::Batch(format!(
+                "{} takes input embeddings only",
+                self.spec.architecture
+            )));
+        }
         if self.kv.is_empty() {
             return Err(ModelError::Batch("capture before init_cache".into()));
         }
@@ -20,7 +39,7 @@ impl CudaDecoderModel {
             if g == 0 || g > self.limits.max_seqs || g > self.limits.max_tokens {
                 continue;
             }
-            let shape = self.pad_decode_inputs(g, &[])?;
+            let shape = self.pad_decode_inputs(g, &[], embeds)?;
             self.run_kernels(shape)?;
             self.cx.synchronize()?;
             let stream = self.cx.stream().clone();
@@ -36,16 +55,25 @@ impl CudaDecoderModel {
                 ModelError::Device(format!("capturing the decode graph of {g} gave no graph"))
             })?;
             graph.upload().map_err(CudaError::from)?;
-            self.graphs.insert(g, DecodeGraph(graph));
+            if embeds {
+                self.embed_graphs.insert(g, DecodeGraph(graph));
+            } else {
+                self.graphs.insert(g, DecodeGraph(graph));
+            }
             done.push(g);
         }
         self.cx.synchronize()?;
         Ok(done)
     }
 
-    /// Batch sizes with a captured decode graph.
+    /// Batch sizes with a captured decode graph: of token-id input, or of input embeddings when
+    /// only those were captured.
     pub fn graph_sizes(&self) -> Vec<usize> {
-        self.graphs.keys().copied().collect()
+        if self.graphs.is_empty() {
+            self.embed_graphs.keys().copied().collect()
+        } else {
+            self.graphs.keys().copied().collect()
+        }
     }
 
     /// Uploads a decode batch padded to `g` sequences (one token each): the real sequences
@@ -55,6 +83,7 @@ impl CudaDecoderModel {
         &mut self,
         g: usize,
         real: &[DecodeRow<'_>],
+        embeds: bool,
     ) -> Result<StepShape, ModelError> {
         let mbps = self.limits.max_blocks_per_seq();
         let mut ids = vec![0i32; g];
@@ -86,6 +115,7 @@ impl CudaDecoderModel {
             } else {
                 max_seq
             },
+            embeds,
         })
     }
 }

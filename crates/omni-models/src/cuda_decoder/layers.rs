@@ -15,13 +15,18 @@ use crate::ModelError;
 impl CudaDecoderModel {
     fn linear(
         cx: &CudaContext,
+        gemv: bool,
         l: &DLinear,
         x: &impl DevicePtr<bf16>,
         out: &mut CudaSlice<bf16>,
         tokens: usize,
     ) -> Result<(), ModelError> {
         let mut o = out.slice_mut(..tokens * l.out);
-        cx.matmul_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        if gemv && CudaContext::gemv_fits(tokens, l.inp) {
+            cx.gemv_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        } else {
+            cx.matmul_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        }
         if let Some(b) = &l.b {
             cx.add_bias_bf16(&mut o, b, tokens)?;
         }
@@ -43,8 +48,10 @@ impl CudaDecoderModel {
     }
 
     /// A row-parallel linear layer into the f32 `out` (its bias added once: on rank 0).
+    #[allow(clippy::too_many_arguments)]
     fn linear_f32(
         cx: &CudaContext,
+        gemv: bool,
         l: &DLinear,
         x: &impl DevicePtr<bf16>,
         out: &mut CudaSlice<f32>,
@@ -52,7 +59,11 @@ impl CudaDecoderModel {
         add_bias: bool,
     ) -> Result<(), ModelError> {
         let mut o = out.slice_mut(..tokens * l.out);
-        cx.matmul_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        if gemv && CudaContext::gemv_fits(tokens, l.inp) {
+            cx.gemv_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        } else {
+            cx.matmul_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        }
         if add_bias && let Some(b) = &l.b {
             cx.add_bias_f32(&mut o, b, tokens)?;
         }
@@ -79,6 +90,7 @@ impl CudaDecoderModel {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let rank0 = self.rank == 0;
+        let gemv = self.small_batch_gemv;
         let mut prof = self.profiler.take();
         let stream = cx.stream().clone();
         macro_rules! mark {
@@ -89,8 +101,13 @@ impl CudaDecoderModel {
             };
         }
         mark!("start");
-        cx.embedding_ids_bf16(&self.embed, h, &self.inputs.ids, t, &mut self.act.sel_embed)?;
-        mark!("embedding");
+        if !st.embeds {
+            let table = self.embed.as_ref().ok_or_else(|| {
+                ModelError::Batch(format!("{} has no token embedding", self.spec.architecture))
+            })?;
+            cx.embedding_ids_bf16(table, h, &self.inputs.ids, t, &mut self.act.sel_embed)?;
+            mark!("embedding");
+        }
         for li in 0..self.layers.len() {
             let a = &mut self.act;
             let l = &self.layers[li];
@@ -103,7 +120,7 @@ impl CudaDecoderModel {
             };
             cx.fused_add_rms_norm(&mut a.x, update, &l.input_norm, &mut a.h, t, h, eps)?;
             mark!("rms_norm");
-            Self::linear(&cx, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
+            Self::linear(&cx, gemv, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
             mark!("qkv_proj");
             let (kc, vc) = &mut self.kv[li];
             cx.qkv_rope_cache_bf16(
@@ -140,6 +157,7 @@ impl CudaDecoderModel {
             mark!("attention");
             Self::linear_f32(
                 &cx,
+                gemv,
                 &l.o,
                 &a.attn.slice(..t * lq * hd),
                 &mut a.proj,
@@ -167,12 +185,20 @@ impl CudaDecoderModel {
                     down,
                     inter,
                 } => {
-                    Self::linear(&cx, gate_up, &a.h.slice(..t * h), &mut a.gate_up, t)?;
+                    Self::linear(&cx, gemv, gate_up, &a.h.slice(..t * h), &mut a.gate_up, t)?;
                     mark!("gate_up_proj");
                     let mut act = a.act.slice_mut(..t * inter);
                     cx.silu_and_mul_bf16(&a.gate_up.slice(..t * 2 * inter), &mut act, *inter)?;
                     mark!("silu_and_mul");
-                    Self::linear_f32(&cx, down, &a.act.slice(..t * inter), &mut a.proj, t, rank0)?;
+                    Self::linear_f32(
+                        &cx,
+                        gemv,
+                        down,
+                        &a.act.slice(..t * inter),
+                        &mut a.proj,
+                        t,
+                        rank0,
+                    )?;
                     mark!("down_proj");
                 }
                 DMlp::Moe {
@@ -183,6 +209,7 @@ impl CudaDecoderModel {
                     num_experts,
                     top_k,
                     renormalize,
+                    shared,
                 } => {
                     let mut logits = a.router_logits.slice_mut(..t * num_experts);
                     cx.matmul_nt_f32(
@@ -223,6 +250,37 @@ impl CudaDecoderModel {
                     )?;
                     cx.bf16_to_f32(&a.moe_out, &mut a.proj, t * h)?;
                     mark!("fused_moe");
+                    if let Some(se) = shared {
+                        let si = se.inter;
+                        Self::linear(
+                            &cx,
+                            gemv,
+                            &se.gate_up,
+                            &a.h.slice(..t * h),
+                            &mut a.gate_up,
+                            t,
+                        )?;
+                        let mut act = a.act.slice_mut(..t * si);
+                        cx.silu_and_mul_bf16(&a.gate_up.slice(..t * 2 * si), &mut act, si)?;
+                        Self::linear_f32(
+                            &cx,
+                            gemv,
+                            &se.down,
+                            &a.act.slice(..t * si),
+                            &mut a.shared_out,
+                            t,
+                            rank0,
+                        )?;
+                        cx.gated_shared_add_f32(
+                            &mut a.proj,
+                            &a.h32,
+                            &se.gate,
+                            &a.shared_out,
+                            t,
+                            h,
+                        )?;
+                        mark!("shared_expert");
+                    }
                 }
             }
             Self::all_reduce(&self.all_reduce, &mut a.proj, t * h)?;
@@ -240,23 +298,24 @@ impl CudaDecoderModel {
         )?;
         mark!("rms_norm");
         cx.embedding_ids_bf16(&a.h, h, &self.inputs.logits_rows, st.rows, &mut a.sel)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let v = self.spec.vocab_size;
-        let mut logits = a.logits.slice_mut(..st.rows * v);
-        cx.matmul_nt_bf16_f32(
-            &a.sel.slice(..st.rows * h),
-            head,
-            &mut logits,
-            st.rows,
-            h,
-            v,
-        )?;
-        mark!("lm_head");
+        if let Some(head) = self.lm_head.as_ref().or(self.embed.as_ref()) {
+            let v = self.spec.vocab_size;
+            let mut logits = a.logits.slice_mut(..st.rows * v);
+            cx.matmul_nt_bf16_f32(
+                &a.sel.slice(..st.rows * h),
+                head,
+                &mut logits,
+                st.rows,
+                h,
+                v,
+            )?;
+            mark!("lm_head");
+        }
         if let Some(mut p) = prof {
             let kind = if st.max_query_len == 1 {
-                format!("decode batch {}", st.seqs)
+                format!("{}decode batch {}", p.name(), st.seqs)
             } else {
-                format!("prefill {} tokens", st.tokens)
+                format!("{}prefill {} tokens", p.name(), st.tokens)
             };
             p.finish(kind)?;
             self.profiler = Some(p);

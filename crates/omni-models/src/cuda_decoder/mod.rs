@@ -19,6 +19,13 @@
 //! Every launch depends only on host scalars and on buffers allocated once, for the largest
 //! batch ([`StepLimits`]), so a decode step of a given padded batch size can be captured in a
 //! CUDA graph and replayed with new inputs copied into the same buffers.
+//!
+//! Besides token ids, a step can start from input embeddings already in the device's input
+//! buffer ([`CudaDecoderModel::forward_embeds`], [`CudaDecoderModel::forward_device_embeds`]:
+//! a Talker's codec sums); a spec without `embed_and_head` (a code predictor) has no embedding
+//! or head and ends at the final-norm state of its output rows
+//! ([`CudaDecoderModel::final_norm`], kept for every spec). MoE layers may have a gated shared
+//! expert (`sigmoid(x . gate) * shared_mlp(x)` added to the routed sum).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -38,7 +45,8 @@ mod layers;
 mod profile;
 mod weights;
 
-use buffers::{Activations, StepInputs};
+use buffers::Activations;
+pub(crate) use buffers::StepInputs;
 use graphs::{DecodeGraph, DecodeRow};
 use profile::StepProfiler;
 use weights::{DLayer, DummyMaker, Uploader};
@@ -91,12 +99,23 @@ pub enum DeviceWeightInit {
 
 /// One step's host-side shape (what a launch sequence depends on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct StepShape {
-    tokens: usize,
-    seqs: usize,
-    rows: usize,
-    max_query_len: usize,
-    max_seq_len: usize,
+pub(crate) struct StepShape {
+    pub(crate) tokens: usize,
+    pub(crate) seqs: usize,
+    pub(crate) rows: usize,
+    pub(crate) max_query_len: usize,
+    pub(crate) max_seq_len: usize,
+    /// The step starts from the input-embedding buffer, not from token ids.
+    pub(crate) embeds: bool,
+}
+
+/// Where a step's input comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StepInput {
+    /// `batch.input_ids` through the embedding table.
+    Ids,
+    /// `[tokens, hidden]` rows already in the input-embedding buffer.
+    Embeds,
 }
 
 /// The decoder on one device, with its KV cache.
@@ -107,7 +126,8 @@ pub struct CudaDecoderModel {
     heads: HeadLayout,
     rank: usize,
     all_reduce: Option<Arc<dyn DeviceAllReduce>>,
-    embed: CudaSlice<bf16>,
+    /// `[vocab, hidden]`; `None` without `embed_and_head`.
+    embed: Option<CudaSlice<bf16>>,
     lm_head: Option<CudaSlice<bf16>>,
     norm: CudaSlice<bf16>,
     layers: Vec<DLayer>,
@@ -118,12 +138,17 @@ pub struct CudaDecoderModel {
     /// Per layer, K and V: `[num_blocks, block_size, local_kv_heads, head_dim]`.
     kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
     num_blocks: usize,
-    /// Decode graphs by padded batch size.
+    /// Decode graphs by padded batch size (token-id input).
     graphs: BTreeMap<usize, DecodeGraph>,
+    /// Decode graphs by padded batch size (input-embedding input).
+    embed_graphs: BTreeMap<usize, DecodeGraph>,
     /// Rows of logits the last forward left in `act.logits`.
     last_rows: usize,
     /// Per-op timing of eager steps, when [`Self::enable_profiler`] was called.
     profiler: Option<StepProfiler>,
+    /// Steps of at most 8 tokens run their linear layers as GEMVs
+    /// ([`CudaDecoderModel::set_small_batch_gemv`]).
+    small_batch_gemv: bool,
 }
 
 impl CudaDecoderModel {
@@ -143,19 +168,9 @@ impl CudaDecoderModel {
         on_layer: &dyn Fn(usize, usize),
     ) -> Result<Self, ModelError> {
         let heads = spec.head_layout(rank, tp_size)?;
-        let shared_expert = spec
-            .moe
-            .as_ref()
-            .is_some_and(|m| m.shared_expert_intermediate_size.is_some());
         // M-RoPE with the equal rows of text-only input is 1-D RoPE, which is what this
         // decoder's positions give; three distinct rows never reach it (no multimodal input
         // on CUDA yet).
-        if shared_expert || !spec.embed_and_head {
-            return Err(ModelError::Config(format!(
-                "{}: the CUDA decoder has no shared expert or embedding-only mode yet",
-                spec.architecture
-            )));
-        }
         match (&all_reduce, tp_size) {
             (_, 1) => {}
             (Some(ar), n) if ar.world_size() == n => {}
@@ -171,9 +186,12 @@ impl CudaDecoderModel {
         let (embed, lm_head, norm, layers) = match init {
             DeviceWeightInit::Host => {
                 let up = Uploader { cx: &cx };
-                let embed =
-                    up.upload(&load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data)?;
-                let lm_head = if spec.tie_word_embeddings {
+                let embed = if spec.embed_and_head {
+                    Some(up.upload(&load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data)?)
+                } else {
+                    None
+                };
+                let lm_head = if spec.tie_word_embeddings || !spec.embed_and_head {
                     None
                 } else {
                     Some(up.upload(&load_shaped(ws, "lm_head.weight", &[v, h])?.data)?)
@@ -193,8 +211,12 @@ impl CudaDecoderModel {
                     seed,
                     next: 0,
                 };
-                let embed = mk.weight(v * h)?;
-                let lm_head = if spec.tie_word_embeddings {
+                let embed = if spec.embed_and_head {
+                    Some(mk.weight(v * h)?)
+                } else {
+                    None
+                };
+                let lm_head = if spec.tie_word_embeddings || !spec.embed_and_head {
                     None
                 } else {
                     Some(mk.weight(v * h)?)
@@ -238,8 +260,10 @@ impl CudaDecoderModel {
             kv: Vec::new(),
             num_blocks: 0,
             graphs: BTreeMap::new(),
+            embed_graphs: BTreeMap::new(),
             last_rows: 0,
             profiler,
+            small_batch_gemv: false,
         })
     }
 
@@ -251,7 +275,24 @@ impl CudaDecoderModel {
     /// Logs each op's mean GPU time over every `every` eager steps of one kind (decode at a
     /// batch size, or prefill); graph replay is off from now on (`every` 0: off).
     pub fn enable_profiler(&mut self, every: u64) {
-        self.profiler = (every > 0).then(|| StepProfiler::new(&self.cx, every));
+        self.enable_profiler_named(every, "");
+    }
+
+    /// [`CudaDecoderModel::enable_profiler`] whose log lines name the network (`name`).
+    pub fn enable_profiler_named(&mut self, every: u64, name: &str) {
+        self.profiler = (every > 0).then(|| StepProfiler::new(&self.cx, every).named(name));
+    }
+
+    /// Runs the linear layers of steps of at most 8 tokens as weight-streaming GEMVs
+    /// ([`CudaContext::gemv_nt_bf16`]) instead of cuBLAS (off by default). Recapture graphs
+    /// after changing it.
+    pub fn set_small_batch_gemv(&mut self, on: bool) {
+        self.small_batch_gemv = on;
+    }
+
+    /// Whether [`CudaDecoderModel::set_small_batch_gemv`] is on.
+    pub fn small_batch_gemv(&self) -> bool {
+        self.small_batch_gemv
     }
 
     /// The spec this model was built from.
@@ -303,6 +344,7 @@ impl CudaDecoderModel {
             )));
         }
         self.graphs.clear();
+        self.embed_graphs.clear();
         self.kv.clear();
         let per_layer = num_blocks * block_size * self.heads.local_kv_heads * self.spec.head_dim;
         for _ in 0..self.spec.num_layers {
@@ -329,9 +371,60 @@ impl CudaDecoderModel {
     }
 
     /// Runs one step and leaves the logits of its output rows (`batch.output_rows()`) on the
-    /// device ([`CudaDecoderModel::logits`]); returns the number of rows. Pure decode batches
+    /// device ([`CudaDecoderModel::logits`]) and their final-norm state
+    /// ([`CudaDecoderModel::final_norm`]); returns the number of rows. Pure decode batches
     /// replay a captured graph when one fits.
     pub fn forward(&mut self, batch: &ForwardBatch) -> Result<usize, ModelError> {
+        if !self.spec.embed_and_head {
+            return Err(ModelError::Batch(format!(
+                "{} takes input embeddings only (it has no token embedding)",
+                self.spec.architecture
+            )));
+        }
+        self.forward_from(batch, StepInput::Ids)
+    }
+
+    /// [`CudaDecoderModel::forward`] from input embeddings `[tokens, hidden]` (host f32, rounded
+    /// to bf16 on upload) instead of the batch's ids.
+    pub fn forward_embeds(
+        &mut self,
+        batch: &ForwardBatch,
+        embeds: &[f32],
+    ) -> Result<usize, ModelError> {
+        let (t, h) = (batch.input_ids.len(), self.spec.hidden_size);
+        if embeds.len() != t * h || t > self.limits.max_tokens {
+            return Err(ModelError::Batch(format!(
+                "{} input-embedding values for {t} tokens of width {h} (at most {} tokens)",
+                embeds.len(),
+                self.limits.max_tokens
+            )));
+        }
+        let host: Vec<bf16> = embeds.iter().map(|&x| bf16::from_f32(x)).collect();
+        self.cx
+            .stream()
+            .memcpy_htod(&host, &mut self.act.sel_embed.slice_mut(..t * h))
+            .map_err(CudaError::from)?;
+        self.forward_from(batch, StepInput::Embeds)
+    }
+
+    /// [`CudaDecoderModel::forward`] from the rows already queued into
+    /// [`CudaDecoderModel::input_embeds_mut`] (`[tokens, hidden]` bf16, written on the device).
+    pub fn forward_device_embeds(&mut self, batch: &ForwardBatch) -> Result<usize, ModelError> {
+        self.forward_from(batch, StepInput::Embeds)
+    }
+
+    /// The input-embedding buffer, `[max_tokens, hidden]` bf16: what
+    /// [`CudaDecoderModel::forward_device_embeds`] starts from.
+    pub fn input_embeds_mut(&mut self) -> &mut CudaSlice<bf16> {
+        &mut self.act.sel_embed
+    }
+
+    fn forward_from(
+        &mut self,
+        batch: &ForwardBatch,
+        input: StepInput,
+    ) -> Result<usize, ModelError> {
+        let embeds = input == StepInput::Embeds;
         if self.kv.is_empty() {
             return Err(ModelError::Batch("forward before init_cache".into()));
         }
@@ -364,7 +457,7 @@ impl CudaDecoderModel {
             )));
         }
         let v = self.spec.vocab_size;
-        if let Some(&id) = batch.input_ids.iter().find(|&&id| id as usize >= v) {
+        if !embeds && let Some(&id) = batch.input_ids.iter().find(|&&id| id as usize >= v) {
             return Err(ModelError::Batch(format!(
                 "token id {id} out of vocabulary ({v})"
             )));
@@ -385,6 +478,8 @@ impl CudaDecoderModel {
                 .all(|w| w[1] - w[0] == 1);
         let graph = if self.profiler.is_some() {
             None
+        } else if embeds {
+            self.embed_graphs.range(t..).next().map(|(&g, _)| g)
         } else {
             self.graphs.range(t..).next().map(|(&g, _)| g)
         };
@@ -398,9 +493,13 @@ impl CudaDecoderModel {
                     block_table: &batch.attn.block_tables[i],
                 })
                 .collect();
-            self.pad_decode_inputs(g, &real)?;
-            let graph = self
-                .graphs
+            self.pad_decode_inputs(g, &real, embeds)?;
+            let graphs = if embeds {
+                &self.embed_graphs
+            } else {
+                &self.graphs
+            };
+            let graph = graphs
                 .get(&g)
                 .ok_or_else(|| ModelError::Device("graph vanished".into()))?;
             graph.0.launch().map_err(CudaError::from)?;
@@ -414,7 +513,11 @@ impl CudaDecoderModel {
                 tables[s * mbps + j] = b as i32;
             }
         }
-        let ids: Vec<i32> = batch.input_ids.iter().map(|&x| x as i32).collect();
+        let ids: Vec<i32> = if embeds {
+            vec![0; t]
+        } else {
+            batch.input_ids.iter().map(|&x| x as i32).collect()
+        };
         let pos: Vec<i32> = batch.positions.iter().map(|&x| x as i32).collect();
         let qsl: Vec<i32> = batch
             .attn
@@ -446,16 +549,74 @@ impl CudaDecoderModel {
             rows: rows.len(),
             max_query_len,
             max_seq_len,
+            embeds,
         })?;
         self.last_rows = rows.len();
         Ok(rows.len())
     }
 
     /// The f32 logits of the last forward's rows, `[rows, vocab]`, on the device.
+    /// Empty for a spec without `embed_and_head`.
     pub fn logits(&self) -> omni_backend::cuda::cudarc::driver::CudaView<'_, f32> {
-        self.act
-            .logits
-            .slice(..self.last_rows * self.spec.vocab_size)
+        let n = if self.spec.embed_and_head {
+            self.last_rows * self.spec.vocab_size
+        } else {
+            0
+        };
+        self.act.logits.slice(..n)
+    }
+
+    /// The final-norm state of the last forward's output rows, `[rows, hidden]` bf16, on the
+    /// device (where a code predictor starts; for a spec without `embed_and_head`, the output).
+    pub fn final_norm(&self) -> omni_backend::cuda::cudarc::driver::CudaView<'_, bf16> {
+        self.act.sel.slice(..self.last_rows * self.spec.hidden_size)
+    }
+
+    /// The whole f32 logits buffer (`[max_seqs, vocab]`), for kernels queued after a step.
+    pub(crate) fn logits_buffer(&self) -> &CudaSlice<f32> {
+        &self.act.logits
+    }
+
+    /// The whole final-norm buffer (`[max_seqs, hidden]`), for kernels queued in a graph.
+    pub(crate) fn final_norm_buffer(&self) -> &CudaSlice<bf16> {
+        &self.act.sel
+    }
+
+    /// The token-embedding table (`[vocab, hidden]`), without `embed_and_head` `None`.
+    pub(crate) fn embed_table(&self) -> Option<&CudaSlice<bf16>> {
+        self.embed.as_ref()
+    }
+
+    /// The step limits.
+    pub fn limits(&self) -> StepLimits {
+        self.limits
+    }
+
+    /// The step inputs and the input-embedding buffer, for kernels that write a step's
+    /// metadata on the device (a code predictor's frame graph).
+    pub(crate) fn device_inputs(&mut self) -> (&mut StepInputs, &mut CudaSlice<bf16>) {
+        (&mut self.inputs, &mut self.act.sel_embed)
+    }
+
+    /// Queues one step whose inputs are already on the device (no host work: capturable).
+    pub(crate) fn queue_step(&mut self, st: StepShape) -> Result<(), ModelError> {
+        if self.kv.is_empty() {
+            return Err(ModelError::Batch("step before init_cache".into()));
+        }
+        self.run_kernels(st)?;
+        self.last_rows = st.rows;
+        Ok(())
+    }
+
+    /// Final-norm rows of the last forward copied to the host as f32 (synchronizes).
+    pub fn final_norm_to_host(&self) -> Result<Vec<f32>, ModelError> {
+        let view = self.final_norm();
+        let mut host = vec![bf16::ZERO; view.len()];
+        self.cx
+            .stream()
+            .memcpy_dtoh(&view, &mut host)
+            .map_err(CudaError::from)?;
+        Ok(host.into_iter().map(f32::from).collect())
     }
 
     /// Copies the last forward's logits to the host (synchronizes).

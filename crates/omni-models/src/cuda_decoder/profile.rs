@@ -15,6 +15,8 @@ use crate::ModelError;
 /// off while profiling, so the sum is the eager step's GPU time.
 pub(super) struct StepProfiler {
     every: u64,
+    /// Prefix of the logged kinds (which network, when a process profiles several).
+    name: String,
     ctx: Arc<omni_backend::cuda::cudarc::driver::CudaContext>,
     marks: Vec<(&'static str, omni_backend::cuda::cudarc::driver::CudaEvent)>,
     kinds: BTreeMap<String, (u64, BTreeMap<&'static str, f64>)>,
@@ -24,10 +26,25 @@ impl StepProfiler {
     pub(super) fn new(cx: &CudaContext, every: u64) -> Self {
         Self {
             every,
+            name: String::new(),
             ctx: cx.raw().clone(),
             marks: Vec::new(),
             kinds: BTreeMap::new(),
         }
+    }
+
+    /// Names the network in the logged kinds (`"<name>: decode batch 8"`).
+    pub(super) fn named(mut self, name: &str) -> Self {
+        self.name = if name.is_empty() {
+            String::new()
+        } else {
+            format!("{name}: ")
+        };
+        self
+    }
+
+    pub(super) fn name(&self) -> &str {
+        &self.name
     }
 
     pub(super) fn mark(

@@ -34,7 +34,22 @@ pub(super) enum DMlp {
         num_experts: usize,
         top_k: usize,
         renormalize: bool,
+        /// The gated shared expert (Qwen3-Omni's Talker), if any.
+        shared: Option<Box<DShared>>,
     },
+}
+
+/// A shared expert every token goes through beside the routed ones, its output scaled by
+/// `sigmoid(gate . x)` (`x` the unrounded normed input).
+#[derive(Debug)]
+pub(super) struct DShared {
+    /// `[2 I, H]`: I gate rows then I up rows (this rank's slice).
+    pub(super) gate_up: DLinear,
+    /// `[H, I]` (row-parallel).
+    pub(super) down: DLinear,
+    pub(super) inter: usize,
+    /// `[H]` in f32 (replicated): the scale decides as much as a routing weight.
+    pub(super) gate: CudaSlice<f32>,
 }
 
 #[derive(Debug)]
@@ -82,6 +97,15 @@ impl Uploader<'_> {
                     w13.extend_from_slice(&e.gate_up.w);
                     w2.extend_from_slice(&e.down.w);
                 }
+                let shared = match &m.shared {
+                    Some((s, gate)) => Some(Box::new(DShared {
+                        gate_up: self.linear(&s.gate_up)?,
+                        down: self.linear(&s.down)?,
+                        inter: s.inter,
+                        gate: self.cx.stream().clone_htod(gate)?,
+                    })),
+                    None => None,
+                };
                 DMlp::Moe {
                     router: self.cx.stream().clone_htod(&m.router)?,
                     w13: self.upload(&w13)?,
@@ -90,6 +114,7 @@ impl Uploader<'_> {
                     num_experts: m.experts.len(),
                     top_k: m.top_k,
                     renormalize: m.norm_topk_prob,
+                    shared,
                 }
             }
         };
@@ -130,6 +155,14 @@ impl DummyMaker<'_> {
         self.tensor(len, -0.02, 0.02)
     }
 
+    /// A dummy weight widened to f32 (routers and gates are kept in f32).
+    pub(super) fn weight_f32(&mut self, len: usize) -> Result<CudaSlice<f32>, ModelError> {
+        let w = self.weight(len)?;
+        let mut out = self.cx.stream().alloc_zeros::<f32>(len)?;
+        self.cx.bf16_to_f32(&w, &mut out, len)?;
+        Ok(out)
+    }
+
     pub(super) fn ones(&mut self, len: usize) -> Result<CudaSlice<bf16>, ModelError> {
         self.tensor(len, 1.0, 1.0)
     }
@@ -164,10 +197,19 @@ impl DummyMaker<'_> {
         let mlp = match (&spec.moe, spec.is_moe_layer(i)) {
             (Some(m), true) => {
                 let inter = split(m.moe_intermediate_size, "moe_intermediate_size")?;
-                let router_bf16 = self.weight(m.num_experts * h)?;
-                let mut router = self.cx.stream().alloc_zeros::<f32>(m.num_experts * h)?;
-                self.cx
-                    .bf16_to_f32(&router_bf16, &mut router, m.num_experts * h)?;
+                let router = self.weight_f32(m.num_experts * h)?;
+                let shared = match m.shared_expert_intermediate_size {
+                    Some(si) => {
+                        let si = split(si, "shared_expert_intermediate_size")?;
+                        Some(Box::new(DShared {
+                            gate_up: self.linear(2 * si, h, false)?,
+                            down: self.linear(h, si, false)?,
+                            inter: si,
+                            gate: self.weight_f32(h)?,
+                        }))
+                    }
+                    None => None,
+                };
                 DMlp::Moe {
                     router,
                     w13: self.weight(m.num_experts * 2 * inter * h)?,
@@ -176,6 +218,7 @@ impl DummyMaker<'_> {
                     num_experts: m.num_experts,
                     top_k: m.top_k,
                     renormalize: m.norm_topk_prob,
+                    shared,
                 }
             }
             _ => {

@@ -32,7 +32,7 @@ pub use code_predictor::CodePredictor;
 pub use prompt::{TalkerPrompt, ThinkerExports};
 
 /// The Talker decoder's names as a single-model loader asks for them.
-const TALKER_RENAMES: &[(&str, &str)] = &[
+pub(crate) const TALKER_RENAMES: &[(&str, &str)] = &[
     ("model.embed_tokens.weight", "model.codec_embedding.weight"),
     ("lm_head.weight", "codec_head.weight"),
 ];
