@@ -21,6 +21,7 @@
 
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod audio;
 mod config;
 mod connection;
 mod engine;
