@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
-STAGE=.gpu-bin
+STAGE=${GPU_BIN:-.gpu-bin}  # as gpu-check.sh reads it
 TARGET=${CARGO_TARGET_DIR:-target}
 rm -rf "$STAGE" && mkdir -p "$STAGE"
 
@@ -22,6 +22,8 @@ t=$(cargo test --release -p omni-models --features cuda --test cuda_reference --
 cp "$t" "$STAGE/model-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_talker --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/talker-tests"
+t=$(cargo test --release -p omni-models --features cuda --test cuda_code2wav --no-run 2>&1 | exe_of)
+cp "$t" "$STAGE/code2wav-tests"
 t=$(cargo test --release -p omni-engine --test engine_gpu --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/engine-tests"
 strip --strip-debug "$STAGE"/*

@@ -16,6 +16,10 @@
 #           greedy frames, graphs == eager, top-k/top-p draws), then `omni-engine bench talker`
 #           (frames/s at batch 1/16/32/64, graphs and eager, dummy weights of the real shapes)
 #           and a per-kernel profile of eager steps at batch 1 and 64
+#   code2wav Qwen3-Omni's Code2Wav: its kernels vs the CPU ops, CUDA vs CPU waveforms on the tiny
+#           fixture (one-shot, streaming windows, graphs == eager, batched == alone), then
+#           `omni-engine bench code2wav` (16 x 50-frame windows, 1 x 4, 1 x 50; dummy weights of
+#           the real shapes) with a per-op profile
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -80,6 +84,13 @@ if want talker; then
     --load-format dummy --batch-sizes 1,16,32,64 --frames 64 --json "$LOGS/talker.json"
   step talker-profile "$BIN/omni-engine" bench talker --model bench/models/qwen3-omni-30b-a3b \
     --load-format dummy --batch-sizes 1,64 --frames 16 --warmup 0 --cuda-profile-steps 16
+fi
+
+if want code2wav; then
+  step code2wav-kernels "$BIN/backend-tests" cuda::audio --test-threads=1 --nocapture
+  step code2wav-tests "$BIN/code2wav-tests" --test-threads=1 --nocapture
+  step code2wav-bench "$BIN/omni-engine" bench code2wav --model bench/models/qwen3-omni-30b-a3b \
+    --load-format dummy --shapes 16x50,1x4,1x50 --profile --json "$LOGS/code2wav.json"
 fi
 
 latency() { # model tp

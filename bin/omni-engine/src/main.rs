@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
+mod bench_code2wav;
 mod bench_talker;
 mod engine_adapter;
 mod engine_core_cmd;

@@ -33,6 +33,8 @@
 
 pub mod batch;
 #[cfg(feature = "cuda")]
+pub mod cuda_code2wav;
+#[cfg(feature = "cuda")]
 pub mod cuda_decoder;
 #[cfg(feature = "cuda")]
 pub mod cuda_talker;
