@@ -6,7 +6,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Args;
 
 /// What `bench code2wav` measures.
@@ -50,6 +49,8 @@ pub fn run(a: Code2WavArgs) -> anyhow::Result<()> {
 mod imp {
     use std::sync::Arc;
     use std::time::Instant;
+
+    use anyhow::Context;
 
     use omni_backend::cuda::CudaContext;
     use omni_models::cuda_code2wav::CudaCode2Wav;
