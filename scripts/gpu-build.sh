@@ -22,6 +22,8 @@ t=$(cargo test --release -p omni-models --features cuda --test cuda_reference --
 cp "$t" "$STAGE/model-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_talker --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/talker-tests"
+t=$(cargo test --release -p omni-models --features cuda --test cuda_thinker --no-run 2>&1 | exe_of)
+cp "$t" "$STAGE/thinker-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_code2wav --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/code2wav-tests"
 t=$(cargo test --release -p omni-engine --test engine_gpu --no-run 2>&1 | exe_of)

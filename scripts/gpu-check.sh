@@ -16,6 +16,9 @@
 #           greedy frames, graphs == eager, top-k/top-p draws), then `omni-engine bench talker`
 #           (frames/s at batch 1/16/32/64, graphs and eager, dummy weights of the real shapes)
 #           and a per-kernel profile of eager steps at batch 1 and 64
+#   thinker Qwen3-Omni's Thinker: its hidden-state export on CUDA vs the CPU Thinker on the tiny
+#           fixture (prefill eager, decode from graphs), then `omni-engine bench thinker`
+#           (decode tok/s at batch 1 and 64 with the export off and on; dummy weights, real shapes)
 #   code2wav Qwen3-Omni's Code2Wav: its kernels vs the CPU ops, CUDA vs CPU waveforms on the tiny
 #           fixture (one-shot, streaming windows, graphs == eager, batched == alone), then
 #           `omni-engine bench code2wav` (16 x 50-frame windows, 1 x 4, 1 x 50; dummy weights of
@@ -86,6 +89,11 @@ if want talker; then
     --load-format dummy --batch-sizes 1,64 --frames 16 --warmup 0 --cuda-profile-steps 16
 fi
 
+if want thinker; then
+  step thinker-tests "$BIN/thinker-tests" --test-threads=1 --nocapture
+  step thinker-bench "$BIN/omni-engine" bench thinker --model bench/models/qwen3-omni-30b-a3b \
+    --batch-sizes 1,64
+fi
 if want code2wav; then
   step code2wav-kernels "$BIN/backend-tests" cuda::audio --test-threads=1 --nocapture
   step code2wav-tests "$BIN/code2wav-tests" --test-threads=1 --nocapture

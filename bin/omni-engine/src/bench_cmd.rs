@@ -27,6 +27,9 @@ pub enum BenchCommand {
     /// Qwen3-Omni's Talker on one GPU: frames/s (one Talker step + 15 code-predictor steps per
     /// frame) per batch size, with CUDA graphs and eagerly, and where the GPU time goes.
     Talker(Box<crate::bench_talker::TalkerArgs>),
+    /// Qwen3-Omni's Thinker on one GPU: decode tok/s with and without its hidden-state export
+    /// (layer 0 and `accept_hidden_layer`), CUDA graphs.
+    Thinker(Box<crate::bench_thinker::ThinkerArgs>),
     /// Qwen3-Omni's Code2Wav on one GPU: ms per batch of streaming windows (graphs, end to end
     /// and replay alone; eager), TFLOP/s against the GEMM rate, per-op GPU time.
     Code2wav(Box<crate::bench_code2wav::Code2WavArgs>),
@@ -134,6 +137,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             Ok(())
         }
         BenchCommand::Talker(a) => crate::bench_talker::run(*a),
+        BenchCommand::Thinker(a) => crate::bench_thinker::run(*a),
         BenchCommand::Code2wav(a) => crate::bench_code2wav::run(*a),
         BenchCommand::Serve(a) => {
             // Prints the result block last and writes `--save-result` JSON.

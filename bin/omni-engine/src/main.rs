@@ -10,6 +10,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 mod bench_cmd;
 mod bench_code2wav;
 mod bench_talker;
+mod bench_thinker;
 mod engine_adapter;
 mod engine_core_cmd;
 mod generate_cmd;

@@ -14,8 +14,8 @@
 //! Each op family is a module here: `layers` (the fused per-layer kernels), `attention`, `moe`,
 //! `sampling`, `talker` (Qwen3-Omni's Talker and code predictor); `launch` holds the checks every launcher makes.
 
-pub mod audio;
 mod attention;
+pub mod audio;
 mod collective;
 mod kernels;
 mod launch;

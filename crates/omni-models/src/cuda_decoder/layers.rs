@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use omni_backend::cuda::{
-    AttnShape, CudaContext, DeviceAllReduce, MoeShape, QkvBuffers, QkvShape, ResidualUpdate, bf16,
+    AttnShape, CudaContext, CudaError, DeviceAllReduce, MoeShape, QkvBuffers, QkvShape,
+    ResidualUpdate, bf16,
 };
 
 use super::weights::{DLinear, DMlp};
@@ -120,6 +121,15 @@ impl CudaDecoderModel {
             };
             cx.fused_add_rms_norm(&mut a.x, update, &l.input_norm, &mut a.h, t, h, eps)?;
             mark!("rms_norm");
+            // `x` now holds the residual stream after `li` layers.
+            if let Some((n, buf)) = self.capture.as_mut()
+                && *n == li
+            {
+                stream
+                    .memcpy_dtod(&a.x.slice(..t * h), &mut buf.slice_mut(..t * h))
+                    .map_err(CudaError::from)?;
+                mark!("capture");
+            }
             Self::linear(&cx, gemv, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
             mark!("qkv_proj");
             let (kc, vc) = &mut self.kv[li];
@@ -297,6 +307,14 @@ impl CudaDecoderModel {
             eps,
         )?;
         mark!("rms_norm");
+        if let Some((n, buf)) = self.capture.as_mut()
+            && *n == self.layers.len()
+        {
+            stream
+                .memcpy_dtod(&a.x.slice(..t * h), &mut buf.slice_mut(..t * h))
+                .map_err(CudaError::from)?;
+            mark!("capture");
+        }
         cx.embedding_ids_bf16(&a.h, h, &self.inputs.logits_rows, st.rows, &mut a.sel)?;
         if let Some(head) = self.lm_head.as_ref().or(self.embed.as_ref()) {
             let v = self.spec.vocab_size;

@@ -144,6 +144,11 @@ pub struct CudaDecoderModel {
     embed_graphs: BTreeMap<usize, DecodeGraph>,
     /// Rows of logits the last forward left in `act.logits`.
     last_rows: usize,
+    /// Tokens the last forward computed (the rows of the captured states).
+    last_tokens: usize,
+    /// The residual stream after this many layers, copied every step into the buffer
+    /// ([`CudaDecoderModel::set_capture_after_layers`]; the Thinker's export).
+    capture: Option<(usize, CudaSlice<f32>)>,
     /// Per-op timing of eager steps, when [`Self::enable_profiler`] was called.
     profiler: Option<StepProfiler>,
     /// Steps of at most 8 tokens run their linear layers as GEMVs
@@ -262,6 +267,8 @@ impl CudaDecoderModel {
             graphs: BTreeMap::new(),
             embed_graphs: BTreeMap::new(),
             last_rows: 0,
+            last_tokens: 0,
+            capture: None,
             profiler,
             small_batch_gemv: false,
         })
@@ -504,6 +511,7 @@ impl CudaDecoderModel {
                 .ok_or_else(|| ModelError::Device("graph vanished".into()))?;
             graph.0.launch().map_err(CudaError::from)?;
             self.last_rows = t;
+            self.last_tokens = t;
             return Ok(t);
         }
         let mbps = self.limits.max_blocks_per_seq();
@@ -552,6 +560,7 @@ impl CudaDecoderModel {
             embeds,
         })?;
         self.last_rows = rows.len();
+        self.last_tokens = t;
         Ok(rows.len())
     }
 
@@ -605,7 +614,65 @@ impl CudaDecoderModel {
         }
         self.run_kernels(st)?;
         self.last_rows = st.rows;
+        self.last_tokens = st.tokens;
         Ok(())
+    }
+
+    /// Drops every captured decode graph (a changed capture setting needs new ones).
+    pub fn clear_decode_graphs(&mut self) {
+        self.graphs.clear();
+        self.embed_graphs.clear();
+    }
+
+    /// Copies the residual stream after `layers` decoder layers (HF's
+    /// `hidden_states[layers]`, no final norm) of every computed token into a buffer each step,
+    /// or stops (`None`). Set it before capturing graphs: a graph replays what it captured.
+    pub fn set_capture_after_layers(&mut self, layers: Option<usize>) -> Result<(), ModelError> {
+        if !self.graphs.is_empty() || !self.embed_graphs.is_empty() {
+            return Err(ModelError::Batch(
+                "set the capture before capturing decode graphs".into(),
+            ));
+        }
+        self.capture = match layers {
+            None => None,
+            Some(n) if n > self.layers.len() => {
+                return Err(ModelError::Batch(format!(
+                    "cannot capture the state after {n} layers of {}",
+                    self.layers.len()
+                )));
+            }
+            Some(n) => {
+                let len = self.limits.max_tokens * self.spec.hidden_size;
+                let buf = self
+                    .cx
+                    .stream()
+                    .alloc_zeros::<f32>(len)
+                    .map_err(CudaError::from)?;
+                Some((n, buf))
+            }
+        };
+        Ok(())
+    }
+
+    /// The last forward's exports for every computed token, on the host (synchronizes): the
+    /// input embeddings `[tokens, hidden]` (layer 0's input) and, when a capture is set, the
+    /// residual stream after that many layers.
+    pub fn captured_to_host(&self) -> Result<(Vec<f32>, Option<Vec<f32>>), ModelError> {
+        let n = self.last_tokens * self.spec.hidden_size;
+        let s = self.cx.stream();
+        let mut embed = vec![bf16::ZERO; n];
+        s.memcpy_dtoh(&self.act.sel_embed.slice(..n), &mut embed)
+            .map_err(CudaError::from)?;
+        let after = match &self.capture {
+            None => None,
+            Some((_, buf)) => {
+                let mut host = vec![0f32; n];
+                s.memcpy_dtoh(&buf.slice(..n), &mut host)
+                    .map_err(CudaError::from)?;
+                Some(host)
+            }
+        };
+        Ok((embed.into_iter().map(f32::from).collect(), after))
     }
 
     /// Final-norm rows of the last forward copied to the host as f32 (synchronizes).

@@ -42,7 +42,10 @@ mod tests {
     use super::*;
 
     fn params(shapes: &[(String, Vec<usize>)]) -> usize {
-        shapes.iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+        shapes
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
     }
 
     /// The real checkpoint's sizes (bench/models/qwen3-omni-30b-a3b, written and counted by
@@ -55,9 +58,18 @@ mod tests {
             "/../../bench/models/qwen3-omni-30b-a3b/config.json"
         );
         let c: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        assert_eq!(params(&thinker::Thinker::weight_shapes(&c).unwrap()), 30_532_646_912);
-        assert_eq!(params(&talker::Talker::weight_shapes(&c).unwrap()), 3_324_596_480);
-        assert_eq!(params(&code2wav::Code2Wav::weight_shapes(&c).unwrap()), 216_016_577);
+        assert_eq!(
+            params(&thinker::Thinker::weight_shapes(&c).unwrap()),
+            30_532_646_912
+        );
+        assert_eq!(
+            params(&talker::Talker::weight_shapes(&c).unwrap()),
+            3_324_596_480
+        );
+        assert_eq!(
+            params(&code2wav::Code2Wav::weight_shapes(&c).unwrap()),
+            216_016_577
+        );
         let cfg = config::OmniConfig::from_json(&c).unwrap();
         assert_eq!(cfg.talker_config.accept_hidden_layer, 24);
         assert_eq!(cfg.talker_config.codec_eos_token_id, 2150);
