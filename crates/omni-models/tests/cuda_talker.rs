@@ -380,7 +380,7 @@ fn compare(
             c.name
         );
         assert!(
-            keep == 0 || e <= TOL,
+            keep == 0 || e <= tol,
             "{label} {}: prefill logits rel err {e}",
             c.name
         );
