@@ -4,7 +4,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Args;
 
 /// What `bench talker` measures.
@@ -62,6 +61,7 @@ pub fn run(a: TalkerArgs) -> anyhow::Result<()> {
 mod imp {
     use std::sync::Arc;
 
+    use anyhow::Context;
     use omni_backend::cuda::CudaContext;
     use omni_models::cuda_decoder::{DeviceWeightInit, StepLimits};
     use omni_models::cuda_talker::{CudaTalker, TalkerSampling};
