@@ -292,19 +292,24 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     /// The defaults, as clap's attributes write them (the one place they are written).
     fn default() -> Self {
-        let cmd = Self::augment_args(clap::Command::new("defaults").no_binary_name(true));
-        let m = cmd
-            .try_get_matches_from(std::iter::empty::<String>())
-            .unwrap_or_default();
-        Self::from_arg_matches(&m).unwrap_or_else(|_| unreachable_defaults())
+        clap_defaults()
     }
 }
 
-#[cold]
-fn unreachable_defaults() -> EngineConfig {
+/// A clap argument group parsed from no arguments: its defaults as its attributes write them.
+pub(crate) fn clap_defaults<T: Args + FromArgMatches>() -> T {
+    let cmd = T::augment_args(clap::Command::new("defaults").no_binary_name(true));
+    let m = cmd
+        .try_get_matches_from(std::iter::empty::<String>())
+        .unwrap_or_default();
     // Every field has a default or is optional, so parsing no arguments cannot fail; this is
     // reached only if a future field forgets its default, which the tests catch.
-    panic!("EngineConfig has a required field without a default")
+    T::from_arg_matches(&m).unwrap_or_else(|e| {
+        panic!(
+            "{} has a required field without a default: {e}",
+            std::any::type_name::<T>()
+        )
+    })
 }
 
 impl EngineConfig {

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use clap::{Args, FromArgMatches};
+use clap::Args;
 use serde::{Deserialize, Serialize, Serializer};
 
 /// Settings of the HTTP layer (`serve` only).
@@ -66,18 +66,8 @@ pub struct FrontendConfig {
 impl Default for FrontendConfig {
     /// The defaults, as clap's attributes write them (the one place they are written).
     fn default() -> Self {
-        let cmd = Self::augment_args(clap::Command::new("defaults").no_binary_name(true));
-        let m = cmd
-            .try_get_matches_from(std::iter::empty::<String>())
-            .unwrap_or_default();
-        Self::from_arg_matches(&m).unwrap_or_else(|_| unreachable_defaults())
+        crate::engine::clap_defaults()
     }
-}
-
-#[cold]
-fn unreachable_defaults() -> FrontendConfig {
-    // Every field has a default or is optional (see EngineConfig's twin).
-    panic!("FrontendConfig has a required field without a default")
 }
 
 impl FrontendConfig {

@@ -25,18 +25,9 @@ fn model() -> Code2Wav {
     .unwrap()
 }
 
-/// A float32 tensor of `reference.safetensors`: (data, shape).
+/// A float32 tensor of the fixture's `reference.safetensors`: (data, shape).
 fn tensor(name: &str) -> (Vec<f32>, Vec<usize>) {
-    let bytes = std::fs::read(dir(FIXTURE).join("reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), safetensors::Dtype::F32);
-    let data = t
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    (data, t.shape().to_vec())
+    common::reference_tensor(FIXTURE, name)
 }
 
 /// Codes `[16, T]` (stored as f32), codebook-major, and T.
