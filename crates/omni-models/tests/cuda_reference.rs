@@ -18,7 +18,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use omni_backend::cuda::{CudaContext, driver_status};
+use omni_backend::cuda::CudaContext;
 use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
 use omni_models::hf_dir::SafetensorsDir;
 use omni_models::registry::decoder_spec;
@@ -51,16 +51,6 @@ fn first_near_tie(margins: &[f32]) -> usize {
         .iter()
         .position(|&m| m < ROUTE_TOL)
         .unwrap_or(margins.len())
-}
-
-fn gpu_or_skip(test: &str) -> Option<Arc<CudaContext>> {
-    match driver_status() {
-        Err(e) => {
-            println!("SKIP {test}: {e}");
-            None
-        }
-        Ok(_) => Some(Arc::new(CudaContext::new(0).unwrap())),
-    }
 }
 
 fn load_gpu(cx: &Arc<CudaContext>, name: &str, max_seqs: usize) -> CudaDecoderModel {

@@ -24,8 +24,8 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{config, dir, reference_json, reference_tensor, rel_err};
-use omni_backend::cuda::{C0Rules, ChooseC0, CodeSampling, CudaContext, driver_status};
+use common::{config, dir, gpu_or_skip, reference_json, reference_tensor, rel_err};
+use omni_backend::cuda::{C0Rules, ChooseC0, CodeSampling, CudaContext};
 use omni_models::cuda_decoder::{DeviceWeightInit, StepLimits};
 use omni_models::cuda_talker::{CudaTalker, TalkerSampling};
 use omni_models::hf_dir::SafetensorsDir;
@@ -45,16 +45,6 @@ const TOL: f32 = 2e-2;
 const ROUTE_TOL: f32 = 0.05;
 const PENALTY: f32 = 1.05;
 const BLOCK: usize = 16;
-
-fn gpu_or_skip(test: &str) -> Option<Arc<CudaContext>> {
-    match driver_status() {
-        Err(e) => {
-            println!("SKIP {test}: {e}");
-            None
-        }
-        Ok(_) => Some(Arc::new(CudaContext::new(0).unwrap())),
-    }
-}
 
 /// One prompt of the fixture (a Thinker prompt with a speaker).
 struct Case {

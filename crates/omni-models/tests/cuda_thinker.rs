@@ -8,10 +8,7 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{BLOCK_SIZE, Blocks, NUM_BLOCKS, config, dir, reference_json};
-use omni_backend::cuda::{CudaContext, driver_status};
 use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
 use omni_models::hf_dir::SafetensorsDir;
 use omni_models::registry::{causal_lm_weights, decoder_spec};
@@ -35,17 +32,15 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn gpu_thinker_exports_match_the_cpu_thinker() {
-    if let Err(e) = driver_status() {
-        println!("SKIP gpu_thinker_exports_match_the_cpu_thinker: {e}");
+    let Some(cx) = common::gpu_or_skip("gpu_thinker_exports_match_the_cpu_thinker") else {
         return;
-    }
+    };
     let c = config(FIXTURE);
     let accept = c["talker_config"]["accept_hidden_layer"].as_u64().unwrap() as usize;
     let ws = SafetensorsDir::open(&dir(FIXTURE)).unwrap();
     let view = causal_lm_weights(&c, &ws).unwrap();
     let cpu = DecoderModel::load(decoder_spec(&c).unwrap(), &view, TpContext::single()).unwrap();
     cpu.enable_routing_trace();
-    let cx = Arc::new(CudaContext::new(0).unwrap());
     let mut gpu = CudaDecoderModel::load(
         cx,
         decoder_spec(&c).unwrap(),

@@ -146,3 +146,17 @@ pub fn reference_json(name: &str) -> serde_json::Value {
     let text = std::fs::read_to_string(dir(name).join("reference.json")).unwrap();
     serde_json::from_str(&text).unwrap()
 }
+
+/// The GPU's context, or `None` after printing why the test SKIPs (no NVIDIA driver here).
+#[cfg(feature = "cuda")]
+pub fn gpu_or_skip(test: &str) -> Option<std::sync::Arc<omni_backend::cuda::CudaContext>> {
+    match omni_backend::cuda::driver_status() {
+        Err(e) => {
+            println!("SKIP {test}: {e}");
+            None
+        }
+        Ok(_) => Some(std::sync::Arc::new(
+            omni_backend::cuda::CudaContext::new(0).unwrap(),
+        )),
+    }
+}
