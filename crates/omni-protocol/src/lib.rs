@@ -47,6 +47,7 @@ mod output;
 mod request;
 mod sampling;
 mod scheduler_output;
+mod stage;
 mod tensor;
 mod worker;
 
@@ -58,6 +59,9 @@ pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerSta
 pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
+pub use stage::{
+    CodecChunk, StagePayloadError, ThinkerChunk, ThinkerStates, ThinkerStatesView, ThinkerToTalker,
+};
 pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};
 pub use worker::{
     Device, LoadFormat, LoadModelSpec, Logprob, ModelRunnerOutput, TokenLogprobs, WorkerBase,

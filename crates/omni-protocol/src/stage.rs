@@ -1,0 +1,204 @@
+//! What crosses between the stages of an omni pipeline (Qwen3-Omni: Thinker -> Talker ->
+//! Code2Wav), as message headers whose tensors travel as out-of-band buffers ([`TensorRef`]).
+//!
+//! Thinker -> Talker, in async-chunk mode (omni.md 2.5): chunk 0 once the Thinker has computed
+//! the prompt and fed back its first generated token, with both exported states of those `P + 1`
+//! positions and the three TTS-token embeddings; then one [`ThinkerChunk::Decode`] per fed-back
+//! token (its layer-0 row only: the Talker reads the accept-layer state only at multimodal
+//! positions, which are all in the prompt); then [`ThinkerChunk::End`]. With async chunking
+//! off, one [`ThinkerChunk::Full`] after the Thinker finished.
+//!
+//! Talker -> Code2Wav: [`CodecChunk`]s, one Code2Wav window each (codebook-major codes with
+//! their left context), cut as `omni_core::connector::CodecChunker` cuts them.
+
+use serde::{Deserialize, Serialize};
+
+use crate::RequestId;
+use crate::tensor::{TensorBufferError, TensorRef, TensorView};
+
+/// The Thinker's exports over a run of positions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThinkerStates {
+    /// The Thinker's tokens so far: prompt, then generated.
+    pub ids: Vec<u32>,
+    /// How many of `ids` are the prompt.
+    pub prompt_len: u32,
+    /// Layer 0's input, `[rows, hidden]`.
+    pub embed: TensorRef,
+    /// The residual stream after `accept_hidden_layer` layers, `[rows, hidden]`.
+    pub hidden: TensorRef,
+    /// The embeddings of `tts_bos`, `tts_eos`, `tts_pad`, `[3, hidden]`.
+    pub tts: TensorRef,
+    /// The request's voice (`speaker` / `voice`), lower-cased.
+    pub speaker: String,
+}
+
+/// One Thinker -> Talker payload of one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ThinkerChunk {
+    /// Chunk 0 (async mode): the prompt and the first fed-back token, `P + 1` rows.
+    Prefill(ThinkerStates),
+    /// One fed-back token's layer-0 row, `[1, hidden]`.
+    Decode {
+        /// The token.
+        token: u32,
+        /// Its row.
+        embed: TensorRef,
+    },
+    /// Every position at once, after the Thinker finished (async chunking off).
+    Full(ThinkerStates),
+    /// The Thinker finished; no more rows come (the trailing text ends with `tts_eos`).
+    End,
+}
+
+/// A [`ThinkerChunk`] addressed to one request of the next stage.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThinkerToTalker {
+    /// The request (the same id in every stage).
+    pub request_id: RequestId,
+    /// 0, 1, 2, ... per request, so a receiver sees a lost or reordered chunk.
+    pub chunk_id: u32,
+    /// The payload.
+    pub chunk: ThinkerChunk,
+}
+
+/// The checked views of a [`ThinkerStates`] (from a received message's buffers).
+#[derive(Debug, Clone, Copy)]
+pub struct ThinkerStatesView<'a> {
+    /// Layer 0's input rows.
+    pub embed: TensorView<'a>,
+    /// The accept-layer rows.
+    pub hidden: TensorView<'a>,
+    /// The TTS embeddings.
+    pub tts: TensorView<'a>,
+}
+
+/// A [`ThinkerStates`] whose tensors do not fit together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StagePayloadError {
+    /// A tensor does not match its buffer.
+    #[error(transparent)]
+    Buffer(#[from] TensorBufferError),
+    /// Shapes that disagree with each other or with the ids.
+    #[error("Thinker states: {0}")]
+    Shape(String),
+}
+
+impl ThinkerStates {
+    /// Checks the tensors against `buffers` and each other: `embed` and `hidden` are
+    /// `[rows, hidden]` with `prompt_len <= rows <= ids.len()`, `tts` is `[3, hidden]`.
+    pub fn view<'a>(
+        &'a self,
+        buffers: &[&'a [u8]],
+    ) -> Result<ThinkerStatesView<'a>, StagePayloadError> {
+        let bad = |m: String| Err(StagePayloadError::Shape(m));
+        let (embed, hidden, tts) = (
+            self.embed.view(buffers)?,
+            self.hidden.view(buffers)?,
+            self.tts.view(buffers)?,
+        );
+        let e = &self.embed.shape;
+        if e.len() != 2 || self.hidden.shape != *e || self.embed.dtype != self.hidden.dtype {
+            return bad(format!(
+                "embed {:?} {:?} and hidden {:?} {:?} must be equal [rows, hidden]",
+                self.embed.dtype, e, self.hidden.dtype, self.hidden.shape
+            ));
+        }
+        if self.tts.shape != [3, e[1]] {
+            return bad(format!("tts {:?}, expected [3, {}]", self.tts.shape, e[1]));
+        }
+        let rows = e[0];
+        if rows < u64::from(self.prompt_len) || rows > self.ids.len() as u64 {
+            return bad(format!(
+                "{rows} rows for a prompt of {} and {} ids",
+                self.prompt_len,
+                self.ids.len()
+            ));
+        }
+        Ok(ThinkerStatesView { embed, hidden, tts })
+    }
+}
+
+/// One Code2Wav window of one request (Talker -> Code2Wav).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodecChunk {
+    /// The request.
+    pub request_id: RequestId,
+    /// 0, 1, 2, ... per request.
+    pub chunk_id: u32,
+    /// Codebook-major codes `[groups, num_frames]`.
+    pub codes: Vec<u32>,
+    /// Frames in the window.
+    pub num_frames: u32,
+    /// Leading frames that are context only.
+    pub left_context: u32,
+    /// The request's last window.
+    pub finished: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    /// Byte tensors: the checks here are about shapes, and u8 needs no buffer alignment.
+    fn tensor(name: &str, shape: &[u64], buffer_index: u32) -> TensorRef {
+        TensorRef {
+            name: name.into(),
+            request_id: None,
+            dtype: DType::U8,
+            shape: shape.to_vec(),
+            buffer_index,
+        }
+    }
+
+    fn states(rows: u64) -> ThinkerStates {
+        ThinkerStates {
+            ids: vec![1, 2, 3, 4, 5],
+            prompt_len: 4,
+            embed: tensor("thinker.embed", &[rows, 8], 0),
+            hidden: tensor("thinker.hidden_states.24", &[rows, 8], 1),
+            tts: tensor("thinker.tts", &[3, 8], 2),
+            speaker: "ethan".into(),
+        }
+    }
+
+    fn round_trip(m: &ThinkerToTalker) -> ThinkerToTalker {
+        let cfg = bincode::config::standard();
+        let bytes = bincode::serde::encode_to_vec(m, cfg).unwrap();
+        bincode::serde::decode_from_slice(&bytes, cfg).unwrap().0
+    }
+
+    #[test]
+    fn states_round_trip_and_check_their_buffers() {
+        let msg = ThinkerToTalker {
+            request_id: "r0".into(),
+            chunk_id: 0,
+            chunk: ThinkerChunk::Prefill(states(5)),
+        };
+        assert_eq!(round_trip(&msg), msg);
+        let (a, b, c) = (vec![0u8; 40], vec![0u8; 40], vec![0u8; 24]);
+        let bufs: Vec<&[u8]> = vec![&a, &b, &c];
+        assert!(states(5).view(&bufs).is_ok());
+        // 6 rows for 5 ids, a TTS tensor of another width, a buffer of another size: refused.
+        let (a6, b6) = (vec![0u8; 48], vec![0u8; 48]);
+        let six: Vec<&[u8]> = vec![&a6, &b6, &c];
+        assert!(matches!(
+            states(6).view(&six),
+            Err(StagePayloadError::Shape(_))
+        ));
+        let mut wrong = states(5);
+        wrong.tts.shape = vec![3, 4];
+        assert!(wrong.view(&bufs).is_err());
+        assert!(matches!(
+            states(5).view(&six),
+            Err(StagePayloadError::Buffer(_))
+        ));
+        let end = ThinkerToTalker {
+            request_id: "r0".into(),
+            chunk_id: 7,
+            chunk: ThinkerChunk::End,
+        };
+        assert_eq!(round_trip(&end), end);
+    }
+}
