@@ -9,6 +9,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod bench_cmd;
 mod bench_code2wav;
+mod bench_latency;
 mod bench_talker;
 mod bench_thinker;
 mod engine_adapter;
