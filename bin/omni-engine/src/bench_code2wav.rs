@@ -56,40 +56,10 @@ mod imp {
     use omni_models::cuda_code2wav::CudaCode2Wav;
     use omni_models::dummy::DummyWeights;
     use omni_models::hf_dir::SafetensorsDir;
-    use omni_models::qwen3_omni::code2wav::Code2Wav;
-    use omni_models::weights::{HostTensor, WeightError, WeightSource};
+    use omni_models::qwen3_omni::code2wav::{Code2Wav, FanInScaled};
     use serde_json::json;
 
     use super::*;
-
-    /// Dummy weights tamed so activations stay O(1) through the conv stack (as the CPU
-    /// Code2Wav's tests do): conv kernels scaled to their fan-in, small biases, SnakeBeta
-    /// magnitudes 1 / e^2.
-    struct FanInScaled(DummyWeights);
-
-    impl WeightSource for FanInScaled {
-        fn tensor_names(&self) -> Vec<String> {
-            self.0.tensor_names()
-        }
-        fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
-            self.0.shape(name)
-        }
-        fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
-            let mut t = self.0.load(name)?;
-            let scale = if t.shape.len() == 3 {
-                0.5 / (t.shape[1] as f32).sqrt()
-            } else if name.ends_with(".bias") {
-                0.1
-            } else {
-                1.0
-            };
-            t.data.iter_mut().for_each(|v| *v *= scale);
-            if name.ends_with(".beta") {
-                t.data.iter_mut().for_each(|v| *v += 2.0);
-            }
-            Ok(t)
-        }
-    }
 
     fn parse_shape(s: &str) -> anyhow::Result<(usize, usize)> {
         let (b, t) = s

@@ -65,32 +65,13 @@ mod imp {
     use omni_backend::cuda::CudaContext;
     use omni_models::cuda_decoder::{DeviceWeightInit, StepLimits};
     use omni_models::cuda_talker::{CudaTalker, TalkerSampling};
+    use omni_models::dummy::DummyWeights;
     use omni_models::hf_dir::SafetensorsDir;
-    use omni_models::weights::{HostTensor, WeightError, WeightSource};
     use omni_models::{ForwardBatch, SeqChunk};
 
     use super::*;
 
     const BLOCK: usize = 16;
-
-    /// No tensors: dummy weights are made on the device.
-    struct NoWeights;
-
-    impl WeightSource for NoWeights {
-        fn tensor_names(&self) -> Vec<String> {
-            Vec::new()
-        }
-        fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
-            Err(WeightError::Missing {
-                name: name.to_string(),
-            })
-        }
-        fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
-            Err(WeightError::Missing {
-                name: name.to_string(),
-            })
-        }
-    }
 
     /// One measured row of the table.
     struct Row {
@@ -130,7 +111,8 @@ mod imp {
             "dummy" => CudaTalker::load(
                 cx.clone(),
                 &config,
-                &NoWeights,
+                // No tensors: the dummy weights are made on the device.
+                &DummyWeights::new(Vec::new(), 0),
                 DeviceWeightInit::Dummy { seed: 0 },
                 limits,
             )?,

@@ -77,16 +77,6 @@ fn load_gpu(cx: &Arc<CudaContext>, name: &str, max_seqs: usize) -> CudaDecoderMo
     m
 }
 
-/// ||a - b|| / ||b|| over the whole tensor (the usual relative error of a tensor).
-fn fro_err(a: &[f32], b: &[f32]) -> f32 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += f64::from(x - y).powi(2);
-        den += f64::from(*y).powi(2);
-    }
-    (num / den.max(f64::MIN_POSITIVE)).sqrt() as f32
-}
-
 /// The fixture's weights rounded to bf16, on the f32 CPU backend.
 struct Bf16Rounded(SafetensorsDir);
 

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{BLOCK_SIZE, Blocks, NUM_BLOCKS, config, dir, reference_json};
+use common::{BLOCK_SIZE, Blocks, NUM_BLOCKS, config, dir, fro_err, reference_json};
 use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
 use omni_models::hf_dir::SafetensorsDir;
 use omni_models::registry::{causal_lm_weights, decoder_spec};
@@ -20,15 +20,6 @@ use omni_models::{
 const FIXTURE: &str = "qwen3-omni";
 const TOL: f32 = 2e-2;
 const ROUTE_TOL: f32 = 0.05;
-
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += f64::from(x - y).powi(2);
-        den += f64::from(*y).powi(2);
-    }
-    (num / den.max(f64::MIN_POSITIVE)).sqrt() as f32
-}
 
 #[test]
 fn gpu_thinker_exports_match_the_cpu_thinker() {
@@ -111,7 +102,7 @@ fn gpu_thinker_exports_match_the_cpu_thinker() {
             let upto = if tie_seen { 0 } else { ok };
             tie_seen |= ok < tokens.len();
             if upto > 0 {
-                let e = rel(&after[..upto * h], &out.hidden_states[1].1.data[..upto * h]);
+                let e = fro_err(&after[..upto * h], &out.hidden_states[1].1.data[..upto * h]);
                 assert!(
                     e <= TOL,
                     "prompt {i} step {step}: after {accept} layers rel err {e}"

@@ -306,20 +306,8 @@ impl CudaCode2Wav {
         requests: &[(&[u32], usize)],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config;
-        let nq = c.num_quantizers;
-        for (i, &(codes, t)) in requests.iter().enumerate() {
-            if codes.len() != nq * t {
-                return Err(ModelError::Batch(format!(
-                    "request {i}: {} codes for {nq} quantizers x {t} frames",
-                    codes.len()
-                )));
-            }
-            if let Some(&bad) = codes.iter().find(|&&x| x as usize >= c.codebook_size) {
-                return Err(ModelError::Batch(format!(
-                    "request {i}: code {bad} outside the codebook of {}",
-                    c.codebook_size
-                )));
-            }
+        c.check_requests(requests)?;
+        for (i, &(_, t)) in requests.iter().enumerate() {
             if self.padded_frames(t) > self.buf.cap {
                 return Err(ModelError::Batch(format!(
                     "request {i}: {t} frames exceed the {} batch-frames of the buffers",

@@ -160,3 +160,13 @@ pub fn gpu_or_skip(test: &str) -> Option<std::sync::Arc<omni_backend::cuda::Cuda
         )),
     }
 }
+
+/// ||a - b|| / ||b|| over the whole tensor (the usual relative error of a tensor).
+pub fn fro_err(a: &[f32], b: &[f32]) -> f32 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += f64::from(x - y).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt() as f32
+}

@@ -172,6 +172,27 @@ impl Code2WavConfig {
             .product()
     }
 
+    /// Checks a batch of Code2Wav requests `(codes [num_quantizers, T], T)`: each has
+    /// `num_quantizers * T` codes, all inside the codebook.
+    pub fn check_requests(&self, requests: &[(&[u32], usize)]) -> Result<(), ModelError> {
+        let nq = self.num_quantizers;
+        for (i, &(codes, t)) in requests.iter().enumerate() {
+            if codes.len() != nq * t {
+                return Err(ModelError::Batch(format!(
+                    "request {i}: {} codes for {nq} quantizers x {t} frames",
+                    codes.len()
+                )));
+            }
+            if let Some(&bad) = codes.iter().find(|&&x| x as usize >= self.codebook_size) {
+                return Err(ModelError::Batch(format!(
+                    "request {i}: code {bad} outside the codebook of {}",
+                    self.codebook_size
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Waveform samples a decode of `frames` frames yields (`1920 * T - 555` for the real
     /// checkpoint), following the lengths through the stack: each ConvNeXt stage multiplies by
     /// its factor, each decoder block maps `L` to `(L - 1) * r`. Zero for zero frames.

@@ -25,9 +25,10 @@ use serde_json::Value;
 
 pub use config::Code2WavConfig;
 
+use crate::dummy::DummyWeights;
 use crate::error::ModelError;
 use crate::interface::{ModelInputs, ModelOutputs, ModelStage, StageModel, TokenInputs};
-use crate::weights::{HostTensor, WeightSource};
+use crate::weights::{HostTensor, WeightError, WeightSource};
 use crate::{KvCacheSpec, LayerKvCache};
 use transformer::PreTransformer;
 use vocoder::Vocoder;
@@ -89,21 +90,8 @@ impl Code2Wav {
     /// A request of zero frames gives an empty waveform.
     pub fn decode_batch(&self, requests: &[(&[u32], usize)]) -> Result<Vec<Vec<f32>>, ModelError> {
         let c = &self.config;
-        let (nq, h) = (c.num_quantizers, c.hidden_size);
-        for (i, &(codes, t)) in requests.iter().enumerate() {
-            if codes.len() != nq * t {
-                return Err(ModelError::Batch(format!(
-                    "request {i}: {} codes for {nq} quantizers x {t} frames",
-                    codes.len()
-                )));
-            }
-            if let Some(&bad) = codes.iter().find(|&&x| x as usize >= c.codebook_size) {
-                return Err(ModelError::Batch(format!(
-                    "request {i}: code {bad} outside the codebook of {}",
-                    c.codebook_size
-                )));
-            }
-        }
+        let h = c.hidden_size;
+        c.check_requests(requests)?;
         let live: Vec<usize> = (0..requests.len()).filter(|&i| requests[i].1 > 0).collect();
         let frames = requests.iter().map(|r| r.1).max().unwrap_or(0);
         let mut out = vec![Vec::new(); requests.len()];
@@ -236,12 +224,46 @@ impl StageModel for Code2Wav {
     }
 }
 
+/// Dummy weights tamed so that activations stay O(1) through the conv stack instead of
+/// saturating the clamp (where float rounding differences get amplified): conv kernels
+/// scaled to their fan-in (`DummyWeights` divides by the last dimension, the kernel size),
+/// small biases, small SnakeBeta magnitudes. For timing and checks at the real shapes
+/// (`bench code2wav`, tests) where the output must stay meaningful.
+#[derive(Debug)]
+pub struct FanInScaled(pub DummyWeights);
+
+impl WeightSource for FanInScaled {
+    fn tensor_names(&self) -> Vec<String> {
+        self.0.tensor_names()
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
+        self.0.shape(name)
+    }
+
+    fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
+        let mut t = self.0.load(name)?;
+        let scale = if t.shape.len() == 3 {
+            0.5 / (t.shape[1] as f32).sqrt()
+        } else if name.ends_with(".bias") {
+            0.1
+        } else {
+            1.0
+        };
+        t.data.iter_mut().for_each(|v| *v *= scale);
+        if name.ends_with(".beta") {
+            // SnakeBeta magnitudes 1 / e^2: its sin^2 term adds a positive offset per call.
+            t.data.iter_mut().for_each(|v| *v += 2.0);
+        }
+        Ok(t)
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::dummy::DummyWeights;
-    use crate::weights::{ProgressWeights, WeightError};
+    use crate::weights::ProgressWeights;
 
     /// A small `code2wav_config` with the real rates.
     fn tiny() -> Value {
@@ -252,39 +274,6 @@ mod tests {
             "rope_theta": 10000.0, "decoder_dim": 32, "upsample_rates": [8, 5, 4, 3],
             "upsampling_ratios": [2, 2]
         }})
-    }
-
-    /// Dummy weights tamed so that activations stay O(1) through the conv stack instead of
-    /// saturating the clamp (where float rounding differences get amplified): conv kernels
-    /// scaled to their fan-in (`DummyWeights` divides by the last dimension, the kernel size),
-    /// small biases, small SnakeBeta magnitudes.
-    struct FanInScaled(DummyWeights);
-
-    impl WeightSource for FanInScaled {
-        fn tensor_names(&self) -> Vec<String> {
-            self.0.tensor_names()
-        }
-
-        fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
-            self.0.shape(name)
-        }
-
-        fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
-            let mut t = self.0.load(name)?;
-            let scale = if t.shape.len() == 3 {
-                0.5 / (t.shape[1] as f32).sqrt()
-            } else if name.ends_with(".bias") {
-                0.1
-            } else {
-                1.0
-            };
-            t.data.iter_mut().for_each(|v| *v *= scale);
-            if name.ends_with(".beta") {
-                // SnakeBeta magnitudes 1 / e^2: its sin^2 term adds a positive offset per call.
-                t.data.iter_mut().for_each(|v| *v += 2.0);
-            }
-            Ok(t)
-        }
     }
 
     fn model(config: &Value) -> Code2Wav {
