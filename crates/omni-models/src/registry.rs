@@ -28,6 +28,17 @@ pub struct Architecture {
     pub spec: fn(&Value) -> Result<DecoderSpec, ModelError>,
     /// Where that decoder's tensors live in the checkpoint (`thinker.` for Qwen3-Omni).
     pub weights_prefix: &'static str,
+    /// Every tensor a checkpoint of this config holds (each stage's, for a multi-stage model),
+    /// with its full shape: what `--load-format dummy` generates.
+    pub checkpoint_shapes: fn(&Value) -> Result<TensorShapes, ModelError>,
+}
+
+/// Tensor names with their full shapes.
+pub type TensorShapes = Vec<(String, Vec<usize>)>;
+
+/// A text LLM's checkpoint: its decoder's tensors.
+fn decoder_shapes(config: &Value) -> Result<TensorShapes, ModelError> {
+    Ok(decoder_spec(config)?.weight_shapes())
 }
 
 /// Every supported architecture.
@@ -37,18 +48,21 @@ pub const ARCHITECTURES: &[Architecture] = &[
         stages: &[ModelStage::CausalLm],
         spec: llama::spec_from_json,
         weights_prefix: "",
+        checkpoint_shapes: decoder_shapes,
     },
     Architecture {
         name: qwen3::ARCHITECTURE,
         stages: &[ModelStage::CausalLm],
         spec: qwen3::spec_from_json,
         weights_prefix: "",
+        checkpoint_shapes: decoder_shapes,
     },
     Architecture {
         name: qwen3_moe::ARCHITECTURE,
         stages: &[ModelStage::CausalLm],
         spec: qwen3_moe::spec_from_json,
         weights_prefix: "",
+        checkpoint_shapes: decoder_shapes,
     },
     Architecture {
         name: qwen3_omni::config::ARCHITECTURE,
@@ -61,6 +75,7 @@ pub const ARCHITECTURES: &[Architecture] = &[
         ],
         spec: qwen3_omni::thinker_spec_from_json,
         weights_prefix: "thinker.",
+        checkpoint_shapes: qwen3_omni::weight_shapes,
     },
 ];
 
@@ -178,12 +193,8 @@ pub fn build_stage_model(
 /// Random weights with every tensor the config's checkpoint would hold (each stage's, for a
 /// multi-stage model).
 pub fn dummy_weights(config: &Value, seed: u64) -> Result<DummyWeights, ModelError> {
-    let arch = architecture(config)?;
-    if arch.name == qwen3_omni::config::ARCHITECTURE {
-        return Ok(DummyWeights::new(qwen3_omni::weight_shapes(config)?, seed));
-    }
     Ok(DummyWeights::new(
-        decoder_spec(config)?.weight_shapes(),
+        (architecture(config)?.checkpoint_shapes)(config)?,
         seed,
     ))
 }
