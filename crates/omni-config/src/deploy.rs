@@ -326,15 +326,11 @@ fn resolve(
         match serde_json::from_str::<BTreeMap<String, serde_json::Value>>(json) {
             Err(e) => problems.push(format!("--stage-overrides is not a JSON object: {e}")),
             Ok(map) => {
+                // No `stages` list is reported below; the overrides then name no stage.
+                let mut none = Vec::new();
                 let stages = match doc.get_mut("stages") {
                     Some(Value::Sequence(s)) => s,
-                    _ => {
-                        doc.insert("stages".into(), Value::Sequence(Vec::new()));
-                        match doc.get_mut("stages") {
-                            Some(Value::Sequence(s)) => s,
-                            _ => unreachable!("just inserted"),
-                        }
-                    }
+                    _ => &mut none,
                 };
                 for (id, delta) in map {
                     let Ok(id) = id.parse::<u64>() else {
@@ -378,9 +374,10 @@ fn resolve(
     } && !ov.no_async_chunk;
     let mut connectors = BTreeMap::new();
     if let Some(c) = doc.get("connectors") {
-        match serde_json::to_value(c).map(serde_json::from_value::<BTreeMap<String, RawConnector>>)
+        match serde_json::to_value(c)
+            .and_then(serde_json::from_value::<BTreeMap<String, RawConnector>>)
         {
-            Ok(Ok(map)) => {
+            Ok(map) => {
                 for (name, raw) in map {
                     connectors.insert(
                         name,
@@ -391,7 +388,6 @@ fn resolve(
                     );
                 }
             }
-            Ok(Err(e)) => problems.push(format!("connectors: {e}")),
             Err(e) => problems.push(format!("connectors: {e}")),
         }
     }
