@@ -138,7 +138,7 @@ impl CodePredictor {
             input.extend_from_slice(&hidden[r * h..(r + 1) * h]);
             input.extend_from_slice(&c0_embed[r * h..(r + 1) * h]);
         }
-        let mut logits = vec![0.0; v];
+        let mut logits = vec![0.0; rows * v];
         for g in 1..=groups {
             let (width, start) = if g == 1 { (2, 0) } else { (1, g) };
             let dummy = vec![0u32; width];
@@ -169,16 +169,9 @@ impl CodePredictor {
                 .map(|(_, t)| t.data)
                 .ok_or_else(|| ModelError::Batch("code predictor: no final state".into()))?;
             input.clear();
-            for r in 0..rows {
-                omni_backend::linalg::matmul_nt(
-                    &last[r * h..(r + 1) * h],
-                    &self.heads[g - 1],
-                    &mut logits,
-                    1,
-                    h,
-                    v,
-                )?;
-                let code = choose(r, g, &mut logits);
+            omni_backend::linalg::matmul_nt(&last, &self.heads[g - 1], &mut logits, rows, h, v)?;
+            for (r, row) in logits.chunks_exact_mut(v).enumerate() {
+                let code = choose(r, g, row);
                 if code as usize >= v {
                     return Err(ModelError::Batch(format!(
                         "code predictor: chose code {code} of {v}"
