@@ -368,6 +368,8 @@ mod tests {
             stop_reason: None,
             num_cached_tokens: 0,
             queue_time: None,
+            text_finish_reason: None,
+            audio: None,
         }
     }
 

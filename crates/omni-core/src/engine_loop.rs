@@ -99,6 +99,8 @@ fn abort_output(request_id: RequestId) -> EngineCoreOutput {
         stop_reason: None,
         num_cached_tokens: 0,
         queue_time: None,
+        text_finish_reason: None,
+        audio: None,
     }
 }
 

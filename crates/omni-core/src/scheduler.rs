@@ -163,6 +163,8 @@ impl Scheduler {
                     stop_reason: None,
                     num_cached_tokens: req.num_cached_tokens as u32,
                     queue_time: req.take_queue_time(),
+                    text_finish_reason: None,
+                    audio: None,
                 });
             }
         }
@@ -400,6 +402,8 @@ impl Scheduler {
                 stop_reason: req.stop_reason.clone(),
                 num_cached_tokens: req.num_cached_tokens as u32,
                 queue_time: req.take_queue_time(),
+                text_finish_reason: None,
+                audio: None,
             });
         }
         for id in finished {

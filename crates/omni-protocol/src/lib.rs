@@ -43,6 +43,7 @@
 
 mod error;
 pub mod handshake;
+mod omni;
 mod output;
 mod request;
 mod sampling;
@@ -55,6 +56,7 @@ pub use error::{AddRequestError, EngineDeadError};
 pub use handshake::{
     EngineCoreHandshake, EngineCoreReady, EngineCoreStartup, WorkerHandshake, WorkerHello,
 };
+pub use omni::{AudioOutput, Modality, OmniParams};
 pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, StopReason};
 pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
 pub use sampling::{SamplingParams, SamplingParamsError};
@@ -70,7 +72,7 @@ pub use worker::{
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{AddRequestError, EngineDeadError, RequestId, TensorRef, TokenId, TokenLogprobs};
+use crate::{AudioOutput, AddRequestError, EngineDeadError, RequestId, TensorRef, TokenId, TokenLogprobs};
 
 /// Why a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -66,6 +66,13 @@ pub struct EngineCoreOutput {
     /// scheduled, `None` on every other output and for a request never scheduled.
     #[serde(default)]
     pub queue_time: Option<f64>,
+    /// Omni requests that also want audio: the Thinker's finish reason, on its last text
+    /// output (whose `finish_reason` stays `None`: the request ends with its last audio).
+    #[serde(default)]
+    pub text_finish_reason: Option<FinishReason>,
+    /// Omni requests: audio decoded since the previous output.
+    #[serde(default)]
+    pub audio: Option<AudioOutput>,
 }
 
 impl EngineCoreOutput {

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{RequestId, SamplingParams, TensorRef, TokenId};
+use crate::{OmniParams, RequestId, SamplingParams, TensorRef, TokenId};
 
 /// One tokenized request, as the engine core receives it (vLLM's `EngineCoreRequest`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -24,6 +24,10 @@ pub struct EngineCoreRequest {
     /// item's placeholder tokens touch, so equal token ids with different media never share
     /// KV blocks.
     pub mm_placeholders: Vec<MultiModalPlaceholder>,
+    /// The omni part (output modalities, voice, later stages' sampling); `None` for a text
+    /// request.
+    #[serde(default)]
+    pub omni: Option<OmniParams>,
 }
 
 /// One multimodal item's placeholder range in the prompt, with its content hash.
@@ -57,6 +61,7 @@ impl EngineCoreRequest {
             arrival_time,
             tensors: Vec::new(),
             mm_placeholders: Vec::new(),
+            omni: None,
         }
     }
 }

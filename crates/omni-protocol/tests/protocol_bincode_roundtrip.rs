@@ -202,6 +202,8 @@ fn engine_core_outputs_roundtrip() {
                 stop_reason: Some(StopReason::TokenId(5)),
                 num_cached_tokens: 16,
                 queue_time: Some(0.125),
+                text_finish_reason: None,
+                audio: None,
             },
             EngineCoreOutput {
                 request_id: "req-1".into(),
@@ -211,6 +213,8 @@ fn engine_core_outputs_roundtrip() {
                 stop_reason: Some(StopReason::String("END".into())),
                 num_cached_tokens: 0,
                 queue_time: None,
+                text_finish_reason: None,
+                audio: None,
             },
         ],
         scheduler_stats: Some(SchedulerStats {

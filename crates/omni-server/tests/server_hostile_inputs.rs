@@ -272,6 +272,8 @@ impl omni_server::EngineClient for FailingEngine {
             stop_reason: None,
             num_cached_tokens: 0,
             queue_time: None,
+            text_finish_reason: None,
+            audio: None,
         }));
         let _ = tx.send(Err(omni_server::EngineError::Dead {
             cause: "worker 1 exited".into(),

@@ -176,6 +176,8 @@ impl EngineClient for FakeEngine {
                     num_cached_tokens: 0,
                     // As the engine core does: on the first output, once scheduled.
                     queue_time: (k == 0).then_some(FAKE_QUEUE_TIME),
+                    text_finish_reason: None,
+                    audio: None,
                 };
                 if tx.send(Ok(out)).is_err() || finish.is_some() {
                     return;
