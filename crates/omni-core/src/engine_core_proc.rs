@@ -71,7 +71,7 @@ pub(crate) fn remove_segments_of(pid: u32) -> Vec<String> {
 /// `PR_SET_PDEATHSIG(SIGKILL)`, the process name, and SIGINT ignored: a terminal's CTRL+C
 /// reaches the whole process group, and the client, which gets it too, stops this process in
 /// order (its workers inherit the disposition and are stopped by it in turn).
-fn arm_process() {
+fn arm_process(process_name: &str) {
     use nix::sys::signal::{SigHandler, Signal};
     if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
         tracing::warn!("PR_SET_PDEATHSIG failed: {e}");
@@ -81,7 +81,8 @@ fn arm_process() {
     if let Err(e) = unsafe { nix::sys::signal::signal(Signal::SIGINT, SigHandler::SigIgn) } {
         tracing::warn!("ignoring SIGINT failed: {e}");
     }
-    let mut name = ENGINE_CORE_PROCESS_NAME.as_bytes()[..15].to_vec();
+    let bytes = process_name.as_bytes();
+    let mut name = bytes[..bytes.len().min(15)].to_vec();
     name.push(0);
     if let Ok(name) = std::ffi::CStr::from_bytes_with_nul(&name)
         && let Err(e) = nix::sys::prctl::set_name(name)
@@ -102,6 +103,14 @@ impl EngineCoreProc {
     /// Steps 1-4 of the module docs, on this process's stdin; returns the config the client
     /// sent (`C` is the engine config type).
     pub fn accept<C: serde::de::DeserializeOwned>() -> Result<(Self, C), EngineCoreProcError> {
+        Self::accept_named(|_: &C| ENGINE_CORE_PROCESS_NAME.to_string())
+    }
+
+    /// [`EngineCoreProc::accept`] for a process whose name depends on its config (an omni
+    /// stage: `omni-stage-<id>`; at most 15 bytes are kept).
+    pub fn accept_named<C: serde::de::DeserializeOwned>(
+        name: impl FnOnce(&C) -> String,
+    ) -> Result<(Self, C), EngineCoreProcError> {
         let mut line = String::new();
         std::io::stdin()
             .lock()
@@ -112,7 +121,7 @@ impl EngineCoreProc {
         }
         let hs: EngineCoreHandshake<C> = serde_json::from_str(&line).map_err(handshake_err)?;
         omni_protocol::check_protocol_version(hs.protocol_version).map_err(handshake_err)?;
-        arm_process();
+        arm_process(&name(&hs.config));
         if std::os::unix::process::parent_id() != hs.parent_pid {
             return Err(EngineCoreProcError::ParentGone(hs.parent_pid));
         }
@@ -157,6 +166,23 @@ impl EngineCoreProc {
         model: &str,
         device: Device,
     ) -> Result<(), EngineCoreProcError> {
+        let blocks = u32::try_from(core.scheduler().config().num_blocks).unwrap_or(u32::MAX);
+        let (inputs, outputs) = self.open_queues(blocks, model, device)?;
+        let mut core_loop = CoreLoop::new(core);
+        core_loop.run(&mut QueueInputs(inputs), &mut QueueOutputs(outputs));
+        core_loop.finish();
+        Ok(())
+    }
+
+    /// For a process with a loop of its own (an omni stage): creates the output queue, answers
+    /// [`EngineCoreStartup::Ready`] and waits for the client to attach; returns the input
+    /// reader and the output queue.
+    pub fn open_queues(
+        self,
+        num_gpu_blocks: u32,
+        model: &str,
+        device: Device,
+    ) -> Result<(MessageQueueReader, MessageQueue), EngineCoreProcError> {
         let instance = omni_ipc::shm::new_instance_id();
         let mut outputs =
             MessageQueue::create(QueueSpec::local(&instance, "output", 1, self.output_queue))?;
@@ -164,15 +190,12 @@ impl EngineCoreProc {
             protocol_version: PROTOCOL_VERSION,
             pid: std::process::id(),
             output: outputs.handle(),
-            num_gpu_blocks: u32::try_from(core.scheduler().config().num_blocks).unwrap_or(u32::MAX),
+            num_gpu_blocks,
             model: model.to_string(),
             device,
         }))?;
         outputs.wait_until_ready(self.ready_timeout)?;
-        let mut core_loop = CoreLoop::new(core);
-        core_loop.run(&mut QueueInputs(self.inputs), &mut QueueOutputs(outputs));
-        core_loop.finish();
-        Ok(())
+        Ok((self.inputs, outputs))
     }
 }
 

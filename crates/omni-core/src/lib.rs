@@ -60,8 +60,10 @@ mod engine_loop;
 mod executor;
 mod kv_cache_manager;
 mod mp_client;
+mod omni_pipeline;
 mod request;
 mod scheduler;
+mod stage_client;
 
 pub use block_pool::{
     BlockAllocError, BlockHash, BlockPool, hash_block_tokens, hash_block_tokens_with_keys,
@@ -77,5 +79,7 @@ pub use executor::{
 };
 pub use kv_cache_manager::{ComputedBlocks, KvCacheManager};
 pub use mp_client::{EngineCoreStartError, MpClient, MpClientConfig};
+pub use omni_pipeline::{OmniPipeline, OmniPipelineConfig};
 pub use request::{Request, RequestStatus};
 pub use scheduler::{AddRequestError, Scheduler};
+pub use stage_client::{StageClient, StageDeathHandler, StageOutputHandler};

@@ -47,7 +47,7 @@ use crate::executor::workers::launch;
 use crate::executor::workers::monitor::{ChildProcesses, ChildRole, DeathNotice};
 
 /// One slice of a start-up wait, between checks for a dead engine core.
-const READY_SLICE: Duration = Duration::from_millis(200);
+pub(crate) const READY_SLICE: Duration = Duration::from_millis(200);
 /// How long the reader waits for a message before it looks at the death notice again.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -97,12 +97,12 @@ pub enum EngineCoreStartError {
     Died(EngineDeadError),
 }
 
-fn spawn_err(what: &str, e: &dyn std::fmt::Display) -> EngineCoreStartError {
+pub(crate) fn spawn_err(what: &str, e: &dyn std::fmt::Display) -> EngineCoreStartError {
     EngineCoreStartError::Spawn(format!("{what}: {e}"))
 }
 
 /// The monitor's cause of death, if it comes within 200 ms; else `fallback`.
-fn wait_for_cause(dead: &DeathNotice, fallback: String) -> EngineDeadError {
+pub(crate) fn wait_for_cause(dead: &DeathNotice, fallback: String) -> EngineDeadError {
     let until = Instant::now() + Duration::from_millis(200);
     while Instant::now() < until {
         if let Some(e) = dead.get() {
@@ -244,10 +244,10 @@ impl MpClient {
     }
 }
 
-type Connected = (EngineCoreReady, MessageQueue, MessageQueueReader);
+pub(crate) type Connected = (EngineCoreReady, MessageQueue, MessageQueueReader);
 
 /// The handshake, the attach waits and the start-up line; see the module docs.
-fn connect<C: serde::Serialize>(
+pub(crate) fn connect<C: serde::Serialize>(
     cfg: &MpClientConfig,
     engine_config: &C,
     mut input: MessageQueue,

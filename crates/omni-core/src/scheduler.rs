@@ -5,7 +5,7 @@
 //! recompute: its blocks are freed, it goes to the front of the waiting queue and its computed
 //! tokens are forgotten (its generated tokens are kept, so it resumes where it stopped).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use omni_protocol::{
     CachedRequestData, EngineCoreOutput, EngineCoreRequest, FinishReason, ModelRunnerOutput,
@@ -33,6 +33,9 @@ pub struct Scheduler {
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
+    /// Running requests that wait for input from outside (an omni stage's upstream rows):
+    /// they keep their blocks but get no tokens until unblocked.
+    blocked: HashSet<RequestId>,
     /// Finished or aborted since the last `schedule()`: told to the workers then.
     finished_req_ids: Vec<RequestId>,
     num_preemptions: u64,
@@ -54,6 +57,7 @@ impl Scheduler {
             requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            blocked: HashSet::new(),
             finished_req_ids: Vec::new(),
             num_preemptions: 0,
             next_seq_no: 0,
@@ -129,12 +133,29 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Holds a request out of the batch (`true`) or lets it back in. A blocked running
+    /// request keeps its KV blocks and takes no batch slot or token budget; unknown ids are
+    /// ignored.
+    pub fn set_blocked(&mut self, request_id: &str, blocked: bool) {
+        if !blocked {
+            self.blocked.remove(request_id);
+        } else if self.requests.contains_key(request_id) {
+            self.blocked.insert(request_id.to_owned());
+        }
+    }
+
+    /// Whether the request is held out of the batch.
+    pub fn is_blocked(&self, request_id: &str) -> bool {
+        self.blocked.contains(request_id)
+    }
+
     /// Removes requests at once, freeing their blocks. Unknown or finished ids are ignored.
     /// Returns the ids that were live.
     pub fn abort_requests<'a>(&mut self, ids: impl IntoIterator<Item = &'a str>) -> Vec<RequestId> {
         let mut aborted = Vec::new();
         for id in ids {
             if self.requests.remove(id).is_some() {
+                self.blocked.remove(id);
                 self.waiting.retain(|w| w != id);
                 self.running.retain(|r| r != id);
                 self.kv.free(id);
@@ -153,6 +174,7 @@ impl Scheduler {
         let mut outputs = Vec::with_capacity(ids.len());
         for id in ids {
             if let Some(mut req) = self.requests.remove(&id) {
+                self.blocked.remove(&id);
                 self.kv.free(&id);
                 self.finished_req_ids.push(id.clone());
                 outputs.push(EngineCoreOutput {
@@ -223,7 +245,7 @@ impl Scheduler {
                 continue;
             };
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
-            if num_new == 0 {
+            if num_new == 0 || self.blocked.contains(&id) {
                 i += 1;
                 continue;
             }
@@ -408,6 +430,7 @@ impl Scheduler {
         }
         for id in finished {
             self.requests.remove(&id);
+            self.blocked.remove(&id);
             self.running.retain(|r| *r != id);
             self.kv.free(&id);
             self.finished_req_ids.push(id);

@@ -46,6 +46,18 @@ pub enum EngineDeadError {
         /// What happened (its pid and exit status, a broken queue).
         cause: String,
     },
+    /// A stage replica of an omni pipeline (`omni-stage-<id>[-<replica>]`) died or failed.
+    #[error("engine dead: stage {stage_id} ({kind}) replica {replica} failed: {cause}")]
+    Stage {
+        /// The stage.
+        stage_id: u32,
+        /// Its network (`thinker`, `talker`, `code2wav`).
+        kind: String,
+        /// The replica.
+        replica: u32,
+        /// What happened (its pid and exit status, its error).
+        cause: String,
+    },
 }
 
 #[cfg(test)]

@@ -13,8 +13,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::RequestId;
 use crate::tensor::{TensorBufferError, TensorRef, TensorView};
+use crate::{
+    AddRequestError, EngineCoreOutput, EngineCoreRequest, LoadFormat, RequestId, SamplingParams,
+    SchedulerStats,
+};
 
 /// The Thinker's exports over a run of positions.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,6 +137,131 @@ pub struct CodecChunk {
     pub left_context: u32,
     /// The request's last window.
     pub finished: bool,
+}
+
+/// What a stage process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum StageKind {
+    /// The Thinker: text out, hidden states to the Talker.
+    Thinker,
+    /// The Talker with its code predictor: codec frames out, in windows to Code2Wav.
+    Talker,
+    /// Code2Wav: waveforms out.
+    Code2Wav,
+}
+
+impl StageKind {
+    /// Lower-case name (`thinker`, `talker`, `code2wav`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageKind::Thinker => "thinker",
+            StageKind::Talker => "talker",
+            StageKind::Code2Wav => "code2wav",
+        }
+    }
+}
+
+/// Code2Wav windows: `initial` frames first, then `chunk` new frames with `left_context`
+/// frames before them (omni.md 6.2). With async chunking off, one window of every frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CodecWindowing {
+    /// Frames of the first window.
+    pub initial: u32,
+    /// New frames of each later window.
+    pub chunk: u32,
+    /// Context frames of each later window.
+    pub left_context: u32,
+}
+
+/// Everything a stage process needs (its handshake's config): it reads nothing else.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageSpec {
+    /// Position in the pipeline.
+    pub stage_id: u32,
+    /// Which replica of the stage.
+    pub replica: u32,
+    /// What it runs.
+    pub kind: StageKind,
+    /// The model directory (`config.json`, safetensors).
+    pub model: String,
+    /// Real weights or random ones of the real shapes.
+    pub load_format: LoadFormat,
+    /// Seed of random weights and of sampling without a request seed.
+    pub seed: u64,
+    /// Most requests in one batch.
+    pub max_num_seqs: u32,
+    /// Most tokens (Thinker, Talker) or frames (Code2Wav) in one step.
+    pub max_num_batched_tokens: u32,
+    /// Longest sequence (prompt + output).
+    pub max_model_len: u32,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV blocks (Thinker, Talker).
+    pub num_blocks: u32,
+    /// Stream stage payloads as they are produced (`async_chunk`); else one full payload when
+    /// the upstream stage finished.
+    pub async_chunk: bool,
+    /// How the Talker cuts frames into Code2Wav windows.
+    pub windowing: CodecWindowing,
+    /// Sampling of a request that brings none for this stage.
+    pub default_sampling: SamplingParams,
+}
+
+impl StageSpec {
+    /// The process name, `omni-stage-<id>` or `omni-stage-<id>-<replica>` (at most 15 bytes).
+    pub fn process_name(&self) -> String {
+        let name = if self.replica == 0 {
+            format!("omni-stage-{}", self.stage_id)
+        } else {
+            format!("omni-stage-{}-{}", self.stage_id, self.replica)
+        };
+        name.chars().take(15).collect()
+    }
+}
+
+/// A message to a stage process.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum StageInput {
+    /// A new request: the Thinker starts it; the Talker registers it (voice, sampling) and
+    /// starts it once the Thinker's first chunk arrived.
+    Add(Box<EngineCoreRequest>),
+    /// Thinker states for a Talker request; tensors are this message's buffers.
+    Thinker(ThinkerToTalker),
+    /// A Code2Wav window.
+    Codec(CodecChunk),
+    /// Stop these requests and free what they hold.
+    Abort(Vec<RequestId>),
+    /// Finish the step in flight, then exit.
+    Shutdown,
+}
+
+/// What one turn of a stage's loop produced.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageOutputs {
+    /// Per-request outputs: the Thinker's tokens, the Talker's layer-0 codes (its last output
+    /// per request has `finish_reason`), Code2Wav's audio.
+    pub outputs: Vec<EngineCoreOutput>,
+    /// Thinker -> Talker payloads; their tensors index this message's buffers.
+    pub thinker_chunks: Vec<ThinkerToTalker>,
+    /// Talker -> Code2Wav windows.
+    pub codec_chunks: Vec<CodecChunk>,
+    /// Requests refused at admission.
+    pub rejected: Vec<(RequestId, AddRequestError)>,
+    /// Requests that failed in this stage, with why.
+    pub failed: Vec<(RequestId, String)>,
+    /// The stage's scheduler state.
+    pub scheduler_stats: Option<SchedulerStats>,
+}
+
+impl StageOutputs {
+    /// Whether the message carries nothing but (possibly) stats.
+    pub fn is_empty(&self) -> bool {
+        self.outputs.is_empty()
+            && self.thinker_chunks.is_empty()
+            && self.codec_chunks.is_empty()
+            && self.rejected.is_empty()
+            && self.failed.is_empty()
+    }
 }
 
 #[cfg(test)]

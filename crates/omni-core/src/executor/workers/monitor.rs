@@ -35,6 +35,12 @@ pub(crate) enum ChildRole {
     Worker,
     /// One engine-core process.
     EngineCore,
+    /// A replica of an omni pipeline's stage.
+    Stage {
+        stage_id: u32,
+        replica: u32,
+        kind: omni_protocol::StageKind,
+    },
 }
 
 impl ChildRole {
@@ -43,6 +49,16 @@ impl ChildRole {
         match self {
             ChildRole::Worker => dead_rank(index, cause),
             ChildRole::EngineCore => EngineDeadError::EngineCore {
+                cause: cause.into(),
+            },
+            ChildRole::Stage {
+                stage_id,
+                replica,
+                kind,
+            } => EngineDeadError::Stage {
+                stage_id,
+                kind: kind.as_str().to_string(),
+                replica,
                 cause: cause.into(),
             },
         }
@@ -54,6 +70,16 @@ impl ChildRole {
         let what = match self {
             ChildRole::Worker => "worker process".to_string(),
             ChildRole::EngineCore => format!("engine-core process {pid} (omni-engine-core)"),
+            ChildRole::Stage {
+                stage_id, replica, ..
+            } => {
+                let name = if replica == 0 {
+                    format!("omni-stage-{stage_id}")
+                } else {
+                    format!("omni-stage-{stage_id}-{replica}")
+                };
+                format!("stage process {pid} ({name})")
+            }
         };
         match (status.code(), status.signal()) {
             (_, Some(sig)) => format!("{what} killed by signal {sig}"),
@@ -66,6 +92,7 @@ impl ChildRole {
         match self {
             ChildRole::Worker => "omni-worker-monitor",
             ChildRole::EngineCore => "omni-core-monitor",
+            ChildRole::Stage { .. } => "omni-stage-monitor",
         }
     }
 }
