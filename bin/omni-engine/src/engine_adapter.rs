@@ -49,6 +49,12 @@ fn dead_cause(e: &EngineDeadError) -> String {
     match e {
         EngineDeadError::Worker { rank, cause } => format!("worker {rank} failed: {cause}"),
         EngineDeadError::EngineCore { cause } => format!("engine core failed: {cause}"),
+        EngineDeadError::Stage {
+            stage_id,
+            kind,
+            replica,
+            cause,
+        } => format!("stage {stage_id} ({kind}) replica {replica} failed: {cause}"),
     }
 }
 

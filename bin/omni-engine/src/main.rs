@@ -16,6 +16,7 @@ mod engine_adapter;
 mod engine_core_cmd;
 mod generate_cmd;
 mod serve_cmd;
+mod stage_cmd;
 mod worker_cmd;
 
 /// omni-engine: an LLM and omni-model serving engine.
@@ -37,6 +38,9 @@ enum Command {
     /// The engine-core process (spawned by `serve --enable-multiprocessing`, not by hand).
     #[command(hide = true)]
     EngineCore(engine_core_cmd::Args),
+    /// A stage of an omni pipeline (spawned by `serve --omni`, not by hand).
+    #[command(hide = true)]
+    Stage(stage_cmd::Args),
     /// A tensor-parallel worker process (spawned by the engine core, not by hand).
     #[command(hide = true)]
     Worker(worker_cmd::Args),
@@ -71,6 +75,7 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(a) => generate_cmd::run(a),
         Command::Serve(a) => serve_cmd::run(a),
         Command::EngineCore(a) => engine_core_cmd::run(a),
+        Command::Stage(a) => stage_cmd::run(a),
         Command::Worker(a) => worker_cmd::run(a),
     }
 }

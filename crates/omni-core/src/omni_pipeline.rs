@@ -150,9 +150,7 @@ impl Shared {
             route
         };
         let id = req.request_id.clone();
-        if audio
-            && let Some(talker) = stages.get(1).and_then(|s| s.get(route.replicas[1]))
-        {
+        if audio && let Some(talker) = stages.get(1).and_then(|s| s.get(route.replicas[1])) {
             let mut t = req.clone();
             t.prompt_token_ids.clear();
             if let Some(p) = t.omni.as_ref().and_then(|o| o.stage_sampling.first()) {
@@ -191,7 +189,11 @@ impl Shared {
             });
         }
         for (id, cause) in std::mem::take(&mut outs.failed) {
-            tracing::warn!(request = id, stage = kind.as_str(), "request failed: {cause}");
+            tracing::warn!(
+                request = id,
+                stage = kind.as_str(),
+                "request failed: {cause}"
+            );
             self.end_request(&id, Some(kind), Some(FinishReason::Error));
         }
     }
@@ -220,7 +222,7 @@ impl Shared {
                 continue;
             }
             let id = chunk.request_id.clone();
-            if let Err(e) = talker.send(&StageInput::Thinker(chunk), &bufs) {
+            if let Err(e) = talker.send(&StageInput::Thinker(Box::new(chunk)), &bufs) {
                 self.fail(&id, e);
             }
         }

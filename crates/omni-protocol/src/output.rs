@@ -2,7 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{AudioOutput, AddRequestError, EngineDeadError, RequestId, TensorRef, TokenId, TokenLogprobs};
+use crate::{
+    AddRequestError, AudioOutput, EngineDeadError, RequestId, TensorRef, TokenId, TokenLogprobs,
+};
 
 /// Why a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

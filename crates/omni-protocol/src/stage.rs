@@ -226,7 +226,7 @@ pub enum StageInput {
     /// starts it once the Thinker's first chunk arrived.
     Add(Box<EngineCoreRequest>),
     /// Thinker states for a Talker request; tensors are this message's buffers.
-    Thinker(ThinkerToTalker),
+    Thinker(Box<ThinkerToTalker>),
     /// A Code2Wav window.
     Codec(CodecChunk),
     /// Stop these requests and free what they hold.

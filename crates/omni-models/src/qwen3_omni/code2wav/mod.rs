@@ -151,17 +151,34 @@ impl Code2Wav {
         num_frames: usize,
         left_context_frames: usize,
     ) -> Result<Vec<f32>, ModelError> {
-        if left_context_frames > num_frames {
+        let mut out = self.decode_windows(&[(codes, num_frames, left_context_frames)])?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// [`Code2Wav::decode_window`] for several windows `(codes, T, left_context)` of any
+    /// requests, decoded as one batch ([`Code2Wav::decode_batch`]).
+    pub fn decode_windows(
+        &self,
+        windows: &[(&[u32], usize, usize)],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if let Some((_, t, left)) = windows.iter().find(|(_, t, left)| left > t) {
             return Err(ModelError::Batch(format!(
-                "left context of {left_context_frames} frames in a window of {num_frames}"
+                "left context of {left} frames in a window of {t}"
             )));
         }
-        let wav = self.decode(codes, num_frames)?;
+        let requests: Vec<(&[u32], usize)> = windows.iter().map(|&(c, t, _)| (c, t)).collect();
+        let wavs = self.decode_batch(&requests)?;
         let spf = self.config.samples_per_frame();
-        let tail = num_frames * spf - wav.len();
-        let start = (left_context_frames * spf).saturating_sub(tail);
-        let end = (num_frames * spf).min(wav.len());
-        Ok(wav[start.min(end)..end].to_vec())
+        Ok(wavs
+            .into_iter()
+            .zip(windows)
+            .map(|(wav, &(_, t, left))| {
+                let tail = (t * spf).saturating_sub(wav.len());
+                let start = (left * spf).saturating_sub(tail);
+                let end = (t * spf).min(wav.len());
+                wav[start.min(end)..end].to_vec()
+            })
+            .collect())
     }
 }
 

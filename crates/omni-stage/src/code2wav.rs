@@ -1,0 +1,117 @@
+//! The Code2Wav stage: windows of codec frames from any requests, decoded together (up to
+//! `max_num_seqs` windows and `max_num_batched_tokens` frames a step), each trimmed to its new
+//! audio (omni.md 4.3) and sent on as that request's next [`AudioOutput`]. A request's windows
+//! come out in the order they came in; its last window ends it.
+
+use std::collections::VecDeque;
+
+use omni_models::qwen3_omni::code2wav::Code2Wav;
+use omni_protocol::{
+    AudioOutput, CodecChunk, EngineCoreOutput, FinishReason, StageInput, StageOutputs, StageSpec,
+};
+
+use crate::StageError;
+use crate::stage::{Stage, StepResult};
+
+/// Qwen3-Omni's output rate (its config carries none; vLLM-Omni's fallback is the same).
+pub const SAMPLE_RATE: u32 = 24_000;
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Code2WavStage {
+    model: Code2Wav,
+    queue: VecDeque<CodecChunk>,
+    max_windows: usize,
+    max_frames: usize,
+}
+
+impl Code2WavStage {
+    /// A stage over a loaded Code2Wav.
+    pub fn new(model: Code2Wav, spec: &StageSpec) -> Self {
+        Self {
+            model,
+            queue: VecDeque::new(),
+            max_windows: (spec.max_num_seqs as usize).max(1),
+            max_frames: (spec.max_num_batched_tokens as usize).max(1),
+        }
+    }
+}
+
+impl Stage for Code2WavStage {
+    fn input(&mut self, input: StageInput, _buffers: &[&[u8]], out: &mut StageOutputs) {
+        match input {
+            StageInput::Codec(c) => {
+                let groups = self.model.config().num_quantizers;
+                if c.codes.len() != groups * c.num_frames as usize || c.left_context > c.num_frames
+                {
+                    out.failed.push((
+                        c.request_id.clone(),
+                        format!(
+                            "codec window {} of {} codes for {} frames of {groups} codebooks \
+                             ({} of context)",
+                            c.chunk_id,
+                            c.codes.len(),
+                            c.num_frames,
+                            c.left_context
+                        ),
+                    ));
+                } else {
+                    self.queue.push_back(c);
+                }
+            }
+            StageInput::Abort(ids) => self.queue.retain(|c| !ids.contains(&c.request_id)),
+            StageInput::Add(_) | StageInput::Thinker(_) | StageInput::Shutdown => {}
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
+    fn step(&mut self) -> Result<StepResult, StageError> {
+        let mut out = StageOutputs::default();
+        let mut batch = Vec::new();
+        let mut frames = 0;
+        while let Some(c) = self.queue.front() {
+            let n = c.num_frames as usize;
+            if !batch.is_empty()
+                && (batch.len() >= self.max_windows || frames + n > self.max_frames)
+            {
+                break;
+            }
+            frames += n;
+            batch.extend(self.queue.pop_front());
+        }
+        let windows: Vec<(&[u32], usize, usize)> = batch
+            .iter()
+            .map(|c| {
+                (
+                    c.codes.as_slice(),
+                    c.num_frames as usize,
+                    c.left_context as usize,
+                )
+            })
+            .collect();
+        let wavs = self.model.decode_windows(&windows)?;
+        let rate = SAMPLE_RATE;
+        for (c, samples) in batch.iter().zip(wavs) {
+            let audio = (c.num_frames > 0).then(|| AudioOutput {
+                samples,
+                sample_rate: rate,
+                num_frames: c.num_frames - c.left_context,
+            });
+            out.outputs.push(EngineCoreOutput {
+                request_id: c.request_id.clone(),
+                new_token_ids: Vec::new(),
+                new_logprobs: Vec::new(),
+                finish_reason: c.finished.then_some(FinishReason::Stop),
+                stop_reason: None,
+                num_cached_tokens: 0,
+                queue_time: None,
+                text_finish_reason: None,
+                audio,
+            });
+        }
+        Ok((out, Vec::new()))
+    }
+}

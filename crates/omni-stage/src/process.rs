@@ -1,0 +1,116 @@
+//! The stage process: the engine-core handshake with a [`StageSpec`], the stage's network, then
+//! a loop of inputs and steps until `Shutdown` or the client's end.
+
+use std::path::Path;
+use std::time::Duration;
+
+use omni_core::EngineCoreProc;
+use omni_ipc::IpcError;
+use omni_models::qwen3_omni::code2wav::Code2Wav;
+use omni_models::qwen3_omni::talker::Talker;
+use omni_models::qwen3_omni::thinker::Thinker;
+use omni_models::registry::{dummy_weights, read_config};
+use omni_models::{TpContext, WeightSource};
+use omni_protocol::{Device, LoadFormat, StageInput, StageKind, StageOutputs, StageSpec};
+
+use crate::StageError;
+use crate::code2wav::Code2WavStage;
+use crate::stage::Stage;
+use crate::talker::TalkerStage;
+use crate::thinker::ThinkerStage;
+
+/// How long an idle stage waits for an input before it looks again.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// Inputs taken in one turn before a step runs (so a flood cannot starve the batch).
+const MAX_INPUTS_PER_TURN: usize = 1024;
+
+/// Loads `spec`'s network and wraps it in its stage.
+pub fn build_stage(spec: &StageSpec) -> Result<Box<dyn Stage>, StageError> {
+    let dir = Path::new(&spec.model);
+    let config = read_config(dir)?;
+    let weights: Box<dyn WeightSource> = match spec.load_format {
+        LoadFormat::Dummy => Box::new(dummy_weights(&config, spec.seed)?),
+        LoadFormat::Auto | LoadFormat::Safetensors => Box::new(
+            omni_models::hf_dir::SafetensorsDir::open(dir)
+                .map_err(|e| StageError::Model(format!("opening {}: {e}", dir.display())))?,
+        ),
+        LoadFormat::Gguf => {
+            return Err(StageError::Config(
+                "omni stages load HF safetensors directories, not GGUF".into(),
+            ));
+        }
+    };
+    let ws = weights.as_ref();
+    Ok(match spec.kind {
+        StageKind::Thinker => Box::new(ThinkerStage::new(
+            Thinker::load(&config, ws, TpContext::single())?,
+            spec,
+        )?),
+        StageKind::Talker => Box::new(TalkerStage::new(
+            Talker::load(&config, ws, TpContext::single())?,
+            spec,
+        )?),
+        StageKind::Code2Wav => Box::new(Code2WavStage::new(Code2Wav::load(&config, ws)?, spec)),
+    })
+}
+
+/// `omni-engine stage`: serves one stage replica until told to stop. A step's error ends the
+/// process (the pipeline then fails the stage's requests, naming it).
+pub fn run_stage_process() -> Result<(), StageError> {
+    let (proc, spec) = EngineCoreProc::accept_named(StageSpec::process_name)?;
+    let mut stage = match build_stage(&spec) {
+        Ok(s) => s,
+        Err(e) => {
+            proc.fail(&e.to_string())?;
+            return Err(e);
+        }
+    };
+    let (mut inputs, mut outputs) = proc.open_queues(spec.num_blocks, &spec.model, Device::Cpu)?;
+    tracing::info!(
+        stage = spec.stage_id,
+        replica = spec.replica,
+        kind = spec.kind.as_str(),
+        "stage serving"
+    );
+    loop {
+        let mut out = StageOutputs::default();
+        let mut stop = false;
+        for i in 0..MAX_INPUTS_PER_TURN {
+            let wait = if i == 0 && !stage.has_work() {
+                IDLE_WAIT
+            } else {
+                Duration::ZERO
+            };
+            match inputs.dequeue(Some(wait)) {
+                Ok(msg) => {
+                    let input: StageInput = msg.header()?;
+                    if matches!(input, StageInput::Shutdown) {
+                        stop = true;
+                        break;
+                    }
+                    let bufs: Vec<&[u8]> = msg.buffers().iter().map(|b| b.as_ref()).collect();
+                    stage.input(input, &bufs, &mut out);
+                }
+                Err(IpcError::Timeout(_)) => break,
+                Err(IpcError::Closed | IpcError::Cancelled) => {
+                    stop = true;
+                    break;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if !out.is_empty() {
+            outputs.enqueue(&out, &[])?;
+        }
+        if stop {
+            return Ok(());
+        }
+        if stage.has_work() {
+            let (out, bufs) = stage.step()?;
+            if !out.is_empty() || out.scheduler_stats.is_some() {
+                let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
+                outputs.enqueue(&out, &views)?;
+            }
+        }
+    }
+}

@@ -1,0 +1,536 @@
+//! The Talker stage: omni-core's scheduler over the Talker and its code predictor. One step
+//! gives every scheduled request one frame (the layer-0 code from the Talker's logits, then
+//! the code predictor's 15 residual codes); frames go out in Code2Wav windows.
+//!
+//! A request is registered by its `Add` (voice, sampling) and enters the scheduler when the
+//! Thinker's first chunk arrives (its prompt length is known only then): until that it holds no
+//! batch slot and no KV block. Its decode step `k` is fed `codec_sum(frame k) + text(k)`,
+//! where `text(k)` is the trailing text row `k` (a fed-back Thinker token, then `tts_eos`) or
+//! `tts_pad` once the Thinker ended; a request whose row `k` has not arrived yet is held out of
+//! the batch (`Scheduler::set_blocked`) and keeps its KV blocks.
+
+use std::collections::HashMap;
+
+use omni_core::connector::CodecChunker;
+use omni_core::{Scheduler, SchedulerConfig};
+use omni_models::qwen3_omni::talker::Talker;
+use omni_models::qwen3_omni::talker::prompt::{TalkerPrompt, ThinkerExports};
+use omni_models::qwen3_omni::talker::sampling::{
+    argmax, repetition_penalty, suppress_control_codes, top_k_top_p,
+};
+use omni_models::qwen3_omni::thinker::TtsEmbeddings;
+use omni_models::{
+    Capture, ForwardBatch, LayerKvCache, ModelInputs, PositionInputs, SeqChunk, StageModel,
+    TokenInputs,
+};
+use omni_protocol::{
+    BlockId, CodecChunk, CodecWindowing, EngineCoreRequest, ModelRunnerOutput, RequestId,
+    SamplingParams, SchedulerOutput, StageInput, StageOutputs, StageSpec, ThinkerChunk,
+    ThinkerStates, ThinkerToTalker,
+};
+
+use crate::StageError;
+use crate::stage::{Stage, StepResult, scheduler_config};
+use crate::tensors::read_f32;
+
+/// The code predictor's own sampling when the Talker samples (transformers' defaults).
+const CP_TOP_K: usize = 50;
+const CP_TOP_P: f32 = 0.8;
+
+/// One live request.
+#[derive(Debug)]
+struct TalkerReq {
+    params: SamplingParams,
+    /// The prefill and the text rows (the trailing text grows as the Thinker feeds back).
+    prompt: TalkerPrompt,
+    /// `text_projection(tts_eos)`, appended when the Thinker ends.
+    tts_eos: Vec<f32>,
+    /// The Thinker ended: rows past the trailing text are `tts_pad`.
+    ended: bool,
+    block_ids: Vec<BlockId>,
+    /// Layer-0 codes so far (the repetition penalty's history).
+    layer0: Vec<u32>,
+    /// `codec_sum` of the last frame: the next decode input before its text row.
+    next_input: Vec<f32>,
+    chunker: CodecChunker,
+    next_chunk: u32,
+    /// Frames done (the draws' counter).
+    frames: u64,
+    seed: u64,
+}
+
+/// A registered request still waiting for its first Thinker chunk.
+#[derive(Debug)]
+struct Pending {
+    request: EngineCoreRequest,
+    speaker: u32,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct TalkerStage {
+    talker: Talker,
+    kv: Vec<LayerKvCache>,
+    scheduler: Scheduler,
+    config: SchedulerConfig,
+    pending: HashMap<RequestId, Pending>,
+    reqs: HashMap<RequestId, TalkerReq>,
+    windowing: CodecWindowing,
+    async_chunk: bool,
+    seed: u64,
+}
+
+/// A small counter-based uniform draw in `[0, 1)` (splitmix64 of the seed and the counter).
+fn uniform(seed: u64, counter: u64) -> f32 {
+    let mut z = seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 24) as f32
+}
+
+impl TalkerStage {
+    /// A stage over a loaded Talker.
+    pub fn new(talker: Talker, spec: &StageSpec) -> Result<Self, StageError> {
+        let config = scheduler_config(spec, false);
+        let kv = StageModel::kv_cache_spec(&talker)
+            .ok_or_else(|| StageError::Model("the Talker has no KV cache".into()))?
+            .allocate(config.num_blocks, config.block_size);
+        Ok(Self {
+            kv,
+            scheduler: Scheduler::new(config.clone())
+                .map_err(|e| StageError::Config(e.to_string()))?,
+            config,
+            talker,
+            pending: HashMap::new(),
+            reqs: HashMap::new(),
+            windowing: spec.windowing,
+            async_chunk: spec.async_chunk,
+            seed: spec.seed,
+        })
+    }
+
+    fn chunker(&self) -> CodecChunker {
+        let groups = self.talker.config().talker_config.num_code_groups;
+        let w = self.windowing;
+        if self.async_chunk {
+            CodecChunker::new(
+                groups,
+                w.initial as usize,
+                w.chunk as usize,
+                w.left_context as usize,
+            )
+        } else {
+            // One window of every frame, sent when the request finishes.
+            CodecChunker::new(groups, usize::MAX, usize::MAX, 0)
+        }
+    }
+
+    /// The Thinker's first payload: builds the prompt and starts the request.
+    fn start(
+        &mut self,
+        id: &RequestId,
+        states: &ThinkerStates,
+        buffers: &[&[u8]],
+        full: bool,
+    ) -> Result<(), StageError> {
+        let Some(p) = self.pending.remove(id) else {
+            return Err(StageError::Input(format!(
+                "Thinker states for {id}, which the Talker does not know"
+            )));
+        };
+        let embed = read_f32(&states.embed, buffers)?;
+        let hidden = read_f32(&states.hidden, buffers)?;
+        let tts = read_f32(&states.tts, buffers)?;
+        let th = tts.len() / 3;
+        let tts = TtsEmbeddings {
+            bos: tts[..th].to_vec(),
+            eos: tts[th..2 * th].to_vec(),
+            pad: tts[2 * th..].to_vec(),
+        };
+        let ex = ThinkerExports {
+            ids: &states.ids,
+            prompt_len: states.prompt_len as usize,
+            embed: &embed,
+            hidden: &hidden,
+            tts: &tts,
+        };
+        let mut prompt = self.talker.build_prompt(&ex, p.speaker)?;
+        let h = prompt.hidden;
+        // The trailing text ends with tts_eos: kept aside until the Thinker ends.
+        let cut = prompt.trailing_text.len().saturating_sub(h);
+        let tts_eos = prompt.trailing_text.split_off(cut);
+        let n = prompt.prefill_len();
+        let mut req = p.request;
+        req.prompt_token_ids = vec![0; n];
+        self.scheduler
+            .add_request(req.clone())
+            .map_err(|e| StageError::Input(e.to_string()))?;
+        let seed = req.sampling_params.seed.unwrap_or(self.seed);
+        self.reqs.insert(
+            id.clone(),
+            TalkerReq {
+                params: req.sampling_params,
+                prompt,
+                tts_eos,
+                ended: false,
+                block_ids: Vec::new(),
+                layer0: Vec::new(),
+                next_input: Vec::new(),
+                chunker: self.chunker(),
+                next_chunk: 0,
+                frames: 0,
+                seed,
+            },
+        );
+        if full {
+            self.end_text(id);
+        }
+        Ok(())
+    }
+
+    fn end_text(&mut self, id: &RequestId) {
+        if let Some(r) = self.reqs.get_mut(id)
+            && !r.ended
+        {
+            let eos = std::mem::take(&mut r.tts_eos);
+            r.prompt.trailing_text.extend_from_slice(&eos);
+            r.ended = true;
+        }
+    }
+
+    fn thinker_chunk(&mut self, m: ThinkerToTalker, buffers: &[&[u8]]) -> Result<(), StageError> {
+        let id = m.request_id;
+        match m.chunk {
+            ThinkerChunk::Prefill(s) => self.start(&id, &s, buffers, false),
+            ThinkerChunk::Full(s) => self.start(&id, &s, buffers, true),
+            ThinkerChunk::Decode { embed, .. } => {
+                let row = read_f32(&embed, buffers)?;
+                let text = self.talker.project_text(&row)?;
+                if let Some(r) = self.reqs.get_mut(&id) {
+                    r.prompt.trailing_text.extend_from_slice(&text);
+                }
+                Ok(())
+            }
+            ThinkerChunk::End => {
+                self.end_text(&id);
+                Ok(())
+            }
+        }
+    }
+
+    fn update_states(&mut self, so: &SchedulerOutput) {
+        for id in &so.preempted_req_ids {
+            if let Some(r) = self.reqs.get_mut(id) {
+                r.block_ids.clear();
+            }
+        }
+        for new in &so.scheduled_new_reqs {
+            if let Some(r) = self.reqs.get_mut(&new.req_id) {
+                r.block_ids = new.block_ids.clone();
+            }
+        }
+        for c in &so.scheduled_cached_reqs {
+            if let Some(r) = self.reqs.get_mut(&c.req_id) {
+                if c.resumed_from_preemption {
+                    r.block_ids = c.new_block_ids.clone();
+                } else {
+                    r.block_ids.extend_from_slice(&c.new_block_ids);
+                }
+            }
+        }
+    }
+
+    /// Holds out of the batch the requests whose next text row has not arrived.
+    fn gate(&mut self) {
+        for (id, r) in &self.reqs {
+            let h = r.prompt.hidden;
+            let k = (r.frames as usize).saturating_sub(1);
+            let ready = r.frames == 0 || r.ended || (k + 1) * h <= r.prompt.trailing_text.len();
+            self.scheduler.set_blocked(id, !ready);
+        }
+    }
+
+    /// The input rows of a scheduled chunk: prefill rows, or the decode input.
+    fn inputs_of(&self, id: &RequestId, start: usize, n: usize) -> Result<Vec<f32>, StageError> {
+        let r = self
+            .reqs
+            .get(id)
+            .ok_or_else(|| StageError::Model(format!("scheduled unknown request {id}")))?;
+        let h = r.prompt.hidden;
+        let p = r.prompt.prefill_len();
+        if start + n <= p {
+            return Ok(r.prompt.prefill[start * h..(start + n) * h].to_vec());
+        }
+        if n != 1 || r.next_input.len() != h {
+            return Err(StageError::Model(format!(
+                "request {id}: {n} positions from {start} past a prefill of {p}"
+            )));
+        }
+        let k = r.frames as usize - 1;
+        let text = r.prompt.text_for_step(k);
+        Ok(r.next_input.iter().zip(text).map(|(a, b)| a + b).collect())
+    }
+
+    fn emit(
+        &mut self,
+        id: &RequestId,
+        window: Option<omni_core::connector::CodecWindow>,
+        out: &mut StageOutputs,
+    ) {
+        let Some(w) = window else { return };
+        let Some(r) = self.reqs.get_mut(id) else {
+            return;
+        };
+        out.codec_chunks.push(CodecChunk {
+            request_id: id.clone(),
+            chunk_id: r.next_chunk,
+            codes: w.codes,
+            num_frames: w.num_frames as u32,
+            left_context: w.left_context as u32,
+            finished: w.finished,
+        });
+        r.next_chunk += 1;
+    }
+}
+
+impl Stage for TalkerStage {
+    fn input(&mut self, input: StageInput, buffers: &[&[u8]], out: &mut StageOutputs) {
+        match input {
+            StageInput::Add(req) => {
+                let id = req.request_id.clone();
+                let voice = req.omni.as_ref().map(|o| o.speaker.as_str()).unwrap_or("");
+                match self.talker.config().talker_config.speaker(voice) {
+                    Ok(speaker) => {
+                        if let Err(e) = req.sampling_params.validate() {
+                            out.failed.push((id, format!("talker sampling: {e}")));
+                        } else {
+                            self.pending.insert(
+                                id,
+                                Pending {
+                                    request: *req,
+                                    speaker,
+                                },
+                            );
+                        }
+                    }
+                    Err(e) => out.failed.push((id, e.to_string())),
+                }
+            }
+            StageInput::Thinker(m) => {
+                let id = m.request_id.clone();
+                if let Err(e) = self.thinker_chunk(*m, buffers) {
+                    self.pending.remove(&id);
+                    self.reqs.remove(&id);
+                    self.scheduler.abort_requests([id.as_str()]);
+                    out.failed.push((id, e.to_string()));
+                }
+            }
+            StageInput::Abort(ids) => {
+                self.scheduler
+                    .abort_requests(ids.iter().map(String::as_str));
+                for id in &ids {
+                    self.pending.remove(id);
+                    self.reqs.remove(id);
+                }
+            }
+            StageInput::Codec(_) | StageInput::Shutdown => {}
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        self.scheduler.has_unfinished_requests() || self.scheduler.has_finished_requests()
+    }
+
+    fn step(&mut self) -> Result<StepResult, StageError> {
+        let mut out = StageOutputs::default();
+        self.gate();
+        let so = self.scheduler.schedule();
+        self.update_states(&so);
+        if so.is_empty() {
+            return Ok((out, Vec::new()));
+        }
+        let scheduled: Vec<(RequestId, usize, usize)> = so
+            .scheduled_new_reqs
+            .iter()
+            .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize))
+            .chain(
+                so.scheduled_cached_reqs
+                    .iter()
+                    .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize)),
+            )
+            .map(|(id, start)| {
+                let n = so.num_scheduled_tokens.get(&id).copied().unwrap_or(0) as usize;
+                (id, start, n)
+            })
+            .collect();
+        let mut embeds = Vec::new();
+        let mut sampled = Vec::new();
+        let mut rows = Vec::new();
+        let mut row = 0;
+        let placeholders: Vec<Vec<u32>> = scheduled.iter().map(|(_, _, n)| vec![0; *n]).collect();
+        let mut chunks = Vec::with_capacity(scheduled.len());
+        for ((id, start, n), tokens) in scheduled.iter().zip(&placeholders) {
+            embeds.extend(self.inputs_of(id, *start, *n)?);
+            let r = &self.reqs[id];
+            row += n;
+            let samples = start + n >= r.prompt.prefill_len();
+            if samples {
+                rows.push(row - 1);
+            }
+            sampled.push(samples);
+            chunks.push(SeqChunk {
+                tokens,
+                start_pos: *start,
+                block_table: &r.block_ids,
+            });
+        }
+        let mut batch = ForwardBatch::from_chunks(&chunks, self.config.block_size)?;
+        batch.logits_indices = Some(rows.clone());
+        let inputs = ModelInputs {
+            batch: &batch,
+            tokens: TokenInputs::Embeds(&embeds),
+            positions: PositionInputs::Batch,
+            mm_features: &[],
+            capture: &[Capture::FinalNorm],
+        };
+        let outputs = StageModel::forward(&self.talker, &inputs, &mut self.kv)?;
+        let mut logits = outputs.logits.map(|t| t.data).unwrap_or_default();
+        let final_norm = outputs
+            .hidden_states
+            .iter()
+            .find(|(k, _)| *k == Capture::FinalNorm)
+            .map(|(_, t)| t.data.clone())
+            .ok_or_else(|| StageError::Model("the Talker returned no final-norm state".into()))?;
+        let tc = &self.talker.config().talker_config;
+        let eos = tc.codec_eos_token_id;
+        let h = self.talker.hidden_size();
+        let v = logits.len().checked_div(rows.len()).unwrap_or(0);
+        // Layer 0 per sampled row.
+        let ids: Vec<&RequestId> = scheduled
+            .iter()
+            .zip(&sampled)
+            .filter(|(_, s)| **s)
+            .map(|((id, _, _), _)| id)
+            .collect();
+        let mut c0 = Vec::with_capacity(ids.len());
+        for (k, id) in ids.iter().enumerate() {
+            let r = &self.reqs[*id];
+            let l = &mut logits[k * v..(k + 1) * v];
+            repetition_penalty(l, &r.layer0, r.params.repetition_penalty);
+            suppress_control_codes(l, eos);
+            let code = if r.params.temperature <= 0.0 {
+                argmax(l)
+            } else {
+                l.iter_mut().for_each(|x| *x /= r.params.temperature);
+                let k = r.params.top_k.map_or(v, |k| k as usize);
+                top_k_top_p(l, k, r.params.top_p, uniform(r.seed, r.frames * 17))
+            };
+            c0.push(code);
+        }
+        // The code predictor over the rows that go on (not EOS).
+        let go: Vec<usize> = (0..ids.len()).filter(|&k| c0[k] != eos).collect();
+        let mut frames: HashMap<&RequestId, (Vec<u32>, Vec<f32>)> = HashMap::new();
+        if !go.is_empty() {
+            // The capture holds the output rows only, or every row of the batch.
+            let at = |k: usize| {
+                if final_norm.len() == rows.len() * h {
+                    k
+                } else {
+                    rows[k]
+                }
+            };
+            let hidden: Vec<f32> = go
+                .iter()
+                .flat_map(|&k| final_norm[at(k) * h..(at(k) + 1) * h].iter().copied())
+                .collect();
+            let codes: Vec<u32> = go.iter().map(|&k| c0[k]).collect();
+            let embed = self.talker.embed_codec(&codes)?;
+            let draws: Vec<(bool, u64, u64)> = go
+                .iter()
+                .map(|&k| {
+                    let r = &self.reqs[ids[k]];
+                    (r.params.temperature <= 0.0, r.seed, r.frames)
+                })
+                .collect();
+            let mut choose = |row: usize, group: usize, l: &mut [f32]| {
+                let (greedy, seed, frame) = draws[row];
+                if greedy {
+                    argmax(l)
+                } else {
+                    top_k_top_p(
+                        l,
+                        CP_TOP_K,
+                        CP_TOP_P,
+                        uniform(seed, frame * 17 + group as u64),
+                    )
+                }
+            };
+            let f = self
+                .talker
+                .code_predictor()
+                .predict(&hidden, &codes, &embed, &mut choose)?;
+            let g = f.codes.len() / go.len();
+            for (j, &k) in go.iter().enumerate() {
+                frames.insert(
+                    ids[k],
+                    (
+                        f.codes[j * g..(j + 1) * g].to_vec(),
+                        f.codec_sum[j * h..(j + 1) * h].to_vec(),
+                    ),
+                );
+            }
+        }
+        let mut mro = ModelRunnerOutput::default();
+        let mut c0s = c0.iter();
+        for ((id, _, _), s) in scheduled.iter().zip(&sampled) {
+            mro.req_ids.push(id.clone());
+            mro.logprobs.push(Vec::new());
+            if *s {
+                let code = c0s.next().copied().unwrap_or(eos);
+                mro.sampled_token_ids.push(vec![code]);
+            } else {
+                mro.sampled_token_ids.push(Vec::new());
+            }
+        }
+        let mut windows = Vec::new();
+        for (id, (codes, sum)) in frames {
+            if let Some(r) = self.reqs.get_mut(id) {
+                r.layer0.push(codes[0]);
+                r.next_input = sum;
+                r.frames += 1;
+                windows.push((id.clone(), r.chunker.push(&codes)));
+            }
+        }
+        for (id, w) in windows {
+            self.emit(&id, w, &mut out);
+        }
+        let outputs = self.scheduler.update_from_output(&so, &mro);
+        for o in outputs.iter().filter(|o| o.finished()) {
+            let last = self
+                .reqs
+                .get_mut(&o.request_id)
+                .and_then(|r| r.chunker.finish());
+            let id = o.request_id.clone();
+            match last {
+                Some(w) => self.emit(&id, Some(w), &mut out),
+                None => {
+                    // No frame left to send: an empty last window ends the stream.
+                    let n = self.reqs.get(&id).map_or(0, |r| r.next_chunk);
+                    out.codec_chunks.push(CodecChunk {
+                        request_id: id.clone(),
+                        chunk_id: n,
+                        codes: Vec::new(),
+                        num_frames: 0,
+                        left_context: 0,
+                        finished: true,
+                    });
+                }
+            }
+            self.reqs.remove(&id);
+        }
+        out.outputs = outputs;
+        out.scheduler_stats = Some(self.scheduler.stats());
+        Ok((out, Vec::new()))
+    }
+}

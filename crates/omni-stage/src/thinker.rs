@@ -1,0 +1,372 @@
+//! The Thinker stage: omni-core's scheduler over the Thinker network; text out, and for
+//! requests that want audio, the layer-0 input and the accept-layer residual of every computed
+//! position to the Talker (omni.md 2.5).
+//!
+//! Async chunks: chunk 0 once the prompt and the first fed-back token are computed (`P + 1`
+//! rows, with the TTS embeddings), then one `Decode` row per fed-back token, then `End` when
+//! the request finishes (the last generated token is never fed back). Without async chunks one
+//! `Full` payload when it finishes.
+
+use std::collections::HashMap;
+
+use omni_core::{Scheduler, SchedulerConfig};
+use omni_models::qwen3_omni::thinker::Thinker;
+use omni_models::{
+    Capture, ForwardBatch, LayerKvCache, ModelInputs, PositionInputs, SeqChunk, StageModel,
+    TokenInputs,
+};
+use omni_protocol::{
+    BlockId, EngineCoreRequest, ModelRunnerOutput, RequestId, SchedulerOutput, StageInput,
+    StageOutputs, StageSpec, ThinkerChunk, ThinkerStates, ThinkerToTalker, TokenId,
+};
+use omni_worker::sampler::{Sampler, SamplingSeq};
+
+use crate::StageError;
+use crate::stage::{Stage, StepResult, scheduler_config};
+use crate::tensors::Buffers;
+
+/// One live request.
+#[derive(Debug)]
+struct ThinkerReq {
+    request: EngineCoreRequest,
+    /// Prompt, then generated tokens.
+    tokens: Vec<TokenId>,
+    block_ids: Vec<BlockId>,
+    /// Whether its states go to a Talker.
+    audio: bool,
+    /// Exported rows so far (positions `0..rows`), `[rows, hidden]` each.
+    embed: Vec<f32>,
+    hidden: Vec<f32>,
+    /// Rows already sent (async mode).
+    sent_rows: usize,
+    next_chunk: u32,
+}
+
+impl ThinkerReq {
+    fn rows(&self, width: usize) -> usize {
+        self.embed.len() / width.max(1)
+    }
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct ThinkerStage {
+    thinker: Thinker,
+    kv: Vec<LayerKvCache>,
+    scheduler: Scheduler,
+    sampler: Sampler,
+    reqs: HashMap<RequestId, ThinkerReq>,
+    block_size: usize,
+    hidden: usize,
+    vocab: usize,
+    async_chunk: bool,
+}
+
+impl ThinkerStage {
+    /// A stage over a loaded Thinker with `spec`'s batch limits and KV blocks.
+    pub fn new(thinker: Thinker, spec: &StageSpec) -> Result<Self, StageError> {
+        // No prefix caching: a cached prompt block is not computed, so its positions would
+        // export nothing (the Talker needs every position's states).
+        let config: SchedulerConfig = scheduler_config(spec, false);
+        let kv = StageModel::kv_cache_spec(&thinker)
+            .ok_or_else(|| StageError::Model("the Thinker has no KV cache".into()))?
+            .allocate(config.num_blocks, config.block_size);
+        let c = &thinker.config().thinker_config.text_config;
+        let (hidden, vocab) = (c.hidden_size, c.vocab_size);
+        Ok(Self {
+            kv,
+            block_size: config.block_size,
+            scheduler: Scheduler::new(config).map_err(|e| StageError::Config(e.to_string()))?,
+            sampler: Sampler::new(Some(spec.seed)),
+            reqs: HashMap::new(),
+            thinker,
+            hidden,
+            vocab,
+            async_chunk: spec.async_chunk,
+        })
+    }
+
+    fn update_states(&mut self, so: &SchedulerOutput) {
+        for id in &so.finished_req_ids {
+            self.reqs.remove(id);
+        }
+        for id in &so.preempted_req_ids {
+            if let Some(r) = self.reqs.get_mut(id) {
+                r.block_ids.clear();
+            }
+        }
+        for new in &so.scheduled_new_reqs {
+            if let Some(r) = self.reqs.get_mut(&new.req_id) {
+                r.block_ids = new.block_ids.clone();
+            }
+        }
+        for c in &so.scheduled_cached_reqs {
+            if let Some(r) = self.reqs.get_mut(&c.req_id) {
+                if c.resumed_from_preemption {
+                    r.block_ids = c.new_block_ids.clone();
+                } else {
+                    r.block_ids.extend_from_slice(&c.new_block_ids);
+                }
+            }
+        }
+    }
+
+    /// The chunks owed to the Talker after this step.
+    fn chunks(&mut self, finished: &[RequestId], out: &mut StageOutputs, bufs: &mut Buffers) {
+        let h = self.hidden;
+        let tts = self.thinker.tts_embeddings();
+        let tts_rows: Vec<f32> = [&tts.bos, &tts.eos, &tts.pad]
+            .iter()
+            .flat_map(|r| r.iter().copied())
+            .collect();
+        for (id, r) in self.reqs.iter_mut().filter(|(_, r)| r.audio) {
+            let done = finished.contains(id);
+            let prompt_len = r.request.prompt_token_ids.len();
+            let rows = r.rows(h);
+            let mut send = |chunk: ThinkerChunk, r: &mut ThinkerReq| {
+                out.thinker_chunks.push(ThinkerToTalker {
+                    request_id: id.clone(),
+                    chunk_id: r.next_chunk,
+                    chunk,
+                });
+                r.next_chunk += 1;
+            };
+            let states = |r: &ThinkerReq, n: usize, bufs: &mut Buffers| ThinkerStates {
+                ids: r.tokens.clone(),
+                prompt_len: prompt_len as u32,
+                embed: bufs.push_f32("thinker.embed", id, &r.embed[..n * h], h),
+                hidden: bufs.push_f32("thinker.hidden", id, &r.hidden[..n * h], h),
+                tts: bufs.push_f32("thinker.tts", id, &tts_rows, h),
+                speaker: r
+                    .request
+                    .omni
+                    .as_ref()
+                    .map(|o| o.speaker.clone())
+                    .unwrap_or_default(),
+            };
+            if !self.async_chunk {
+                if done {
+                    let s = states(r, rows, bufs);
+                    send(ThinkerChunk::Full(s), r);
+                }
+                continue;
+            }
+            if r.sent_rows == 0 && rows > prompt_len {
+                let s = states(r, prompt_len + 1, bufs);
+                send(ThinkerChunk::Prefill(s), r);
+                r.sent_rows = prompt_len + 1;
+            }
+            if r.sent_rows > 0 {
+                while r.sent_rows < rows {
+                    let k = r.sent_rows;
+                    let token = r.tokens.get(k).copied().unwrap_or(0);
+                    let embed = bufs.push_f32("thinker.embed", id, &r.embed[k * h..(k + 1) * h], h);
+                    send(ThinkerChunk::Decode { token, embed }, r);
+                    r.sent_rows += 1;
+                }
+            }
+            if done {
+                if r.sent_rows == 0 {
+                    // Finished before a token was fed back: everything in one payload.
+                    let s = states(r, rows, bufs);
+                    send(ThinkerChunk::Full(s), r);
+                } else {
+                    send(ThinkerChunk::End, r);
+                }
+            }
+        }
+    }
+}
+
+impl Stage for ThinkerStage {
+    fn input(&mut self, input: StageInput, _buffers: &[&[u8]], out: &mut StageOutputs) {
+        match input {
+            StageInput::Add(req) => {
+                let req = *req;
+                let id = req.request_id.clone();
+                let audio = req.omni.as_ref().is_some_and(|o| o.wants_audio());
+                match self.scheduler.add_request(req.clone()) {
+                    Ok(()) => {
+                        self.reqs.insert(
+                            id,
+                            ThinkerReq {
+                                tokens: req.prompt_token_ids.clone(),
+                                request: req,
+                                block_ids: Vec::new(),
+                                audio,
+                                embed: Vec::new(),
+                                hidden: Vec::new(),
+                                sent_rows: 0,
+                                next_chunk: 0,
+                            },
+                        );
+                    }
+                    Err(e) => out.rejected.push((id, e)),
+                }
+            }
+            StageInput::Abort(ids) => {
+                self.scheduler
+                    .abort_requests(ids.iter().map(String::as_str));
+                for id in &ids {
+                    self.reqs.remove(id);
+                }
+            }
+            StageInput::Thinker(_) | StageInput::Codec(_) | StageInput::Shutdown => {}
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        self.scheduler.has_unfinished_requests() || self.scheduler.has_finished_requests()
+    }
+
+    fn step(&mut self) -> Result<StepResult, StageError> {
+        let mut out = StageOutputs::default();
+        let mut bufs = Buffers::default();
+        let so = self.scheduler.schedule();
+        self.update_states(&so);
+        if so.is_empty() {
+            return Ok((out, bufs.0));
+        }
+        let scheduled: Vec<(RequestId, usize, usize)> = so
+            .scheduled_new_reqs
+            .iter()
+            .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize))
+            .chain(
+                so.scheduled_cached_reqs
+                    .iter()
+                    .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize)),
+            )
+            .map(|(id, start)| {
+                let n = so.num_scheduled_tokens.get(&id).copied().unwrap_or(0) as usize;
+                (id, start, n)
+            })
+            .collect();
+        let mut chunks = Vec::with_capacity(scheduled.len());
+        let mut sample_rows = Vec::new();
+        let mut samples = Vec::new();
+        let mut row = 0;
+        let mut any_audio = false;
+        for (id, start, n) in &scheduled {
+            let r = self
+                .reqs
+                .get(id)
+                .ok_or_else(|| StageError::Model(format!("scheduled unknown request {id}")))?;
+            any_audio |= r.audio;
+            let end = start + n;
+            if end > r.tokens.len() {
+                return Err(StageError::Model(format!(
+                    "request {id}: scheduled to position {end} of {}",
+                    r.tokens.len()
+                )));
+            }
+            row += n;
+            let sampled = *n > 0 && end == r.tokens.len();
+            if sampled {
+                sample_rows.push(row - 1);
+            }
+            samples.push(sampled);
+            chunks.push(SeqChunk {
+                tokens: &r.tokens[*start..end],
+                start_pos: *start,
+                block_table: &r.block_ids,
+            });
+        }
+        let mut batch = ForwardBatch::from_chunks(&chunks, self.block_size)?;
+        batch.logits_indices = Some(sample_rows);
+        let capture = self.thinker.exports();
+        let inputs = ModelInputs {
+            batch: &batch,
+            tokens: TokenInputs::Ids,
+            positions: PositionInputs::Batch,
+            mm_features: &[],
+            capture: if any_audio { &capture } else { &[] },
+        };
+        let outputs = StageModel::forward(&self.thinker, &inputs, &mut self.kv)?;
+        let logits = outputs.logits.map(|t| t.data).unwrap_or_default();
+        let captured = |c: Capture| {
+            outputs
+                .hidden_states
+                .iter()
+                .find(|(k, _)| *k == c)
+                .map(|(_, t)| t.data.as_slice())
+        };
+        // Exports: each request's rows past what it already holds (a recompute after a
+        // preemption repeats positions).
+        let h = self.hidden;
+        if let (Some(embed), Some(hidden)) = (captured(capture[0]), captured(capture[1])) {
+            let mut row = 0;
+            for (id, start, n) in &scheduled {
+                if let Some(r) = self.reqs.get_mut(id)
+                    && r.audio
+                {
+                    for p in *start..start + n {
+                        if p == r.rows(h) {
+                            let k = row + p - start;
+                            r.embed.extend_from_slice(&embed[k * h..(k + 1) * h]);
+                            r.hidden.extend_from_slice(&hidden[k * h..(k + 1) * h]);
+                        }
+                    }
+                }
+                row += n;
+            }
+        }
+        // Sampling on the host (penalties, seeds, logprobs as a text request).
+        let sampled_ids: Vec<&RequestId> = scheduled
+            .iter()
+            .zip(&samples)
+            .filter(|(_, s)| **s)
+            .map(|((id, _, _), _)| id)
+            .collect();
+        let seqs: Vec<SamplingSeq<'_>> = sampled_ids
+            .iter()
+            .filter_map(|id| self.reqs.get(*id))
+            .map(|r| {
+                let p = r.request.prompt_token_ids.len();
+                SamplingSeq {
+                    params: &r.request.sampling_params,
+                    prompt_token_ids: &r.tokens[..p],
+                    output_token_ids: &r.tokens[p..],
+                    eos_token_id: r.request.eos_token_id,
+                }
+            })
+            .collect();
+        let tokens = if seqs.is_empty() {
+            Vec::new()
+        } else {
+            self.sampler
+                .sample(&logits, self.vocab, &seqs)
+                .map_err(|e| StageError::Model(e.to_string()))?
+        };
+        let mut mro = ModelRunnerOutput::default();
+        let mut tokens = tokens.into_iter();
+        for ((id, _, _), s) in scheduled.iter().zip(&samples) {
+            mro.req_ids.push(id.clone());
+            if !s {
+                mro.sampled_token_ids.push(Vec::new());
+                mro.logprobs.push(Vec::new());
+                continue;
+            }
+            let t = tokens
+                .next()
+                .ok_or_else(|| StageError::Model("the sampler returned too few tokens".into()))?;
+            if let Some(r) = self.reqs.get_mut(id) {
+                r.tokens.push(t.token_id);
+            }
+            mro.sampled_token_ids.push(vec![t.token_id]);
+            mro.logprobs.push(t.logprobs.into_iter().collect());
+        }
+        let outputs = self.scheduler.update_from_output(&so, &mro);
+        let finished: Vec<RequestId> = outputs
+            .iter()
+            .filter(|o| o.finished())
+            .map(|o| o.request_id.clone())
+            .collect();
+        self.chunks(&finished, &mut out, &mut bufs);
+        for id in &finished {
+            self.reqs.remove(id);
+        }
+        out.outputs = outputs;
+        out.scheduler_stats = Some(self.scheduler.stats());
+        Ok((out, bufs.0))
+    }
+}

@@ -1,0 +1,303 @@
+//! The omni pipeline end to end on the tiny Qwen3-Omni fixture (issue 13): Thinker, Talker and
+//! Code2Wav as stage processes of this binary (`omni-engine stage`), joined by omni-ipc queues
+//! through `OmniPipeline`.
+//!
+//! Every stage greedy with fixed lengths (8 Thinker tokens, 11 Talker frames, ignore_eos):
+//! the text equals transformers' greedy tokens, and the audio equals Code2Wav applied to
+//! transformers' greedy Talker frames (`talker.frames.*` of the fixture): as one window
+//! without async chunks, as the 4 / 25+25 windows with the streaming trim with them. Any
+//! differing code would change the waveform. Four requests (2 prompts x 2 voices) run at once,
+//! so every stage batches across requests.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use omni_core::{EngineCoreClient, MpClientConfig, OmniPipeline, OmniPipelineConfig};
+use omni_models::qwen3_omni::code2wav::Code2Wav;
+use omni_protocol::{
+    CodecWindowing, EngineCoreRequest, EngineDeadError, FinishReason, LoadFormat, Modality,
+    OmniParams, SamplingParams, StageKind, StageSpec,
+};
+
+const WINDOWS: CodecWindowing = CodecWindowing {
+    initial: 4,
+    chunk: 25,
+    left_context: 25,
+};
+const THINKER_TOKENS: u32 = 8;
+const FRAMES: u32 = 11;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../crates/omni-models/tests/fixtures/qwen3-omni")
+}
+
+fn reference() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
+        .unwrap()
+}
+
+fn reference_frames(key: &str) -> Vec<u32> {
+    let bytes = std::fs::read(fixture().join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(key).unwrap();
+    t.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32)
+        .collect()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn spec(kind: StageKind, replica: u32, async_chunk: bool) -> StageSpec {
+    let stage_id = match kind {
+        StageKind::Thinker => 0,
+        StageKind::Talker => 1,
+        StageKind::Code2Wav => 2,
+    };
+    StageSpec {
+        stage_id,
+        replica,
+        kind,
+        model: fixture().display().to_string(),
+        load_format: LoadFormat::Safetensors,
+        seed: 0,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 1024,
+        max_model_len: 256,
+        block_size: 16,
+        num_blocks: 128,
+        async_chunk,
+        windowing: WINDOWS,
+        default_sampling: SamplingParams::greedy(FRAMES),
+    }
+}
+
+fn start(async_chunk: bool, talkers: u32) -> OmniPipeline {
+    // The pipeline's own warnings (a request's failure and why) in the test's output.
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let mut client = MpClientConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_omni-engine")));
+    client.args = vec!["stage".into()];
+    client.ready_timeout = Duration::from_secs(60);
+    let cfg = OmniPipelineConfig {
+        client,
+        stages: vec![
+            vec![spec(StageKind::Thinker, 0, async_chunk)],
+            (0..talkers)
+                .map(|r| spec(StageKind::Talker, r, async_chunk))
+                .collect(),
+            vec![spec(StageKind::Code2Wav, 0, async_chunk)],
+        ],
+    };
+    OmniPipeline::start(&cfg).expect("the pipeline starts")
+}
+
+fn request(id: &str, prompt: Vec<u32>, speaker: &str) -> EngineCoreRequest {
+    let thinker = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(THINKER_TOKENS),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let talker = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(FRAMES),
+        ignore_eos: true,
+        repetition_penalty: 1.05,
+        ..SamplingParams::default()
+    };
+    let mut r = EngineCoreRequest::new(id, prompt, thinker, None);
+    r.omni = Some(OmniParams {
+        modalities: vec![Modality::Text, Modality::Audio],
+        speaker: speaker.into(),
+        stage_sampling: vec![talker],
+    });
+    r
+}
+
+#[derive(Debug, Default)]
+struct Collected {
+    tokens: Vec<u32>,
+    text_finish: Option<FinishReason>,
+    audio: Vec<f32>,
+    packets: usize,
+    finish: Option<FinishReason>,
+}
+
+fn collect(mut s: omni_core::RequestStream) -> Result<Collected, omni_core::RequestError> {
+    let mut c = Collected::default();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        let Some(item) = s.blocking_next() else { break };
+        let o = item?;
+        c.tokens.extend(&o.new_token_ids);
+        if o.text_finish_reason.is_some() {
+            c.text_finish = o.text_finish_reason;
+        }
+        if let Some(a) = &o.audio {
+            assert_eq!(a.sample_rate, 24_000);
+            c.audio.extend(&a.samples);
+            c.packets += 1;
+        }
+        if o.finished() {
+            c.finish = o.finish_reason;
+            break;
+        }
+    }
+    Ok(c)
+}
+
+/// Code2Wav over `frames` (frame-major `[T, 16]`), cut as the pipeline cuts them.
+fn expected_audio(c2w: &Code2Wav, frames: &[u32], async_chunk: bool) -> Vec<f32> {
+    let g = 16;
+    let mut chunker = if async_chunk {
+        omni_core::connector::CodecChunker::new(
+            g,
+            WINDOWS.initial as usize,
+            WINDOWS.chunk as usize,
+            WINDOWS.left_context as usize,
+        )
+    } else {
+        omni_core::connector::CodecChunker::new(g, usize::MAX, usize::MAX, 0)
+    };
+    let mut windows: Vec<_> = frames
+        .chunks_exact(g)
+        .filter_map(|f| chunker.push(f))
+        .collect();
+    windows.extend(chunker.finish());
+    let mut out = Vec::new();
+    for w in windows {
+        out.extend(
+            c2w.decode_window(&w.codes, w.num_frames, w.left_context)
+                .unwrap(),
+        );
+    }
+    out
+}
+
+fn load_code2wav() -> Code2Wav {
+    let dir = fixture();
+    let config = omni_models::registry::read_config(&dir).unwrap();
+    let ws = omni_models::hf_dir::SafetensorsDir::open(&dir).unwrap();
+    Code2Wav::load(&config, &ws).unwrap()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "audio lengths");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Runs the fixture's 4 requests at once and checks text and audio against the references.
+fn check_all(p: &OmniPipeline, async_chunk: bool) {
+    let r = reference();
+    let c2w = load_code2wav();
+    let mut running = Vec::new();
+    for (i, prompt) in r["thinker.prompts"].as_array().unwrap().iter().enumerate() {
+        for speaker in ["chelsie", "ethan"] {
+            let id = format!("req-{i}-{speaker}");
+            let s = p.add_request(request(&id, ids(prompt), speaker)).unwrap();
+            running.push((i, speaker, s));
+        }
+    }
+    for (i, speaker, s) in running {
+        let got = collect(s).unwrap();
+        let want_tokens = ids(&r[format!("thinker.greedy.{i}").as_str()]);
+        assert_eq!(got.tokens, want_tokens, "prompt {i} {speaker}: text");
+        assert_eq!(got.text_finish, Some(FinishReason::Length));
+        assert_eq!(got.finish, Some(FinishReason::Stop), "prompt {i} {speaker}");
+        let frames = reference_frames(&format!("talker.frames.{i}.{speaker}"));
+        let want = expected_audio(&c2w, &frames, async_chunk);
+        assert_eq!(want.len(), 1920 * FRAMES as usize - 555);
+        let e = max_abs(&got.audio, &want);
+        assert!(e <= 1e-4, "prompt {i} {speaker}: audio max abs err {e}");
+        let packets = if async_chunk { 2 } else { 1 };
+        assert_eq!(got.packets, packets, "prompt {i} {speaker}: audio packets");
+    }
+}
+
+fn segments_of(pids: &[u32]) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| pids.iter().any(|p| n.starts_with(&format!("omni.{p}x"))))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn async_chunks_give_transformers_text_and_the_streaming_windows_audio() {
+    let p = start(true, 1);
+    check_all(&p, true);
+    let pids: Vec<u32> = p.stages().iter().flatten().map(|s| s.pid()).collect();
+    p.shutdown();
+    assert!(segments_of(&pids).is_empty(), "{:?}", segments_of(&pids));
+}
+
+#[test]
+fn full_payloads_give_transformers_text_and_one_window_of_audio() {
+    let p = start(false, 1);
+    check_all(&p, false);
+    p.shutdown();
+}
+
+#[test]
+fn two_talker_replicas_give_the_same_audio_as_one() {
+    let p = start(true, 2);
+    check_all(&p, true);
+    p.shutdown();
+}
+
+#[test]
+fn a_killed_stage_fails_its_requests_naming_it_and_leaves_no_segments() {
+    let p = start(true, 1);
+    let r = reference();
+    let mut s = p
+        .add_request(request("doomed", ids(&r["thinker.prompts"][0]), "ethan"))
+        .unwrap();
+    // Wait for the first text so the request lives in every stage.
+    let first = s.blocking_next().unwrap().unwrap();
+    assert!(!first.finished());
+    let talker = p.stages()[1][0].pid();
+    let pids: Vec<u32> = p.stages().iter().flatten().map(|s| s.pid()).collect();
+    let killed = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(talker as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let err = loop {
+        match s.blocking_next() {
+            Some(Ok(o)) if !o.finished() => continue,
+            Some(Err(e)) => break e,
+            other => panic!("expected the stage's death, got {other:?}"),
+        }
+    };
+    assert!(
+        killed.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        killed.elapsed()
+    );
+    match err {
+        omni_core::RequestError::Engine(EngineDeadError::Stage {
+            stage_id, replica, ..
+        }) => assert_eq!((stage_id, replica), (1, 0)),
+        e => panic!("expected a stage error, got {e}"),
+    }
+    assert!(p.health().is_err());
+    // New requests fail at once.
+    let again = p.add_request(request("late", ids(&r["thinker.prompts"][0]), "ethan"));
+    assert!(again.is_err() || collect(again.unwrap()).is_err());
+    p.shutdown();
+    assert!(segments_of(&pids).is_empty(), "{:?}", segments_of(&pids));
+}
