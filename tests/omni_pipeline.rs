@@ -301,3 +301,50 @@ fn a_killed_stage_fails_its_requests_naming_it_and_leaves_no_segments() {
     p.shutdown();
     assert!(segments_of(&pids).is_empty(), "{:?}", segments_of(&pids));
 }
+
+/// Polls `cond` on the pipeline's per-stage stats for up to 10 s.
+fn wait_stats(
+    p: &OmniPipeline,
+    cond: impl Fn(&[Vec<omni_protocol::SchedulerStats>]) -> bool,
+) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if cond(&p.stage_stats()) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+#[test]
+fn a_dropped_stream_frees_its_blocks_in_every_stage() {
+    let p = start(true, 1);
+    let r = reference();
+    let mut req = request("gone", ids(&r["thinker.prompts"][1]), "chelsie");
+    // Long enough to be alive in both KV-holding stages when the client leaves.
+    req.sampling_params.max_tokens = Some(200);
+    if let Some(o) = req.omni.as_mut() {
+        o.stage_sampling[0].max_tokens = Some(200);
+    }
+    let mut s = p.add_request(req).unwrap();
+    assert!(!s.blocking_next().unwrap().unwrap().finished());
+    assert!(
+        wait_stats(&p, |st| st[0][0].kv_cache_usage > 0.0
+            && st[1][0].kv_cache_usage > 0.0),
+        "the request never held blocks in both stages: {:?}",
+        p.stage_stats()
+    );
+    drop(s);
+    assert!(
+        wait_stats(&p, |st| {
+            st[0][0].kv_cache_usage == 0.0
+                && st[1][0].kv_cache_usage == 0.0
+                && st[0][0].num_running_reqs == 0
+                && st[1][0].num_running_reqs == 0
+        }),
+        "blocks still held after the disconnect: {:?}",
+        p.stage_stats()
+    );
+    p.shutdown();
+}

@@ -82,6 +82,8 @@ struct Shared {
     /// Each Talker replica's default sampling (a request without `sampling_params_list`).
     talker_defaults: Vec<omni_protocol::SamplingParams>,
     table: Mutex<Table>,
+    /// The last scheduler state each (stage, replica) reported.
+    stats: Mutex<Vec<Vec<SchedulerStats>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -92,6 +94,16 @@ impl Shared {
     fn stage(&self, kind: StageKind, replica: usize) -> Option<&StageClient> {
         let index = stage_index(kind);
         self.stages.get()?.get(index)?.get(replica)
+    }
+
+    fn note_stats(&self, stage: usize, replica: usize, s: Option<SchedulerStats>) {
+        if let Some(s) = s
+            && let Some(slot) = lock(&self.stats)
+                .get_mut(stage)
+                .and_then(|v| v.get_mut(replica))
+        {
+            *slot = s;
+        }
     }
 
     fn route(&self, id: &str) -> Option<Route> {
@@ -356,6 +368,12 @@ impl OmniPipeline {
                 routes: HashMap::new(),
                 load: cfg.stages.iter().map(|s| vec![0; s.len()]).collect(),
             }),
+            stats: Mutex::new(
+                cfg.stages
+                    .iter()
+                    .map(|s| vec![SchedulerStats::default(); s.len()])
+                    .collect(),
+            ),
         });
         let mut stages: Vec<Vec<StageClient>> = Vec::new();
         for specs in &cfg.stages {
@@ -363,8 +381,10 @@ impl OmniPipeline {
             for spec in specs {
                 let weak = Arc::downgrade(&shared);
                 let kind = spec.kind;
+                let replica = replicas.len();
                 let on_output = Box::new(move |outs: StageOutputs, buffers: Vec<Vec<u8>>| {
                     let Some(s) = weak.upgrade() else { return };
+                    s.note_stats(stage_index(kind), replica, outs.scheduler_stats);
                     match kind {
                         StageKind::Thinker => s.on_thinker(outs, buffers),
                         StageKind::Talker => s.on_talker(outs),
@@ -399,6 +419,12 @@ impl OmniPipeline {
             shared,
             dispatcher: Arc::new(Mutex::new(Some(dispatcher))),
         })
+    }
+
+    /// The last scheduler state of every replica, per stage (vLLM's gauges with a `stage`
+    /// label).
+    pub fn stage_stats(&self) -> Vec<Vec<SchedulerStats>> {
+        lock(&self.shared.stats).clone()
     }
 
     /// Every stage replica, per stage.

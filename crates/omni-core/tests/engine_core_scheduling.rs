@@ -699,3 +699,46 @@ fn random_arrivals_aborts_and_tight_caches_keep_every_invariant() {
         "{preemptions} {hits} {aborts}"
     );
 }
+
+/// A blocked running request (an omni stage waiting for upstream rows) gets no tokens and no
+/// batch slot but keeps its blocks; unblocked, it resumes where it stopped.
+#[test]
+fn a_blocked_request_sits_out_steps_keeps_its_blocks_and_resumes() {
+    use omni_core::Scheduler;
+    let mut s = Scheduler::new(config(64, 4)).unwrap();
+    s.add_request(request("a", prompt(1, 6), 8, 0.0)).unwrap();
+    s.add_request(request("b", prompt(2, 6), 8, 1.0)).unwrap();
+    let sampled = |so: &omni_protocol::SchedulerOutput| omni_protocol::ModelRunnerOutput {
+        req_ids: so.num_scheduled_tokens.keys().cloned().collect(),
+        sampled_token_ids: so.num_scheduled_tokens.keys().map(|_| vec![7]).collect(),
+        logprobs: so.num_scheduled_tokens.keys().map(|_| Vec::new()).collect(),
+        ..Default::default()
+    };
+    let first = s.schedule();
+    assert_eq!(first.num_scheduled_tokens.len(), 2);
+    s.update_from_output(&first, &sampled(&first));
+    let usage = s.stats().kv_cache_usage;
+    s.set_blocked("a", true);
+    assert!(s.is_blocked("a"));
+    // Both need a decode token; only b gets one while a is blocked.
+    let second = s.schedule();
+    assert_eq!(
+        second.num_scheduled_tokens.keys().collect::<Vec<_>>(),
+        ["b"]
+    );
+    s.update_from_output(&second, &sampled(&second));
+    assert!(
+        s.stats().kv_cache_usage >= usage,
+        "a blocked request keeps its blocks"
+    );
+    s.set_blocked("a", false);
+    assert!(!s.is_blocked("a"));
+    let third = s.schedule();
+    assert_eq!(third.num_scheduled_tokens.get("a"), Some(&1));
+    // Unknown ids are ignored; an aborted request leaves the blocked set.
+    s.set_blocked("nobody", true);
+    assert!(!s.is_blocked("nobody"));
+    s.set_blocked("a", true);
+    s.abort_requests(["a"]);
+    assert!(!s.is_blocked("a"));
+}

@@ -68,6 +68,14 @@ impl Stage for Code2WavStage {
         !self.queue.is_empty()
     }
 
+    /// Windows waiting count as waiting requests; Code2Wav holds no KV cache.
+    fn stats(&self) -> Option<omni_protocol::SchedulerStats> {
+        Some(omni_protocol::SchedulerStats {
+            num_waiting_reqs: self.queue.len() as u32,
+            ..omni_protocol::SchedulerStats::default()
+        })
+    }
+
     fn step(&mut self) -> Result<StepResult, StageError> {
         let mut out = StageOutputs::default();
         let mut batch = Vec::new();

@@ -75,6 +75,7 @@ pub fn run_stage_process() -> Result<(), StageError> {
     loop {
         let mut out = StageOutputs::default();
         let mut stop = false;
+        let mut took = 0;
         for i in 0..MAX_INPUTS_PER_TURN {
             let wait = if i == 0 && !stage.has_work() {
                 IDLE_WAIT
@@ -90,6 +91,7 @@ pub fn run_stage_process() -> Result<(), StageError> {
                     }
                     let bufs: Vec<&[u8]> = msg.buffers().iter().map(|b| b.as_ref()).collect();
                     stage.input(input, &bufs, &mut out);
+                    took += 1;
                 }
                 Err(IpcError::Timeout(_)) => break,
                 Err(IpcError::Closed | IpcError::Cancelled) => {
@@ -99,7 +101,12 @@ pub fn run_stage_process() -> Result<(), StageError> {
                 Err(e) => return Err(e.into()),
             }
         }
-        if !out.is_empty() {
+        // Inputs change what the stage holds (an abort frees blocks): report it even when no
+        // step follows.
+        if took > 0 {
+            out.scheduler_stats = stage.stats();
+        }
+        if !out.is_empty() || out.scheduler_stats.is_some() {
             outputs.enqueue(&out, &[])?;
         }
         if stop {

@@ -1,7 +1,7 @@
 //! What every stage's loop drives: inputs in, one step, outputs out.
 
 use omni_core::SchedulerConfig;
-use omni_protocol::{StageInput, StageOutputs, StageSpec};
+use omni_protocol::{SchedulerStats, StageInput, StageOutputs, StageSpec};
 
 use crate::StageError;
 
@@ -16,6 +16,8 @@ pub trait Stage: Send {
     fn has_work(&self) -> bool;
     /// Runs one batch. An error here is the stage's death (its process exits with it).
     fn step(&mut self) -> Result<StepResult, StageError>;
+    /// Its scheduler's state (running, waiting, KV usage), if it has a scheduler.
+    fn stats(&self) -> Option<SchedulerStats>;
 }
 
 /// The scheduler config of an autoregressive stage. `prefix_caching` must be off where the

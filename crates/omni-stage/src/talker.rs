@@ -342,6 +342,10 @@ impl Stage for TalkerStage {
         self.scheduler.has_unfinished_requests() || self.scheduler.has_finished_requests()
     }
 
+    fn stats(&self) -> Option<omni_protocol::SchedulerStats> {
+        Some(self.scheduler.stats())
+    }
+
     fn step(&mut self) -> Result<StepResult, StageError> {
         let mut out = StageOutputs::default();
         self.gate();
