@@ -12,48 +12,15 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+#[path = "omni_common.rs"]
+mod omni_common;
+use omni_common::*;
+
 use omni_core::{EngineCoreClient, MpClientConfig, OmniPipeline, OmniPipelineConfig};
-use omni_models::qwen3_omni::code2wav::Code2Wav;
 use omni_protocol::{
-    CodecWindowing, EngineCoreRequest, EngineDeadError, FinishReason, LoadFormat, Modality,
-    OmniParams, SamplingParams, StageKind, StageSpec,
+    EngineCoreRequest, EngineDeadError, FinishReason, LoadFormat, Modality, OmniParams,
+    SamplingParams, StageKind, StageSpec,
 };
-
-const WINDOWS: CodecWindowing = CodecWindowing {
-    initial: 4,
-    chunk: 25,
-    left_context: 25,
-};
-const THINKER_TOKENS: u32 = 8;
-const FRAMES: u32 = 11;
-
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../crates/omni-models/tests/fixtures/qwen3-omni")
-}
-
-fn reference() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
-        .unwrap()
-}
-
-fn reference_frames(key: &str) -> Vec<u32> {
-    let bytes = std::fs::read(fixture().join("reference.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor(key).unwrap();
-    t.data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32)
-        .collect()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 fn spec(kind: StageKind, replica: u32, async_chunk: bool) -> StageSpec {
     let stage_id = match kind {
@@ -151,41 +118,6 @@ fn collect(mut s: omni_core::RequestStream) -> Result<Collected, omni_core::Requ
         }
     }
     Ok(c)
-}
-
-/// Code2Wav over `frames` (frame-major `[T, 16]`), cut as the pipeline cuts them.
-fn expected_audio(c2w: &Code2Wav, frames: &[u32], async_chunk: bool) -> Vec<f32> {
-    let g = 16;
-    let mut chunker = if async_chunk {
-        omni_core::connector::CodecChunker::new(
-            g,
-            WINDOWS.initial as usize,
-            WINDOWS.chunk as usize,
-            WINDOWS.left_context as usize,
-        )
-    } else {
-        omni_core::connector::CodecChunker::new(g, usize::MAX, usize::MAX, 0)
-    };
-    let mut windows: Vec<_> = frames
-        .chunks_exact(g)
-        .filter_map(|f| chunker.push(f))
-        .collect();
-    windows.extend(chunker.finish());
-    let mut out = Vec::new();
-    for w in windows {
-        out.extend(
-            c2w.decode_window(&w.codes, w.num_frames, w.left_context)
-                .unwrap(),
-        );
-    }
-    out
-}
-
-fn load_code2wav() -> Code2Wav {
-    let dir = fixture();
-    let config = omni_models::registry::read_config(&dir).unwrap();
-    let ws = omni_models::hf_dir::SafetensorsDir::open(&dir).unwrap();
-    Code2Wav::load(&config, &ws).unwrap()
 }
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {

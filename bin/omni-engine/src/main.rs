@@ -16,6 +16,7 @@ mod engine_adapter;
 mod engine_core_cmd;
 mod generate_cmd;
 mod serve_cmd;
+mod serve_omni;
 mod stage_cmd;
 mod worker_cmd;
 
@@ -81,6 +82,32 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// This executable's path, for spawning child processes of other roles.
+/// `serve`'s clap command (the flags a deploy profile's stage keys name).
+pub fn serve_command() -> clap::Command {
+    Cli::command()
+        .find_subcommand("serve")
+        .cloned()
+        .unwrap_or_else(|| clap::Command::new("serve"))
+}
+
+/// This `serve` process's engine config with one deploy-profile stage's keys as a layer
+/// between the `--config` file and the environment (omni-config's `layered_argv_with`).
+pub fn stage_engine_config(stage_args: &[String]) -> anyhow::Result<omni_config::EngineConfig> {
+    let argv = generate_cmd::normalize_args(std::env::args());
+    let argv = omni_config::layered_argv_with(argv, &Cli::command(), std::env::vars(), stage_args)?;
+    let matches = omni_config::override_self(Cli::command()).try_get_matches_from(argv)?;
+    match Cli::from_arg_matches(&matches)?.command {
+        Command::Serve(a) => {
+            let mut e = a.engine;
+            if let Some(m) = a.model_tag {
+                e.model.model = Some(m);
+            }
+            Ok(e)
+        }
+        _ => anyhow::bail!("a stage's engine config is resolved only under `serve`"),
+    }
+}
+
 pub fn current_exe() -> anyhow::Result<PathBuf> {
     std::env::current_exe().context("locating the omni-engine executable")
 }

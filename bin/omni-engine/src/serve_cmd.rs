@@ -50,6 +50,9 @@ pub struct Args {
     /// Engine: model loading, parallelism, KV cache, scheduler.
     #[command(flatten)]
     pub engine: EngineConfig,
+    /// Omni models: the stage pipeline and its deploy profile.
+    #[command(flatten)]
+    pub omni: omni_config::OmniArgs,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -92,27 +95,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     let t_load = Instant::now();
-    // On the main thread, which lives as long as the engine: workers die with the thread that
-    // spawned them (PR_SET_PDEATHSIG).
-    let StartedEngine {
-        engine, scheduler, ..
-    } = start_engine(&engine_config)?;
-    tracing::info!(
-        num_gpu_blocks = scheduler.num_blocks,
-        block_size = scheduler.block_size,
-        "engine ready in {:.2?}: {} KV blocks ({} tokens of KV cache)",
-        t_load.elapsed(),
-        scheduler.num_blocks,
-        scheduler.num_blocks * scheduler.block_size
-    );
-    let core = engine.clone();
-    let adapter = Arc::new(CoreEngineClient::new(
-        core.clone(),
-        CacheInfo {
+    let mut config = config;
+    // On the main thread, which lives as long as the engine: workers and stages die with the
+    // thread that spawned them (PR_SET_PDEATHSIG).
+    let (core, cache): (Arc<dyn EngineCoreClient>, CacheInfo) = if args.omni.omni {
+        let started = crate::serve_omni::start(&args, &engine_config, &model)?;
+        tracing::info!("omni pipeline ready in {:.2?}", t_load.elapsed());
+        config.omni = Some(started.info);
+        (started.engine, started.cache)
+    } else {
+        let StartedEngine {
+            engine, scheduler, ..
+        } = start_engine(&engine_config)?;
+        tracing::info!(
+            num_gpu_blocks = scheduler.num_blocks,
+            block_size = scheduler.block_size,
+            "engine ready in {:.2?}: {} KV blocks ({} tokens of KV cache)",
+            t_load.elapsed(),
+            scheduler.num_blocks,
+            scheduler.num_blocks * scheduler.block_size
+        );
+        let cache = CacheInfo {
             block_size: engine_config.cache.block_size,
             num_gpu_blocks: u32::try_from(scheduler.num_blocks).unwrap_or(u32::MAX),
-        },
-    ));
+        };
+        (engine, cache)
+    };
+    let engine = core.clone();
+    let adapter = Arc::new(CoreEngineClient::new(core.clone(), cache));
     let result = runtime.block_on(serve_until_signal(config, adapter, tokenizer, core));
     engine.shutdown();
     runtime.shutdown_timeout(Duration::from_secs(1));

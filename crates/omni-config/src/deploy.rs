@@ -148,6 +148,27 @@ pub struct DeployConfig {
     pub warnings: Vec<String>,
 }
 
+/// `serve`'s omni flags (vLLM-Omni's).
+#[derive(
+    Debug, Clone, Default, PartialEq, Eq, clap::Args, serde::Serialize, serde::Deserialize,
+)]
+pub struct OmniArgs {
+    /// Serve an omni model as its pipeline of stages (Qwen3-Omni: Thinker -> Talker ->
+    /// Code2Wav), each stage replica a process of its own, set by a deploy profile.
+    #[arg(long)]
+    pub omni: bool,
+    /// The deploy profile (vLLM-Omni's YAML); default: the built-in one of the model's
+    /// `model_type` (`deploy/`).
+    #[arg(long, value_name = "FILE")]
+    pub deploy_config: Option<PathBuf>,
+    /// Per-stage edits of the profile, JSON `{"<stage_id>": {key: value}}`.
+    #[arg(long, value_name = "JSON")]
+    pub stage_overrides: Option<String>,
+    /// Hand whole payloads between stages instead of streaming chunks (`async_chunk: false`).
+    #[arg(long)]
+    pub no_async_chunk: bool,
+}
+
 /// Where a profile comes from.
 #[derive(Debug, Clone, Copy)]
 pub enum DeploySource<'a> {

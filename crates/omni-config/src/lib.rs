@@ -30,7 +30,7 @@ mod layers;
 
 pub use deploy::{
     CodecChunking, ConnectorConfig, DEFAULT_PROFILES, DeployConfig, DeployOverrides, DeploySource,
-    StageDeployConfig,
+    OmniArgs, StageDeployConfig,
 };
 pub use engine::{
     CacheConfig, DeviceConfig, DeviceKind, Dtype, EngineConfig, ExecutorKind, IpcConfig,

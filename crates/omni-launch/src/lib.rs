@@ -20,6 +20,8 @@
 //! # drop(client); Ok(()) }
 //! ```
 
+pub mod omni;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -55,6 +57,9 @@ pub enum LaunchError {
     /// The engine-core process's side of its handshake or queues failed.
     #[error(transparent)]
     EngineCoreProc(#[from] omni_core::EngineCoreProcError),
+    /// An omni pipeline cannot be set up (`serve --omni`).
+    #[error("omni: {0}")]
+    Omni(String),
 }
 
 /// A started engine: the client of its engine core, and what start-up decided.

@@ -1,0 +1,141 @@
+//! Starting an omni model's pipeline ([`omni_core::OmniPipeline`]) from its deploy profile:
+//! one [`StageSpec`] per stage replica, each stage's engine keys resolved through the
+//! `EngineConfig` precedence by the caller (`serve --omni`).
+
+use std::path::Path;
+
+use omni_config::{DeployConfig, EngineConfig, LoadFormat as LoadFormatCfg};
+use omni_core::{MpClientConfig, OmniPipeline, OmniPipelineConfig};
+use omni_protocol::{CodecWindowing, LoadFormat, SamplingParams, StageKind, StageSpec};
+
+use crate::LaunchError;
+
+/// One stage of the profile, resolved.
+#[derive(Debug, Clone)]
+pub struct ResolvedStage {
+    /// Its `stage_id`.
+    pub stage_id: u32,
+    /// Its replicas.
+    pub num_replicas: u32,
+    /// Its engine config (defaults < `--config` < the profile's keys < env < CLI).
+    pub engine: EngineConfig,
+    /// Its `default_sampling_params`.
+    pub default_sampling: SamplingParams,
+}
+
+/// Qwen3-Omni's stage order.
+pub fn stage_kind(stage_id: u32) -> Result<StageKind, LaunchError> {
+    match stage_id {
+        0 => Ok(StageKind::Thinker),
+        1 => Ok(StageKind::Talker),
+        2 => Ok(StageKind::Code2Wav),
+        n => Err(LaunchError::Omni(format!(
+            "stage {n}: Qwen3-Omni has stages 0 (Thinker), 1 (Talker), 2 (Code2Wav)"
+        ))),
+    }
+}
+
+/// The Talker -> Code2Wav windows: the codec settings of the connector feeding stage 2 (or of
+/// any connector that has them), vLLM-Omni's defaults otherwise.
+pub fn windowing(deploy: &DeployConfig) -> Result<CodecWindowing, LaunchError> {
+    let named = deploy
+        .stage(2)
+        .and_then(|s| s.input_connectors.values().next())
+        .and_then(|n| deploy.connectors.get(n));
+    let connector = named.or_else(|| deploy.connectors.values().next());
+    let c = match connector {
+        Some(c) => c.codec_chunking()?,
+        None => omni_config::CodecChunking {
+            initial_codec_chunk_frames: 25,
+            codec_chunk_frames: 25,
+            codec_left_context_frames: 0,
+        },
+    };
+    let n = |v: usize, what: &str| {
+        u32::try_from(v)
+            .ok()
+            .filter(|&v| v > 0 || what == "codec_left_context_frames")
+            .ok_or_else(|| LaunchError::Omni(format!("connector `{what}` {v} is out of range")))
+    };
+    Ok(CodecWindowing {
+        initial: n(c.initial_codec_chunk_frames, "initial_codec_chunk_frames")?,
+        chunk: n(c.codec_chunk_frames, "codec_chunk_frames")?,
+        left_context: n(c.codec_left_context_frames, "codec_left_context_frames")?,
+    })
+}
+
+/// Every replica's spec, per stage in `stage_id` order (Thinker, Talker, Code2Wav).
+pub fn stage_specs(
+    deploy: &DeployConfig,
+    stages: &[ResolvedStage],
+    model: &Path,
+) -> Result<Vec<Vec<StageSpec>>, LaunchError> {
+    let ids: Vec<u32> = stages.iter().map(|s| s.stage_id).collect();
+    if ids != [0, 1, 2] {
+        return Err(LaunchError::Omni(format!(
+            "{}: Qwen3-Omni needs stages 0, 1 and 2, the profile has {ids:?}",
+            deploy.source
+        )));
+    }
+    let windowing = windowing(deploy)?;
+    let mut out = Vec::new();
+    for s in stages {
+        let kind = stage_kind(s.stage_id)?;
+        let e = &s.engine;
+        let block_size = e.cache.block_size.max(1);
+        let per_seq = e.model.max_model_len.div_ceil(block_size);
+        let num_blocks = e.cache.num_gpu_blocks_override.unwrap_or_else(|| {
+            per_seq.saturating_mul(u32::try_from(e.scheduler.max_num_seqs).unwrap_or(u32::MAX))
+        });
+        let load_format = match e.model.load_format {
+            LoadFormatCfg::Dummy => LoadFormat::Dummy,
+            LoadFormatCfg::Gguf => LoadFormat::Gguf,
+            LoadFormatCfg::Auto | LoadFormatCfg::Safetensors => LoadFormat::Safetensors,
+        };
+        let replicas = (0..s.num_replicas.max(1))
+            .map(|replica| StageSpec {
+                stage_id: s.stage_id,
+                replica,
+                kind,
+                model: model.display().to_string(),
+                load_format,
+                seed: e.model.engine_seed,
+                max_num_seqs: u32::try_from(e.scheduler.max_num_seqs).unwrap_or(u32::MAX),
+                max_num_batched_tokens: u32::try_from(e.scheduler.max_num_batched_tokens)
+                    .unwrap_or(u32::MAX),
+                max_model_len: e.model.max_model_len,
+                block_size,
+                num_blocks,
+                async_chunk: deploy.async_chunk,
+                windowing,
+                default_sampling: s.default_sampling.clone(),
+            })
+            .collect();
+        out.push(replicas);
+    }
+    Ok(out)
+}
+
+/// The Talker's voices (`talker_config.speaker_id`), lower-case, in the config's order.
+pub fn speakers(model: &Path) -> Result<Vec<String>, LaunchError> {
+    let config = omni_models::registry::read_config(model)
+        .map_err(|e| LaunchError::Omni(format!("{}: {e}", model.display())))?;
+    let omni = omni_models::qwen3_omni::config::OmniConfig::from_json(&config)
+        .map_err(|e| LaunchError::Omni(format!("{}: {e}", model.display())))?;
+    Ok(omni
+        .talker_config
+        .speaker_id
+        .keys()
+        .map(|k| k.to_lowercase())
+        .collect())
+}
+
+/// Starts every stage replica as `exe stage`, then the pipeline's dispatcher.
+pub fn start_pipeline(
+    exe: &Path,
+    stages: Vec<Vec<StageSpec>>,
+) -> Result<OmniPipeline, LaunchError> {
+    let mut client = MpClientConfig::new(exe.to_path_buf());
+    client.args = vec!["stage".into()];
+    Ok(OmniPipeline::start(&OmniPipelineConfig { client, stages })?)
+}
