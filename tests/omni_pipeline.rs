@@ -33,6 +33,10 @@ fn spec(kind: StageKind, replica: u32, async_chunk: bool) -> StageSpec {
         replica,
         kind,
         model: fixture().display().to_string(),
+        device: omni_protocol::Device::Cpu,
+        device_ordinal: 0,
+        gpu_memory_utilization: 0.9,
+        enforce_eager: true,
         load_format: LoadFormat::Safetensors,
         seed: 0,
         max_num_seqs: 8,
@@ -194,9 +198,13 @@ fn two_talker_replicas_give_the_same_audio_as_one() {
 fn a_killed_stage_fails_its_requests_naming_it_and_leaves_no_segments() {
     let p = start(true, 1);
     let r = reference();
-    let mut s = p
-        .add_request(request("doomed", ids(&r["thinker.prompts"][0]), "ethan"))
-        .unwrap();
+    // Long enough to outlive the kill on a slow machine.
+    let mut req = request("doomed", ids(&r["thinker.prompts"][0]), "ethan");
+    req.sampling_params.max_tokens = Some(200);
+    if let Some(o) = req.omni.as_mut() {
+        o.stage_sampling[0].max_tokens = Some(200);
+    }
+    let mut s = p.add_request(req).unwrap();
     // Wait for the first text so the request lives in every stage.
     let first = s.blocking_next().unwrap().unwrap();
     assert!(!first.finished());

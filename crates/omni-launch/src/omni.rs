@@ -92,12 +92,20 @@ pub fn stage_specs(
             LoadFormatCfg::Gguf => LoadFormat::Gguf,
             LoadFormatCfg::Auto | LoadFormatCfg::Safetensors => LoadFormat::Safetensors,
         };
+        let device = crate::resolve_device(e)?;
+        let profile = deploy.stage(s.stage_id);
         let replicas = (0..s.num_replicas.max(1))
             .map(|replica| StageSpec {
                 stage_id: s.stage_id,
                 replica,
                 kind,
                 model: model.display().to_string(),
+                device,
+                device_ordinal: profile
+                    .and_then(|p| p.replica_devices(replica).first().copied())
+                    .unwrap_or(0),
+                gpu_memory_utilization: e.cache.gpu_memory_utilization,
+                enforce_eager: e.device.enforce_eager,
                 load_format,
                 seed: e.model.engine_seed,
                 max_num_seqs: u32::try_from(e.scheduler.max_num_seqs).unwrap_or(u32::MAX),

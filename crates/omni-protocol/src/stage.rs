@@ -184,6 +184,15 @@ pub struct StageSpec {
     pub kind: StageKind,
     /// The model directory (`config.json`, safetensors).
     pub model: String,
+    /// The backend its network runs on.
+    pub device: crate::Device,
+    /// Its GPU (CUDA).
+    pub device_ordinal: u32,
+    /// Its share of the GPU's memory (weights, buffers, KV cache), as vLLM's
+    /// `gpu_memory_utilization`, counted over what this process allocates.
+    pub gpu_memory_utilization: f32,
+    /// No CUDA graphs.
+    pub enforce_eager: bool,
     /// Real weights or random ones of the real shapes.
     pub load_format: LoadFormat,
     /// Seed of random weights and of sampling without a request seed.

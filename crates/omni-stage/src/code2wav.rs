@@ -5,12 +5,12 @@
 
 use std::collections::VecDeque;
 
-use omni_models::qwen3_omni::code2wav::Code2Wav;
 use omni_protocol::{
     AudioOutput, CodecChunk, EngineCoreOutput, FinishReason, StageInput, StageOutputs, StageSpec,
 };
 
 use crate::StageError;
+use crate::nets::Code2WavNet;
 use crate::stage::{Stage, StepResult};
 
 /// Qwen3-Omni's output rate (its config carries none; vLLM-Omni's fallback is the same).
@@ -19,7 +19,7 @@ pub const SAMPLE_RATE: u32 = 24_000;
 /// See the module docs.
 #[derive(Debug)]
 pub struct Code2WavStage {
-    model: Code2Wav,
+    model: Box<dyn Code2WavNet>,
     queue: VecDeque<CodecChunk>,
     max_windows: usize,
     max_frames: usize,
@@ -27,7 +27,7 @@ pub struct Code2WavStage {
 
 impl Code2WavStage {
     /// A stage over a loaded Code2Wav.
-    pub fn new(model: Code2Wav, spec: &StageSpec) -> Self {
+    pub fn new(model: Box<dyn Code2WavNet>, spec: &StageSpec) -> Self {
         Self {
             model,
             queue: VecDeque::new(),
@@ -41,7 +41,7 @@ impl Stage for Code2WavStage {
     fn input(&mut self, input: StageInput, _buffers: &[&[u8]], out: &mut StageOutputs) {
         match input {
             StageInput::Codec(c) => {
-                let groups = self.model.config().num_quantizers;
+                let groups = self.model.num_quantizers();
                 if c.codes.len() != groups * c.num_frames as usize || c.left_context > c.num_frames
                 {
                     out.failed.push((

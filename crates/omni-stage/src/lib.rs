@@ -10,13 +10,16 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod code2wav;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod nets;
 mod process;
 mod stage;
 pub mod talker;
 mod tensors;
 pub mod thinker;
 
-pub use process::{build_stage, run_stage_process};
+pub use process::{BuiltStage, build_stage, run_stage_process};
 pub use stage::{Stage, StepResult};
 
 /// Why a stage failed.

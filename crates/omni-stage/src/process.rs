@@ -15,6 +15,7 @@ use omni_protocol::{Device, LoadFormat, StageInput, StageKind, StageOutputs, Sta
 
 use crate::StageError;
 use crate::code2wav::Code2WavStage;
+use crate::nets::CpuThinker;
 use crate::stage::Stage;
 use crate::talker::TalkerStage;
 use crate::thinker::ThinkerStage;
@@ -24,10 +25,24 @@ const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// Inputs taken in one turn before a step runs (so a flood cannot starve the batch).
 const MAX_INPUTS_PER_TURN: usize = 1024;
 
-/// Loads `spec`'s network and wraps it in its stage.
-pub fn build_stage(spec: &StageSpec) -> Result<Box<dyn Stage>, StageError> {
+/// A loaded stage and what it reports at start-up.
+#[derive(Debug)]
+pub struct BuiltStage {
+    /// The stage.
+    pub stage: Box<dyn Stage>,
+    /// KV blocks it holds (0 for Code2Wav).
+    pub num_blocks: u32,
+    /// Where its network runs.
+    pub device: Device,
+}
+
+/// Loads `spec`'s network on its device and wraps it in its stage.
+pub fn build_stage(spec: &StageSpec) -> Result<BuiltStage, StageError> {
     let dir = Path::new(&spec.model);
     let config = read_config(dir)?;
+    if spec.device == Device::Cuda {
+        return build_cuda(spec, &config, dir);
+    }
     let weights: Box<dyn WeightSource> = match spec.load_format {
         LoadFormat::Dummy => Box::new(dummy_weights(&config, spec.seed)?),
         LoadFormat::Auto | LoadFormat::Safetensors => Box::new(
@@ -41,31 +56,94 @@ pub fn build_stage(spec: &StageSpec) -> Result<Box<dyn Stage>, StageError> {
         }
     };
     let ws = weights.as_ref();
-    Ok(match spec.kind {
-        StageKind::Thinker => Box::new(ThinkerStage::new(
-            Thinker::load(&config, ws, TpContext::single())?,
-            spec,
-        )?),
+    let stage: Box<dyn Stage> = match spec.kind {
+        StageKind::Thinker => {
+            let t = Thinker::load(&config, ws, TpContext::single())?;
+            let net = CpuThinker::new(t, spec.num_blocks as usize, spec.block_size as usize)?;
+            Box::new(ThinkerStage::new(Box::new(net), spec)?)
+        }
         StageKind::Talker => Box::new(TalkerStage::new(
             Talker::load(&config, ws, TpContext::single())?,
             spec,
         )?),
-        StageKind::Code2Wav => Box::new(Code2WavStage::new(Code2Wav::load(&config, ws)?, spec)),
+        StageKind::Code2Wav => Box::new(Code2WavStage::new(
+            Box::new(Code2Wav::load(&config, ws)?),
+            spec,
+        )),
+    };
+    let num_blocks = if spec.kind == StageKind::Code2Wav {
+        0
+    } else {
+        spec.num_blocks
+    };
+    Ok(BuiltStage {
+        stage,
+        num_blocks,
+        device: Device::Cpu,
     })
+}
+
+#[cfg(feature = "cuda")]
+fn build_cuda(
+    spec: &StageSpec,
+    config: &serde_json::Value,
+    dir: &Path,
+) -> Result<BuiltStage, StageError> {
+    use crate::cuda::{CudaCode2WavNet, CudaThinker};
+    let (stage, num_blocks): (Box<dyn Stage>, u32) = match spec.kind {
+        StageKind::Thinker => {
+            let (net, blocks) = CudaThinker::load(config, dir, spec)?;
+            let mut s = spec.clone();
+            s.num_blocks = blocks;
+            (Box::new(ThinkerStage::new(Box::new(net), &s)?), blocks)
+        }
+        StageKind::Talker => {
+            return Err(StageError::Config(
+                "the Talker stage runs on the CPU only in this build (pass --device cpu)".into(),
+            ));
+        }
+        StageKind::Code2Wav => (
+            Box::new(Code2WavStage::new(
+                Box::new(CudaCode2WavNet::load(config, dir, spec)?),
+                spec,
+            )),
+            0,
+        ),
+    };
+    Ok(BuiltStage {
+        stage,
+        num_blocks,
+        device: Device::Cuda,
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn build_cuda(
+    _spec: &StageSpec,
+    _config: &serde_json::Value,
+    _dir: &Path,
+) -> Result<BuiltStage, StageError> {
+    Err(StageError::Config(
+        "this omni-engine was built without the CUDA backend (feature `cuda`)".into(),
+    ))
 }
 
 /// `omni-engine stage`: serves one stage replica until told to stop. A step's error ends the
 /// process (the pipeline then fails the stage's requests, naming it).
 pub fn run_stage_process() -> Result<(), StageError> {
     let (proc, spec) = EngineCoreProc::accept_named(StageSpec::process_name)?;
-    let mut stage = match build_stage(&spec) {
+    let BuiltStage {
+        mut stage,
+        num_blocks,
+        device,
+    } = match build_stage(&spec) {
         Ok(s) => s,
         Err(e) => {
             proc.fail(&e.to_string())?;
             return Err(e);
         }
     };
-    let (mut inputs, mut outputs) = proc.open_queues(spec.num_blocks, &spec.model, Device::Cpu)?;
+    let (mut inputs, mut outputs) = proc.open_queues(num_blocks, &spec.model, device)?;
     tracing::info!(
         stage = spec.stage_id,
         replica = spec.replica,

@@ -9,7 +9,7 @@ use crate::StageError;
 pub type StepResult = (StageOutputs, Vec<Vec<u8>>);
 
 /// A stage's batching and network.
-pub trait Stage: Send {
+pub trait Stage: Send + std::fmt::Debug {
     /// Applies one input (refusals and failures go to `out`).
     fn input(&mut self, input: StageInput, buffers: &[&[u8]], out: &mut StageOutputs);
     /// Whether a step would do something.

@@ -10,11 +10,7 @@
 use std::collections::HashMap;
 
 use omni_core::{Scheduler, SchedulerConfig};
-use omni_models::qwen3_omni::thinker::Thinker;
-use omni_models::{
-    Capture, ForwardBatch, LayerKvCache, ModelInputs, PositionInputs, SeqChunk, StageModel,
-    TokenInputs,
-};
+use omni_models::{ForwardBatch, SeqChunk};
 use omni_protocol::{
     BlockId, EngineCoreRequest, ModelRunnerOutput, RequestId, SchedulerOutput, StageInput,
     StageOutputs, StageSpec, ThinkerChunk, ThinkerStates, ThinkerToTalker, TokenId,
@@ -22,6 +18,7 @@ use omni_protocol::{
 use omni_worker::sampler::{Sampler, SamplingSeq};
 
 use crate::StageError;
+use crate::nets::ThinkerNet;
 use crate::stage::{Stage, StepResult, scheduler_config};
 use crate::tensors::Buffers;
 
@@ -51,8 +48,7 @@ impl ThinkerReq {
 /// See the module docs.
 #[derive(Debug)]
 pub struct ThinkerStage {
-    thinker: Thinker,
-    kv: Vec<LayerKvCache>,
+    net: Box<dyn ThinkerNet>,
     scheduler: Scheduler,
     sampler: Sampler,
     reqs: HashMap<RequestId, ThinkerReq>,
@@ -63,23 +59,19 @@ pub struct ThinkerStage {
 }
 
 impl ThinkerStage {
-    /// A stage over a loaded Thinker with `spec`'s batch limits and KV blocks.
-    pub fn new(thinker: Thinker, spec: &StageSpec) -> Result<Self, StageError> {
+    /// A stage over a loaded Thinker (its KV cache of `spec.num_blocks` blocks) with `spec`'s
+    /// batch limits.
+    pub fn new(net: Box<dyn ThinkerNet>, spec: &StageSpec) -> Result<Self, StageError> {
         // No prefix caching: a cached prompt block is not computed, so its positions would
         // export nothing (the Talker needs every position's states).
         let config: SchedulerConfig = scheduler_config(spec, false);
-        let kv = StageModel::kv_cache_spec(&thinker)
-            .ok_or_else(|| StageError::Model("the Thinker has no KV cache".into()))?
-            .allocate(config.num_blocks, config.block_size);
-        let c = &thinker.config().thinker_config.text_config;
-        let (hidden, vocab) = (c.hidden_size, c.vocab_size);
+        let (hidden, vocab) = (net.hidden_size(), net.vocab_size());
         Ok(Self {
-            kv,
+            net,
             block_size: config.block_size,
             scheduler: Scheduler::new(config).map_err(|e| StageError::Config(e.to_string()))?,
             sampler: Sampler::new(Some(spec.seed)),
             reqs: HashMap::new(),
-            thinker,
             hidden,
             vocab,
             async_chunk: spec.async_chunk,
@@ -114,11 +106,7 @@ impl ThinkerStage {
     /// The chunks owed to the Talker after this step.
     fn chunks(&mut self, finished: &[RequestId], out: &mut StageOutputs, bufs: &mut Buffers) {
         let h = self.hidden;
-        let tts = self.thinker.tts_embeddings();
-        let tts_rows: Vec<f32> = [&tts.bos, &tts.eos, &tts.pad]
-            .iter()
-            .flat_map(|r| r.iter().copied())
-            .collect();
+        let tts_rows: Vec<f32> = self.net.tts_rows().to_vec();
         for (id, r) in self.reqs.iter_mut().filter(|(_, r)| r.audio) {
             let done = finished.contains(id);
             let prompt_len = r.request.prompt_token_ids.len();
@@ -277,27 +265,12 @@ impl Stage for ThinkerStage {
         }
         let mut batch = ForwardBatch::from_chunks(&chunks, self.block_size)?;
         batch.logits_indices = Some(sample_rows);
-        let capture = self.thinker.exports();
-        let inputs = ModelInputs {
-            batch: &batch,
-            tokens: TokenInputs::Ids,
-            positions: PositionInputs::Batch,
-            mm_features: &[],
-            capture: if any_audio { &capture } else { &[] },
-        };
-        let outputs = StageModel::forward(&self.thinker, &inputs, &mut self.kv)?;
-        let logits = outputs.logits.map(|t| t.data).unwrap_or_default();
-        let captured = |c: Capture| {
-            outputs
-                .hidden_states
-                .iter()
-                .find(|(k, _)| *k == c)
-                .map(|(_, t)| t.data.as_slice())
-        };
+        let step = self.net.forward(&batch, any_audio)?;
+        let logits = step.logits;
         // Exports: each request's rows past what it already holds (a recompute after a
         // preemption repeats positions).
         let h = self.hidden;
-        if let (Some(embed), Some(hidden)) = (captured(capture[0]), captured(capture[1])) {
+        if let Some((embed, hidden)) = &step.exports {
             let mut row = 0;
             for (id, start, n) in &scheduled {
                 if let Some(r) = self.reqs.get_mut(id)

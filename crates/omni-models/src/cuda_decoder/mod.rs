@@ -154,6 +154,9 @@ pub struct CudaDecoderModel {
     /// Steps of at most 8 tokens run their linear layers as GEMVs
     /// ([`CudaDecoderModel::set_small_batch_gemv`]).
     small_batch_gemv: bool,
+    /// Such steps of an all-dense model take the fused path where they can
+    /// ([`CudaDecoderModel::set_fused_small_batch`]).
+    fused_small_batch: bool,
 }
 
 impl CudaDecoderModel {
@@ -271,6 +274,7 @@ impl CudaDecoderModel {
             capture: None,
             profiler,
             small_batch_gemv: false,
+            fused_small_batch: true,
         })
     }
 
@@ -300,6 +304,17 @@ impl CudaDecoderModel {
     /// Whether [`CudaDecoderModel::set_small_batch_gemv`] is on.
     pub fn small_batch_gemv(&self) -> bool {
         self.small_batch_gemv
+    }
+
+    /// With the small-batch GEMVs on, steps of a model whose layers are all dense and
+    /// bias-free, on one rank with no state capture, run the fused small-batch path: per layer
+    /// the input norm inside the QKV GEMV, the residual add inside o_proj and down_proj, the
+    /// post-attention norm and SiLU-and-mul inside gate_up, the final norm gathering the output
+    /// rows (6 launches per layer instead of 9; the same bits, see
+    /// [`CudaContext::gemv_fused`]). On by default; off runs the unfused kernels (for
+    /// comparison). Recapture graphs after changing it.
+    pub fn set_fused_small_batch(&mut self, on: bool) {
+        self.fused_small_batch = on;
     }
 
     /// The spec this model was built from.
@@ -684,6 +699,33 @@ impl CudaDecoderModel {
             .memcpy_dtoh(&view, &mut host)
             .map_err(CudaError::from)?;
         Ok(host.into_iter().map(f32::from).collect())
+    }
+
+    /// Rows `ids` of the token embedding table, as f32 on the host (synchronizes): e.g. the
+    /// Thinker's TTS-token embeddings, which must be the ones the device holds (random ones
+    /// under `--load-format dummy` are made on the device).
+    pub fn embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let h = self.spec.hidden_size;
+        let table = self.embed.as_ref().ok_or_else(|| {
+            ModelError::Batch(format!("{} has no token embedding", self.spec.architecture))
+        })?;
+        let mut out = Vec::with_capacity(ids.len() * h);
+        let mut row = vec![bf16::ZERO; h];
+        for &id in ids {
+            let id = id as usize;
+            if (id + 1) * h > table.len() {
+                return Err(ModelError::Batch(format!(
+                    "token {id} is outside the embedding table of {} rows",
+                    table.len() / h
+                )));
+            }
+            self.cx
+                .stream()
+                .memcpy_dtoh(&table.slice(id * h..(id + 1) * h), &mut row)
+                .map_err(CudaError::from)?;
+            out.extend(row.iter().map(|&x| f32::from(x)));
+        }
+        Ok(out)
     }
 
     /// Copies the last forward's logits to the host (synchronizes).

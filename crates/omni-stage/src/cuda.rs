@@ -1,0 +1,227 @@
+//! The stages' networks on a CUDA device (bf16 weights and activations, f32 accumulation):
+//! the Thinker as omni-models' `CudaDecoderModel` over the checkpoint's `thinker.` tensors with
+//! its accept-layer capture and decode graphs, Code2Wav as `CudaCode2Wav` with its window
+//! graphs. Steps are driven from the host: logits and exports come back each step and the
+//! Thinker samples on the host.
+//!
+//! Memory: each stage process takes `gpu_memory_utilization` of the device counted over what
+//! it allocates itself (several stages share one GPU), so its KV cache gets that share less its
+//! weights and buffers.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use omni_backend::cuda::CudaContext;
+use omni_models::cuda_code2wav::{CudaCode2Wav, FRAME_BUCKETS};
+use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
+use omni_models::qwen3_omni::config::OmniConfig;
+use omni_models::registry::{causal_lm_weights, decoder_spec, dummy_weights};
+use omni_models::{ForwardBatch, ModelError, WeightSource};
+use omni_protocol::{LoadFormat, StageSpec};
+use serde_json::Value;
+
+use crate::StageError;
+use crate::nets::{Code2WavNet, ThinkerNet, ThinkerStep};
+
+/// Device memory kept free for CUDA graphs and the allocator's slack, per stage process.
+const RESERVE_BYTES: u64 = 512 << 20;
+
+fn dev_err(e: impl std::fmt::Display) -> StageError {
+    StageError::Model(format!("cuda: {e}"))
+}
+
+/// The device's free memory and total (bytes).
+fn mem_info(cx: &CudaContext) -> Result<(u64, u64), StageError> {
+    cx.synchronize().map_err(dev_err)?;
+    let (free, total) = cx.raw().mem_get_info().map_err(dev_err)?;
+    Ok((free as u64, total as u64))
+}
+
+/// Decode-graph sizes up to `max`: 1, 2, 4, 8, then every 16.
+fn graph_sizes(max: usize) -> Vec<usize> {
+    let mut s: Vec<usize> = [1, 2, 4, 8].into_iter().filter(|&b| b <= max).collect();
+    s.extend((16..=max).step_by(16));
+    if s.last() != Some(&max) {
+        s.push(max);
+    }
+    s
+}
+
+/// The weights a stage loads: real ones read on the host, or random ones made on the device.
+fn weights(
+    config: &Value,
+    dir: &Path,
+    spec: &StageSpec,
+) -> Result<(DeviceWeightInit, Box<dyn WeightSource>), StageError> {
+    Ok(match spec.load_format {
+        LoadFormat::Dummy => (
+            DeviceWeightInit::Dummy { seed: spec.seed },
+            Box::new(dummy_weights(config, spec.seed)?),
+        ),
+        _ => (
+            DeviceWeightInit::Host,
+            Box::new(
+                omni_models::hf_dir::SafetensorsDir::open(dir)
+                    .map_err(|e| StageError::Model(format!("opening {}: {e}", dir.display())))?,
+            ),
+        ),
+    })
+}
+
+/// The Thinker on one GPU.
+#[derive(Debug)]
+pub struct CudaThinker {
+    model: CudaDecoderModel,
+    tts: Vec<f32>,
+    hidden: usize,
+    vocab: usize,
+}
+
+impl CudaThinker {
+    /// Loads it on `spec.device_ordinal`, sizes its KV cache from its memory share (at most
+    /// `spec.num_blocks`) and captures its decode graphs unless `enforce_eager`. Returns it
+    /// with the KV blocks it got.
+    pub fn load(config: &Value, dir: &Path, spec: &StageSpec) -> Result<(Self, u32), StageError> {
+        let cx = Arc::new(CudaContext::new(spec.device_ordinal as usize).map_err(dev_err)?);
+        let (free0, total) = mem_info(&cx)?;
+        let omni = OmniConfig::from_json(config)?;
+        let dspec = decoder_spec(config)?;
+        let (hidden, vocab) = (dspec.hidden_size, dspec.vocab_size);
+        let (init, ws) = weights(config, dir, spec)?;
+        let view = causal_lm_weights(config, ws.as_ref())?;
+        let block = spec.block_size as usize;
+        let limits = StepLimits {
+            max_tokens: spec.max_num_batched_tokens.max(1) as usize,
+            max_seqs: spec.max_num_seqs.max(1) as usize,
+            max_model_len: spec.max_model_len.max(1) as usize,
+            block_size: block,
+        };
+        let mut model = CudaDecoderModel::load(
+            cx.clone(),
+            dspec,
+            &view,
+            init,
+            0,
+            1,
+            None,
+            limits,
+            &|_, _| {},
+        )?;
+        model.set_capture_after_layers(Some(omni.talker_config.accept_hidden_layer))?;
+        let (free1, _) = mem_info(&cx)?;
+        let mine = free0.saturating_sub(free1);
+        let budget = (total as f64 * f64::from(spec.gpu_memory_utilization)) as u64;
+        let kv = budget.saturating_sub(mine).saturating_sub(RESERVE_BYTES);
+        let per_block = model.kv_bytes_per_block(block).max(1);
+        let blocks = (kv / per_block).min(u64::from(spec.num_blocks));
+        if blocks == 0 {
+            return Err(StageError::Config(format!(
+                "the Thinker's share {} of {total} bytes leaves no KV cache after its {mine} \
+                 bytes of weights and buffers",
+                spec.gpu_memory_utilization
+            )));
+        }
+        model.init_cache(blocks as usize, block)?;
+        if !spec.enforce_eager {
+            model.capture_decode_graphs(&graph_sizes(limits.max_seqs))?;
+        }
+        let ids = &omni.ids;
+        let tts = model.embedding_rows(&[
+            ids.tts_bos_token_id,
+            ids.tts_eos_token_id,
+            ids.tts_pad_token_id,
+        ])?;
+        tracing::info!(
+            blocks,
+            weights_and_buffers = mine,
+            "Thinker on cuda:{}",
+            spec.device_ordinal
+        );
+        Ok((
+            Self {
+                model,
+                tts,
+                hidden,
+                vocab,
+            },
+            blocks as u32,
+        ))
+    }
+}
+
+impl ThinkerNet for CudaThinker {
+    fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn tts_rows(&self) -> &[f32] {
+        &self.tts
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, export: bool) -> Result<ThinkerStep, ModelError> {
+        self.model.forward(batch)?;
+        let logits = self.model.logits_to_host()?;
+        let exports = if export {
+            let (embed, after) = self.model.captured_to_host()?;
+            let after = after.ok_or_else(|| {
+                ModelError::Batch("the Thinker's accept-layer capture is off".into())
+            })?;
+            Some((embed, after))
+        } else {
+            None
+        };
+        Ok(ThinkerStep { logits, exports })
+    }
+}
+
+/// Code2Wav on one GPU.
+#[derive(Debug)]
+pub struct CudaCode2WavNet {
+    model: CudaCode2Wav,
+}
+
+impl CudaCode2WavNet {
+    /// Loads it with buffers for `spec.max_num_batched_tokens` frames a batch and captures
+    /// its window graphs (batches 1, 2, 4, ... up to `max_num_seqs`, vLLM-Omni's frame
+    /// buckets) unless `enforce_eager`.
+    pub fn load(config: &Value, dir: &Path, spec: &StageSpec) -> Result<Self, StageError> {
+        let cx = Arc::new(CudaContext::new(spec.device_ordinal as usize).map_err(dev_err)?);
+        let (init, ws) = weights(config, dir, spec)?;
+        let dummy = matches!(init, DeviceWeightInit::Dummy { .. });
+        // Dummy weights of the real shapes through the same fan-in scaling the bench uses,
+        // so the waveform stays finite.
+        let ws: Box<dyn WeightSource> = if dummy {
+            Box::new(omni_models::qwen3_omni::code2wav::FanInScaled(
+                dummy_weights(config, spec.seed)?,
+            ))
+        } else {
+            ws
+        };
+        let frames = spec.max_num_batched_tokens.max(1) as usize;
+        let mut model = CudaCode2Wav::load(cx, config, ws.as_ref(), frames)?;
+        if spec.enforce_eager {
+            model.set_graphs(false);
+        } else {
+            let batches = graph_sizes(spec.max_num_seqs.max(1) as usize);
+            model.capture_graphs(&batches, &FRAME_BUCKETS)?;
+        }
+        Ok(Self { model })
+    }
+}
+
+impl Code2WavNet for CudaCode2WavNet {
+    fn num_quantizers(&self) -> usize {
+        self.model.config().num_quantizers
+    }
+
+    fn decode_windows(
+        &mut self,
+        windows: &[(&[u32], usize, usize)],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.model.decode_windows(windows)
+    }
+}
