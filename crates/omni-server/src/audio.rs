@@ -28,12 +28,18 @@ pub const SUPPORTED_AUDIO_FORMATS: &[&str] = &["wav", "pcm", "flac"];
 
 impl AudioFormat {
     /// `audio.format` (case-insensitive; `pcm16` is `pcm`), or the message of the 400 (vLLM-Omni's
-    /// wording).
+    /// wording for an unknown format; `mp3` and `opus`, which vLLM-Omni encodes, say they are not
+    /// supported here).
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "wav" => Ok(Self::Wav),
             "pcm" | "pcm16" => Ok(Self::Pcm),
             "flac" => Ok(Self::Flac),
+            // vLLM-Omni's other formats (libsndfile encodes them there); no encoder here.
+            "mp3" | "opus" => Err(format!(
+                "Audio format '{s}' is not supported by this server. Supported formats: \
+                 {SUPPORTED_AUDIO_FORMATS:?}"
+            )),
             _ => Err(format!(
                 "Invalid audio format '{s}'. Supported formats: {SUPPORTED_AUDIO_FORMATS:?}"
             )),
@@ -245,11 +251,13 @@ mod tests {
     fn formats_parse_as_vllm_omni_spells_them() {
         assert_eq!(AudioFormat::parse("WAV"), Ok(AudioFormat::Wav));
         assert_eq!(AudioFormat::parse("pcm16"), Ok(AudioFormat::Pcm));
-        let e = AudioFormat::parse("mp3").unwrap_err();
+        let e = AudioFormat::parse("ogg").unwrap_err();
         assert!(
-            e.contains("Invalid audio format 'mp3'") && e.contains("flac"),
+            e.contains("Invalid audio format 'ogg'") && e.contains("flac"),
             "{e}"
         );
+        let e = AudioFormat::parse("mp3").unwrap_err();
+        assert!(e.contains("'mp3' is not supported by this server"), "{e}");
     }
 
     #[test]

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use crate::omni::OmniServerInfo;
+
 /// HTTP server settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
@@ -19,8 +21,10 @@ pub struct ServerConfig {
     pub max_model_len: u32,
     /// Largest accepted request body, in bytes (larger ones get 413).
     pub max_body_bytes: usize,
-    /// Whether the model has an audio output stage (`modalities: ["audio"]` is refused if not).
-    pub audio_output: bool,
+    /// The omni model's speakers, default modalities, sample rate and stage sampling defaults;
+    /// `None` for a text-only model (then `modalities: ["audio"]`, `audio`, `speaker` are a 400).
+    /// On an omni server `/v1/completions` is a 400 that points at chat.
+    pub omni: Option<OmniServerInfo>,
     /// Largest accepted `n`.
     pub max_n: u32,
     /// Timeouts and the connection bound of the listener ([`crate::serve_on`]).
@@ -54,7 +58,7 @@ impl ServerConfig {
             api_key: frontend.api_key.clone(),
             max_model_len,
             max_body_bytes: 32 * 1024 * 1024,
-            audio_output: false,
+            omni: None,
             max_n: 128,
             connections: ConnectionLimits::from(frontend),
         }

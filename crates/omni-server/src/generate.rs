@@ -1,16 +1,20 @@
 //! Running a [`Prepared`] request on the engine: fan out one engine request per choice,
 //! detokenize and match stop strings as outputs arrive, and render either one response body or
-//! a stream of SSE chunks. An [`AbortGuard`] aborts every unfinished engine request when the
-//! generation is dropped (client gone, error, stop string), so no request outlives its client.
+//! a stream of SSE chunks (`generate/sse.rs`). An [`AbortGuard`] aborts every unfinished engine
+//! request when the generation is dropped (client gone, error, stop string), so no request
+//! outlives its client.
+//! An omni request that wants audio also gets its audio outputs rendered by an [`AudioStream`]
+//! (`omni_stream.rs`): its text ends at `text_finish_reason`, the request at `finish_reason`.
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
+mod sse;
+
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::response::sse::Event;
-use futures::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
-use omni_protocol::{EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs};
+use futures::stream::{self, BoxStream, SelectAll, StreamExt};
+use omni_protocol::{
+    AudioOutput, EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs,
+};
 use omni_tokenizer::{IncrementalDetokenizer, StopStrings};
 use serde_json::{Value, json};
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -18,6 +22,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use crate::AppState;
 use crate::engine::EngineError;
 use crate::error::ApiError;
+use crate::logprobs::{chat_logprobs, completion_logprobs};
+use crate::omni_stream::AudioStream;
 use crate::prepare::{Endpoint, Prepared};
 
 type Item = (usize, Option<Result<EngineCoreOutput, EngineError>>);
@@ -54,7 +60,11 @@ struct Choice {
     sent: usize,
     /// Output tokens generated.
     tokens: usize,
+    /// Why the text ended (the text choice's `finish_reason`).
     finish: Option<FinishReason>,
+    /// Why the engine request ended (after the audio, for an omni request with audio; else
+    /// with the text).
+    end: Option<FinishReason>,
     /// Logprobs not yet streamed.
     pending_logprobs: Vec<TokenLogprobs>,
     /// Every logprob (non-streaming).
@@ -76,6 +86,8 @@ pub struct Generation {
     choices: Vec<Choice>,
     outputs: SelectAll<BoxStream<'static, Item>>,
     guard: AbortGuard,
+    /// The audio of an omni request that wants it (one choice).
+    audio: Option<AudioStream>,
 }
 
 fn random_id(prefix: &str) -> String {
@@ -107,8 +119,9 @@ impl Generation {
                 let mut params = prompt.params.clone();
                 params.seed = params.seed.map(|s| s.wrapping_add(u64::from(j)));
                 let stops = StopStrings::new(params.stop.clone(), prep.include_stop_str_in_output);
-                let req =
+                let mut req =
                     EngineCoreRequest::new(request_id.clone(), prompt.ids.clone(), params, eos);
+                req.omni = prep.omni.as_ref().map(|o| o.params.clone());
                 let rx = state.engine.add_request(req)?;
                 guard.live.push(request_id.clone());
                 state.metrics.observe_prompt(prompt.ids.len());
@@ -126,6 +139,7 @@ impl Generation {
                     sent: 0,
                     tokens: 0,
                     finish: None,
+                    end: None,
                     pending_logprobs: Vec::new(),
                     logprobs: Vec::new(),
                     echo: prompt.echo.clone(),
@@ -135,7 +149,13 @@ impl Generation {
                 });
             }
         }
+        let audio = prep
+            .omni
+            .as_ref()
+            .filter(|o| o.wants_audio())
+            .map(|o| AudioStream::new(o, !prep.stream));
         Ok(Self {
+            audio,
             state,
             prep,
             id,
@@ -148,22 +168,22 @@ impl Generation {
     }
 
     /// Waits for the next engine output and applies it; returns the index of the choice it
-    /// touched, or `None` once every choice has finished.
-    async fn step(&mut self) -> Result<Option<usize>, ApiError> {
+    /// touched and the audio it carried, or `None` once every choice has ended.
+    async fn step(&mut self) -> Result<Option<(usize, Option<AudioOutput>)>, ApiError> {
         loop {
-            if self.choices.iter().all(|c| c.finish.is_some()) {
+            if self.choices.iter().all(|c| c.end.is_some()) {
                 return Ok(None);
             }
             let Some((i, item)) = self.outputs.next().await else {
                 return Err(self.lost_stream());
             };
-            if self.choices[i].finish.is_some() {
+            if self.choices[i].end.is_some() {
                 continue; // outputs after a stop string matched
             }
             match item {
                 Some(Ok(out)) => {
-                    self.apply(i, out)?;
-                    return Ok(Some(i));
+                    let audio = self.apply(i, out)?;
+                    return Ok(Some((i, audio)));
                 }
                 Some(Err(e)) => return Err(e.into()),
                 None => return Err(self.lost_stream()),
@@ -178,8 +198,16 @@ impl Generation {
         }
     }
 
-    fn apply(&mut self, i: usize, out: EngineCoreOutput) -> Result<(), ApiError> {
+    fn apply(
+        &mut self,
+        i: usize,
+        mut out: EngineCoreOutput,
+    ) -> Result<Option<AudioOutput>, ApiError> {
         let now = Instant::now();
+        let audio = out.audio.take();
+        if let (Some(a), Some(st)) = (&audio, &mut self.audio) {
+            st.push(a, self.arrived, &self.state.metrics);
+        }
         let tokenizer = &self.state.tokenizer;
         let want_logprobs = self.prep.logprobs.is_some();
         let c = &mut self.choices[i];
@@ -203,7 +231,8 @@ impl Generation {
             c.last_token_at = Some(now);
         }
         let mut stop_hit = false;
-        for (k, &id) in out.new_token_ids.iter().enumerate() {
+        let text_open = c.finish.is_none();
+        for (k, &id) in out.new_token_ids.iter().enumerate().filter(|_| text_open) {
             c.tokens += 1;
             if want_logprobs && let Some(lp) = out.new_logprobs.get(k) {
                 c.pending_logprobs.push(lp.clone());
@@ -220,8 +249,11 @@ impl Generation {
         }
         if stop_hit {
             c.finish = Some(FinishReason::Stop);
+            c.end = c.finish;
             self.state.engine.abort(std::slice::from_ref(&c.request_id));
-        } else if let Some(reason) = out.finish_reason {
+        } else if let Some(reason) = out.text_finish_reason.or(out.finish_reason)
+            && text_open
+        {
             let tail = c
                 .detok
                 .finish(tokenizer)
@@ -229,7 +261,10 @@ impl Generation {
             push_text(c, &tail);
             c.finish = Some(reason);
         }
-        if let Some(reason) = c.finish {
+        if c.end.is_none() {
+            c.end = out.finish_reason;
+        }
+        if let Some(reason) = c.end {
             let rid = c.request_id.clone();
             self.guard.finished(&rid);
             self.state
@@ -240,15 +275,22 @@ impl Generation {
                     .metrics
                     .observe_decode_time((last - first).as_secs_f64());
             }
+            if let Some(st) = &self.audio {
+                st.finished(self.arrived, &self.state.metrics);
+            }
             if reason == FinishReason::Error {
                 return Err(ApiError::internal("the engine failed this request"));
             }
         }
-        Ok(())
+        Ok(audio)
+    }
+
+    fn prompt_tokens(&self) -> usize {
+        self.prep.prompts.iter().map(|p| p.ids.len()).sum()
     }
 
     fn usage(&self) -> Value {
-        let prompt: usize = self.prep.prompts.iter().map(|p| p.ids.len()).sum();
+        let prompt = self.prompt_tokens();
         let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
         json!({
             "prompt_tokens": prompt,
@@ -282,6 +324,11 @@ impl Generation {
                 }
             });
         }
+        if let (Some(st), Some(c)) = (&self.audio, self.choices.first()) {
+            let text = choices.pop().unwrap_or(Value::Null);
+            let end = c.end.map(FinishReason::as_str);
+            choices = st.response_choices(text, self.streams_text(), &c.text, end)?;
+        }
         let object = match self.prep.endpoint {
             Endpoint::Chat => "chat.completion",
             Endpoint::Completion => "text_completion",
@@ -294,146 +341,6 @@ impl Generation {
             "choices": choices,
             "usage": self.usage(),
         }))
-    }
-
-    fn chunk(&self, choices: Vec<Value>) -> Value {
-        let object = match self.prep.endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        };
-        let mut v = json!({
-            "id": self.id,
-            "object": object,
-            "created": self.created,
-            "model": self.prep.model,
-            "choices": choices,
-        });
-        if self.prep.include_usage {
-            v["usage"] = Value::Null;
-        }
-        v
-    }
-
-    /// First chunks: the assistant role (chat) or the echoed prompt (completions).
-    fn opening_chunks(&self) -> Vec<Value> {
-        let mut out = Vec::new();
-        for (index, c) in self.choices.iter().enumerate() {
-            match self.prep.endpoint {
-                Endpoint::Chat => out.push(self.chunk(vec![json!({
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": null,
-                    "finish_reason": null,
-                })])),
-                Endpoint::Completion => {
-                    if let Some(echo) = &c.echo {
-                        out.push(self.chunk(vec![json!({
-                            "index": index,
-                            "text": echo,
-                            "logprobs": null,
-                            "finish_reason": null,
-                        })]));
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    /// The chunk for what choice `i` can stream now, if anything.
-    fn delta_chunk(&mut self, i: usize) -> Option<Value> {
-        let tokenizer = self.state.tokenizer.clone();
-        let endpoint = self.prep.endpoint;
-        let want_logprobs = self.prep.logprobs.is_some();
-        let c = &mut self.choices[i];
-        let end = if c.finish.is_some() {
-            c.text.len()
-        } else {
-            c.stops.safe_len(&c.text).max(c.sent)
-        };
-        let text = c.text.get(c.sent..end).unwrap_or("").to_string();
-        let offset = c.echo.as_ref().map_or(0, String::len) + c.sent;
-        c.sent = end.max(c.sent);
-        let logprobs = std::mem::take(&mut c.pending_logprobs);
-        let finish = c.finish.map(FinishReason::as_str);
-        if text.is_empty() && logprobs.is_empty() && finish.is_none() {
-            return None;
-        }
-        let choice = match endpoint {
-            Endpoint::Chat => {
-                let delta = if text.is_empty() && finish.is_some() {
-                    json!({})
-                } else {
-                    json!({ "content": text })
-                };
-                json!({
-                    "index": i,
-                    "delta": delta,
-                    "logprobs": want_logprobs.then(|| chat_logprobs(&tokenizer, &logprobs)),
-                    "finish_reason": finish,
-                })
-            }
-            Endpoint::Completion => json!({
-                "index": i,
-                "text": text,
-                "logprobs": want_logprobs.then(|| completion_logprobs(&tokenizer, &logprobs, offset)),
-                "finish_reason": finish,
-            }),
-        };
-        Some(self.chunk(vec![choice]))
-    }
-
-    /// The SSE stream: chunks, an optional usage chunk, `data: [DONE]`. An error becomes one
-    /// error event before `[DONE]`. Dropping the stream aborts the engine requests.
-    pub fn into_sse(self) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
-        struct St {
-            generation: Generation,
-            queue: VecDeque<Event>,
-            done: bool,
-        }
-        let queue = self
-            .opening_chunks()
-            .into_iter()
-            .map(|v| Event::default().data(v.to_string()))
-            .collect();
-        let st = St {
-            generation: self,
-            queue,
-            done: false,
-        };
-        stream::unfold(st, |mut st| async move {
-            loop {
-                if let Some(ev) = st.queue.pop_front() {
-                    return Some((Ok(ev), st));
-                }
-                if st.done {
-                    return None;
-                }
-                match st.generation.step().await {
-                    Ok(Some(i)) => {
-                        if let Some(v) = st.generation.delta_chunk(i) {
-                            st.queue.push_back(Event::default().data(v.to_string()));
-                        }
-                    }
-                    Ok(None) => {
-                        if st.generation.prep.include_usage {
-                            let mut v = st.generation.chunk(Vec::new());
-                            v["usage"] = st.generation.usage();
-                            st.queue.push_back(Event::default().data(v.to_string()));
-                        }
-                        st.queue.push_back(Event::default().data("[DONE]"));
-                        st.done = true;
-                    }
-                    Err(e) => {
-                        let mut body = e.body();
-                        body["error"]["code"] = json!(e.status.as_u16());
-                        st.queue.push_back(Event::default().data(body.to_string()));
-                        st.queue.push_back(Event::default().data("[DONE]"));
-                        st.done = true;
-                    }
-                }
-            }
-        })
     }
 }
 
@@ -451,61 +358,4 @@ fn push_text(c: &mut Choice, delta: &str) -> bool {
         }
         None => false,
     }
-}
-
-fn token_text(tokenizer: &omni_tokenizer::Tokenizer, id: u32) -> String {
-    tokenizer.decode(&[id], false).unwrap_or_default()
-}
-
-/// Chat `logprobs`: `{"content":[{"token","logprob","bytes","top_logprobs":[...]}]}`.
-fn chat_logprobs(tokenizer: &omni_tokenizer::Tokenizer, lps: &[TokenLogprobs]) -> Value {
-    let entry = |id: u32, logprob: f32| {
-        let token = token_text(tokenizer, id);
-        json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()})
-    };
-    let content: Vec<Value> = lps
-        .iter()
-        .map(|lp| {
-            let mut e = entry(lp.sampled.token_id, lp.sampled.logprob);
-            e["top_logprobs"] = lp
-                .top
-                .iter()
-                .map(|t| entry(t.token_id, t.logprob))
-                .collect();
-            e
-        })
-        .collect();
-    json!({ "content": content, "refusal": null })
-}
-
-/// Completions `logprobs`: parallel lists `tokens`, `token_logprobs`, `top_logprobs` (one map
-/// per position, sampled token included) and `text_offset`.
-fn completion_logprobs(
-    tokenizer: &omni_tokenizer::Tokenizer,
-    lps: &[TokenLogprobs],
-    mut offset: usize,
-) -> Value {
-    let mut tokens = Vec::new();
-    let mut token_logprobs = Vec::new();
-    let mut top_logprobs = Vec::new();
-    let mut text_offset = Vec::new();
-    for lp in lps {
-        let token = token_text(tokenizer, lp.sampled.token_id);
-        text_offset.push(offset);
-        offset += token.len();
-        let mut top = serde_json::Map::new();
-        for t in &lp.top {
-            top.insert(token_text(tokenizer, t.token_id), json!(t.logprob));
-        }
-        top.insert(token.clone(), json!(lp.sampled.logprob));
-        tokens.push(token);
-        token_logprobs.push(lp.sampled.logprob);
-        top_logprobs.push(Value::Object(top));
-    }
-    json!({
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    })
 }

@@ -8,6 +8,12 @@
 //! is one [`ApiError`] rendered as OpenAI's error JSON. The listener ([`serve_on`]) closes idle
 //! and half-sent connections and bounds how many are open ([`ConnectionLimits`]).
 //!
+//! An omni model (text + speech; [`ServerConfig::omni`] set, see [`OmniServerInfo`]) takes
+//! vLLM-Omni's chat fields (`modalities`, `audio.format`, `speaker` / `voice`,
+//! `sampling_params_list`), sends them to the engine as `EngineCoreRequest::omni`, and answers
+//! with a text choice and an audio choice, or a stream whose chunks carry `modality` and whose
+//! audio chunks are each a complete file in base64.
+//!
 //! ```no_run
 //! # async fn run(engine: std::sync::Arc<dyn omni_server::EngineClient>) -> Result<(), omni_server::ServeError> {
 //! use std::sync::Arc;
@@ -27,7 +33,10 @@ mod connection;
 mod engine;
 mod error;
 mod generate;
+mod logprobs;
 mod metrics;
+mod omni;
+mod omni_stream;
 pub mod openai;
 mod prepare;
 mod tokenize;
@@ -50,7 +59,12 @@ use serde_json::json;
 pub use config::{ConnectionLimits, ServerConfig};
 pub use engine::{CacheInfo, EngineClient, EngineError, OutputReceiver};
 pub use error::ApiError;
-pub use metrics::{ITL_BUCKETS, Metrics, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS};
+pub use metrics::{
+    AUDIO_RTF_BUCKETS, AUDIO_SECONDS_BUCKETS, ITL_BUCKETS, Metrics, REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+};
+pub use omni::{OmniServerInfo, SamplingParamsParseError, sampling_params_from_json};
+pub use omni_stream::NO_AUDIO_PRODUCED;
 pub use omni_tokenizer::Tokenizer;
 
 use generate::Generation;

@@ -8,6 +8,17 @@
 //! interval only the engine sees, queued -> first scheduled, comes on the request's first
 //! output (`EngineCoreOutput::queue_time`); prefill time is then time to first token minus queue
 //! time, decode time first token to last, as vLLM computes them.
+//!
+//! Omni requests add vLLM-Omni's audio families (`vllm_omni/metrics/definitions.py`, same names
+//! and buckets, so its dashboards read them): `vllm_omni:audio_ttfp_s` (arrival -> first audio
+//! output), `vllm_omni:audio_rtf` (arrival -> last audio output, over the audio's seconds),
+//! `vllm_omni:audio_duration_s` (seconds of audio per request; its `_sum` is the audio generated)
+//! and `vllm_omni:audio_frames_total` (PCM sample frames, counted as they arrive). vLLM-Omni
+//! labels them with the serving `stage` and `replica` as well; the API process does not know
+//! those (an [`omni_protocol::AudioOutput`] does not say), so they carry `model_name` only.
+//! Per-stage engine gauges (running / waiting / KV usage with a `stage` label) and connector
+//! bytes belong in [`Metrics::render`] beside the engine's other gauges, read from the engine
+//! client's stats at scrape time.
 
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
@@ -39,6 +50,14 @@ pub const REQUEST_LATENCY_BUCKETS: [f64; 21] = [
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// vLLM-Omni's `SECONDS_BUCKETS` (audio time to first packet, audio duration).
+pub const AUDIO_SECONDS_BUCKETS: [f64; 13] = [
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// vLLM-Omni's `RTF_BUCKETS` (the real-time factor; above 1.0 audio is slower than playback).
+pub const AUDIO_RTF_BUCKETS: [f64; 11] =
+    [0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 5.0, 10.0];
+
 /// Cumulative engine counters already exported, to turn totals into increments.
 #[derive(Debug, Default)]
 struct Exported {
@@ -68,6 +87,10 @@ pub struct Metrics {
     queue: HistogramFamily,
     prefill: HistogramFamily,
     decode: HistogramFamily,
+    audio_ttfp: HistogramFamily,
+    audio_rtf: HistogramFamily,
+    audio_duration: HistogramFamily,
+    audio_frames: Family<Labels, Counter>,
     exported: Mutex<Exported>,
 }
 
@@ -83,6 +106,14 @@ fn itl_histogram() -> Histogram {
 
 fn request_latency_histogram() -> Histogram {
     Histogram::new(REQUEST_LATENCY_BUCKETS)
+}
+
+fn audio_seconds_histogram() -> Histogram {
+    Histogram::new(AUDIO_SECONDS_BUCKETS)
+}
+
+fn audio_rtf_histogram() -> Histogram {
+    Histogram::new(AUDIO_RTF_BUCKETS)
 }
 
 impl Metrics {
@@ -106,6 +137,10 @@ impl Metrics {
         let queue = HistogramFamily::new_with_constructor(request_latency_histogram);
         let prefill = HistogramFamily::new_with_constructor(request_latency_histogram);
         let decode = HistogramFamily::new_with_constructor(request_latency_histogram);
+        let audio_ttfp = HistogramFamily::new_with_constructor(audio_seconds_histogram);
+        let audio_rtf = HistogramFamily::new_with_constructor(audio_rtf_histogram);
+        let audio_duration = HistogramFamily::new_with_constructor(audio_seconds_histogram);
+        let audio_frames = Family::<Labels, Counter>::default();
         let r = &mut registry;
         r.register(
             "vllm:num_requests_running",
@@ -187,6 +222,26 @@ impl Metrics {
             "Histogram of time spent in DECODE phase for request",
             decode.clone(),
         );
+        r.register(
+            "vllm_omni:audio_ttfp_s",
+            "Time from request arrival to first audio packet, in seconds.",
+            audio_ttfp.clone(),
+        );
+        r.register(
+            "vllm_omni:audio_rtf",
+            "Audio real-time factor (generation time / audio duration); SLO red line < 1.",
+            audio_rtf.clone(),
+        );
+        r.register(
+            "vllm_omni:audio_duration_s",
+            "Generated audio content duration, in seconds (audio_frames / sample_rate).",
+            audio_duration.clone(),
+        );
+        r.register(
+            "vllm_omni:audio_frames",
+            "Total audio frames generated; throughput recovered via rate().",
+            audio_frames.clone(),
+        );
         // Touch the unlabelled-by-request series so they render as 0 before the first request.
         for c in [
             &prompt_tokens,
@@ -219,6 +274,10 @@ impl Metrics {
             queue,
             prefill,
             decode,
+            audio_ttfp,
+            audio_rtf,
+            audio_duration,
+            audio_frames,
             exported: Mutex::new(Exported::default()),
         }
     }
@@ -266,6 +325,26 @@ impl Metrics {
     /// A request's decode took `seconds`: from its first token to its last.
     pub fn observe_decode_time(&self, seconds: f64) {
         self.decode.get_or_create(&self.model).observe(seconds);
+    }
+
+    /// A request's first audio output arrived `seconds` after the request.
+    pub fn observe_audio_first_packet(&self, seconds: f64) {
+        self.audio_ttfp.get_or_create(&self.model).observe(seconds);
+    }
+
+    /// `samples` audio samples (frames of mono audio) arrived.
+    pub fn observe_audio_samples(&self, samples: usize) {
+        self.audio_frames
+            .get_or_create(&self.model)
+            .inc_by(samples as u64);
+    }
+
+    /// A request ended with `seconds` of audio at real-time factor `rtf`.
+    pub fn observe_audio_finished(&self, seconds: f64, rtf: f64) {
+        self.audio_duration
+            .get_or_create(&self.model)
+            .observe(seconds);
+        self.audio_rtf.get_or_create(&self.model).observe(rtf);
     }
 
     /// Refreshes engine-side values and renders the exposition text.

@@ -131,10 +131,29 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     /// How many alternatives per position (needs `logprobs: true`).
     pub top_logprobs: Option<u32>,
-    /// Output modalities: `["text"]`, or `["text","audio"]` for models with an audio stage.
-    pub modalities: Option<Vec<String>>,
+    /// Output modalities: `["text"]`, `["audio"]` or `["text","audio"]` (the last two on an omni
+    /// server). Kept as JSON so a non-list gets vLLM-Omni's message.
+    pub modalities: Option<serde_json::Value>,
+    /// Audio output options (omni).
+    pub audio: Option<AudioParams>,
+    /// The voice (omni; case-insensitive, one of the model's speakers).
+    pub speaker: Option<String>,
+    /// Another name of `speaker` (used when `speaker` is absent).
+    pub voice: Option<String>,
+    /// The spoken language (omni; accepted, unused by Qwen3-Omni).
+    pub language: Option<String>,
+    /// One sampling object per pipeline stage (omni; element 0 the Thinker, see
+    /// [`crate::OmniServerInfo`]).
+    pub sampling_params_list: Option<Vec<serde_json::Value>>,
     /// End the prompt with the assistant header (default true).
     pub add_generation_prompt: Option<bool>,
+}
+
+/// `audio` of a chat request: only `format` is read (as vLLM-Omni).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct AudioParams {
+    /// `wav` (default), `pcm` (`pcm16`), `flac`.
+    pub format: Option<String>,
 }
 
 /// `prompt` of `/v1/completions`.

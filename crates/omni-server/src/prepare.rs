@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use crate::config::ServerConfig;
 use crate::error::ApiError;
+use crate::omni::{OmniRequest, prepare_omni};
 use crate::openai::{
     ChatCompletionRequest, ChatMessage, CommonParams, CompletionRequest, MessageContent, PromptSpec,
 };
@@ -53,6 +54,8 @@ pub struct Prepared {
     pub skip_special_tokens: bool,
     /// Keep matched stop strings in the text.
     pub include_stop_str_in_output: bool,
+    /// The omni part (every chat request to an omni server); `None` otherwise.
+    pub omni: Option<OmniRequest>,
 }
 
 /// Largest number of alternatives per position.
@@ -76,16 +79,19 @@ pub(crate) fn check_model(
     }
 }
 
-/// Sampling parameters common to both endpoints, without `max_tokens` (resolved per prompt).
+/// Sampling parameters common to both endpoints, without `max_tokens` (resolved per prompt):
+/// the request's fields over `d` (the defaults: [`SamplingParams::default`], or an omni Thinker's
+/// deploy-profile defaults).
 fn base_params(
     c: &CommonParams,
+    d: &SamplingParams,
     max_tokens: Option<u32>,
     logprobs: Option<u32>,
     tokenizer: &Tokenizer,
 ) -> Result<SamplingParams, ApiError> {
-    let d = SamplingParams::default();
     let top_k = match c.top_k {
-        None | Some(-1) | Some(0) => None,
+        None => d.top_k,
+        Some(-1) | Some(0) => None,
         Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
         Some(k) => {
             return Err(ApiError::bad_param(
@@ -94,8 +100,11 @@ fn base_params(
             ));
         }
     };
-    let ignore_eos = c.ignore_eos.unwrap_or(false);
-    let mut stop_token_ids = c.stop_token_ids.clone().unwrap_or_default();
+    let ignore_eos = c.ignore_eos.unwrap_or(d.ignore_eos);
+    let mut stop_token_ids = c
+        .stop_token_ids
+        .clone()
+        .unwrap_or_else(|| d.stop_token_ids.clone());
     let vocab = tokenizer.vocab_size();
     if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::bad_param(
@@ -108,18 +117,22 @@ fn base_params(
         stop_token_ids.extend(tokenizer.eos_token_ids().iter().skip(1));
     }
     check_stop(c)?;
-    let stop = c.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
+    let stop = c
+        .stop
+        .clone()
+        .map(|s| s.into_vec())
+        .unwrap_or_else(|| d.stop.clone());
     let params = SamplingParams {
         temperature: c.temperature.unwrap_or(d.temperature),
         top_p: c.top_p.unwrap_or(d.top_p),
         top_k,
         min_p: c.min_p.unwrap_or(d.min_p),
-        seed: c.seed.map(|s| s as u64),
+        seed: c.seed.map(|s| s as u64).or(d.seed),
         presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
         repetition_penalty: c.repetition_penalty.unwrap_or(d.repetition_penalty),
         max_tokens,
-        min_tokens: c.min_tokens.unwrap_or(0),
+        min_tokens: c.min_tokens.unwrap_or(d.min_tokens),
         stop,
         stop_token_ids,
         ignore_eos,
@@ -258,24 +271,9 @@ pub fn prepare_chat(
             "messages must not be empty",
         ));
     }
-    for m in req.modalities.iter().flatten() {
-        match m.as_str() {
-            "text" => {}
-            "audio" if config.audio_output => {}
-            "audio" => {
-                return Err(ApiError::bad_param(
-                    "modalities",
-                    format!("model `{model}` has no audio output stage; use modalities [\"text\"]"),
-                ));
-            }
-            other => {
-                return Err(ApiError::bad_param(
-                    "modalities",
-                    format!("unknown modality `{other}`; expected \"text\" or \"audio\""),
-                ));
-            }
-        }
-    }
+    let mut common = req.common.clone();
+    let mut max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
+    let omni = prepare_omni(config.omni.as_ref(), &req, &mut common, &mut max_tokens)?;
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (_, Some(k)) if k > MAX_LOGPROBS => {
             return Err(ApiError::bad_param(
@@ -296,9 +294,15 @@ pub fn prepare_chat(
     let ids = tokenizer
         .encode_chat(&messages, req.add_generation_prompt.unwrap_or(true))
         .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
-    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
-    let base = base_params(&req.common, max_tokens, logprobs, tokenizer)?;
-    let params = fit_prompt(config, "messages", ids.len(), max_tokens, &base)?;
+    let defaults = &omni.thinker_defaults;
+    let base = base_params(&common, defaults, max_tokens, logprobs, tokenizer)?;
+    let mut params = fit_prompt(config, "messages", ids.len(), max_tokens, &base)?;
+    if max_tokens.is_none()
+        && let (Some(d), Some(room)) = (defaults.max_tokens, params.max_tokens)
+    {
+        // A profile default beyond the context left is cut to fit (vLLM's default max_tokens).
+        params.max_tokens = Some(d.min(room));
+    }
     Ok(Prepared {
         endpoint: Endpoint::Chat,
         model,
@@ -307,12 +311,13 @@ pub fn prepare_chat(
             params,
             echo: None,
         }],
-        n: req.common.n.unwrap_or(1),
-        stream: req.common.stream.unwrap_or(false),
-        include_usage: include_usage(&req.common),
+        n: common.n.unwrap_or(1),
+        stream: common.stream.unwrap_or(false),
+        include_usage: include_usage(&common),
         logprobs,
-        skip_special_tokens: req.common.skip_special_tokens.unwrap_or(true),
-        include_stop_str_in_output: req.common.include_stop_str_in_output.unwrap_or(false),
+        skip_special_tokens: common.skip_special_tokens.unwrap_or(true),
+        include_stop_str_in_output: common.include_stop_str_in_output.unwrap_or(false),
+        omni: omni.request,
     })
 }
 
@@ -330,6 +335,12 @@ pub fn prepare_completion(
     req: CompletionRequest,
 ) -> Result<Prepared, ApiError> {
     let model = check_model(config, &req.common.model)?;
+    if config.omni.is_some() {
+        // vLLM-Omni refuses completions for Thinker + Talker models too.
+        return Err(ApiError::bad_request(format!(
+            "model `{model}` is an omni model (text and speech); use /v1/chat/completions"
+        )));
+    }
     check_common(config, &req.common)?;
     if let Some(k) = req.logprobs
         && k > MAX_LOGPROBS
@@ -387,7 +398,8 @@ pub fn prepare_completion(
         ));
     }
     let max_tokens = req.common.max_tokens;
-    let base = base_params(&req.common, max_tokens, req.logprobs, tokenizer)?;
+    let defaults = SamplingParams::default();
+    let base = base_params(&req.common, &defaults, max_tokens, req.logprobs, tokenizer)?;
     let prompts = raw
         .into_iter()
         .map(|(ids, echo)| {
@@ -405,5 +417,6 @@ pub fn prepare_completion(
         logprobs: req.logprobs,
         skip_special_tokens: req.common.skip_special_tokens.unwrap_or(true),
         include_stop_str_in_output: req.common.include_stop_str_in_output.unwrap_or(false),
+        omni: None,
     })
 }
