@@ -8,6 +8,10 @@ use std::path::PathBuf;
 use omni_models::qwen3_omni::code2wav::Code2Wav;
 use omni_protocol::CodecWindowing;
 
+#[path = "engine_common.rs"]
+mod engine_common;
+pub use engine_common::engine_bin;
+
 pub const WINDOWS: CodecWindowing = CodecWindowing {
     initial: 4,
     chunk: 25,
@@ -16,9 +20,9 @@ pub const WINDOWS: CodecWindowing = CodecWindowing {
 pub const THINKER_TOKENS: u32 = 8;
 pub const FRAMES: u32 = 11;
 
+/// The fixture (from a copy of the repository too: the GPU machine runs the binaries there).
 pub fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../crates/omni-models/tests/fixtures/qwen3-omni")
+    engine_common::fixture("qwen3-omni")
 }
 
 pub fn reference() -> serde_json::Value {

@@ -9,7 +9,6 @@
 //! differing code would change the waveform. Four requests (2 prompts x 2 voices) run at once,
 //! so every stage batches across requests.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[path = "omni_common.rs"]
@@ -51,22 +50,22 @@ fn spec(kind: StageKind, replica: u32, async_chunk: bool) -> StageSpec {
 }
 
 fn start(async_chunk: bool, talkers: u32) -> OmniPipeline {
+    start_with(vec![
+        vec![spec(StageKind::Thinker, 0, async_chunk)],
+        (0..talkers)
+            .map(|r| spec(StageKind::Talker, r, async_chunk))
+            .collect(),
+        vec![spec(StageKind::Code2Wav, 0, async_chunk)],
+    ])
+}
+
+fn start_with(stages: Vec<Vec<StageSpec>>) -> OmniPipeline {
     // The pipeline's own warnings (a request's failure and why) in the test's output.
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    let mut client = MpClientConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_omni-engine")));
+    let mut client = MpClientConfig::new(engine_bin());
     client.args = vec!["stage".into()];
-    client.ready_timeout = Duration::from_secs(60);
-    let cfg = OmniPipelineConfig {
-        client,
-        stages: vec![
-            vec![spec(StageKind::Thinker, 0, async_chunk)],
-            (0..talkers)
-                .map(|r| spec(StageKind::Talker, r, async_chunk))
-                .collect(),
-            vec![spec(StageKind::Code2Wav, 0, async_chunk)],
-        ],
-    };
-    OmniPipeline::start(&cfg).expect("the pipeline starts")
+    client.ready_timeout = Duration::from_secs(120);
+    OmniPipeline::start(&OmniPipelineConfig { client, stages }).expect("the pipeline starts")
 }
 
 fn request(id: &str, prompt: Vec<u32>, speaker: &str) -> EngineCoreRequest {
@@ -286,5 +285,64 @@ fn a_dropped_stream_frees_its_blocks_in_every_stage() {
         "blocks still held after the disconnect: {:?}",
         p.stage_stats()
     );
+    p.shutdown();
+}
+
+fn on_gpu(mut s: StageSpec) -> StageSpec {
+    s.device = omni_protocol::Device::Cuda;
+    s.gpu_memory_utilization = 0.2;
+    s.enforce_eager = false;
+    s
+}
+
+/// The CUDA Thinker and CUDA Code2Wav stages in the pipeline (skips without a GPU): with the
+/// Thinker on the GPU the text is transformers' greedy text (the fixture's greedy margins are
+/// 0.023 and more); with Code2Wav on the GPU (the rest on the CPU, so the frames are
+/// transformers') the audio is within bf16 accuracy of the CPU's (SNR over 25 dB).
+#[test]
+fn gpu_thinker_and_code2wav_stages_serve_the_pipeline() {
+    if omni_backend::cuda::driver_status().is_err() {
+        eprintln!("no CUDA driver: skipped");
+        return;
+    }
+    let r = reference();
+    let p = start_with(vec![
+        vec![on_gpu(spec(StageKind::Thinker, 0, true))],
+        vec![spec(StageKind::Talker, 0, true)],
+        vec![spec(StageKind::Code2Wav, 0, true)],
+    ]);
+    for i in 0..2 {
+        let id = format!("gpu-thinker-{i}");
+        let prompt = ids(&r["thinker.prompts"][i]);
+        let got = collect(p.add_request(request(&id, prompt, "ethan")).unwrap()).unwrap();
+        let want = ids(&r[format!("thinker.greedy.{i}").as_str()]);
+        assert_eq!(got.tokens, want, "prompt {i}: the CUDA Thinker's text");
+        assert_eq!(got.finish, Some(FinishReason::Stop));
+    }
+    p.shutdown();
+    let p = start_with(vec![
+        vec![spec(StageKind::Thinker, 0, true)],
+        vec![spec(StageKind::Talker, 0, true)],
+        vec![on_gpu(spec(StageKind::Code2Wav, 0, true))],
+    ]);
+    let c2w = load_code2wav();
+    for (i, speaker) in [(0, "ethan"), (1, "chelsie")] {
+        let id = format!("gpu-c2w-{i}");
+        let prompt = ids(&r["thinker.prompts"][i]);
+        let got = collect(p.add_request(request(&id, prompt, speaker)).unwrap()).unwrap();
+        let frames = reference_frames(&format!("talker.frames.{i}.{speaker}"));
+        let want = expected_audio(&c2w, &frames, true);
+        assert_eq!(got.audio.len(), want.len());
+        let signal: f64 = want.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        let noise: f64 = got
+            .audio
+            .iter()
+            .zip(&want)
+            .map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2))
+            .sum();
+        let snr = 10.0 * (signal / noise.max(1e-30)).log10();
+        eprintln!("prompt {i} {speaker}: CUDA Code2Wav SNR {snr:.1} dB");
+        assert!(snr > 25.0, "prompt {i} {speaker}: SNR {snr:.1} dB");
+    }
     p.shutdown();
 }

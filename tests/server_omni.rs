@@ -97,6 +97,37 @@ async fn chat_with_audio_gives_transformers_text_and_the_waveform_of_its_frames(
         let e = pcm_err(&samples, &expected(i, speaker));
         assert!(e <= 1.5 / 32768.0, "prompt {i} {speaker}: {e}");
     }
+    // vLLM-Omni's audio metrics, per-stage gauges and the connectors' bytes.
+    let (_, text) = server.get("/metrics").await;
+    let value = |prefix: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in\n{text}"))
+    };
+    assert_eq!(value("vllm_omni:audio_ttfp_s_count"), 2.0);
+    let audio_s = 2.0 * f64::from(1920 * FRAMES - 555) / 24_000.0;
+    assert!((value("vllm_omni:audio_duration_s_sum") - audio_s).abs() < 1e-6);
+    for stage in 0..3 {
+        let running = format!(
+            "vllm:num_requests_running{{model_name=\"omni\",stage=\"{stage}\",replica=\"0\"}}"
+        );
+        assert_eq!(value(&running), 0.0);
+    }
+    assert!(
+        value(
+            "vllm_omni:connector_bytes_total{model_name=\"omni\",from_stage=\"0\",to_stage=\"1\"}"
+        ) > 0.0
+    );
+    let codes = value(
+        "vllm_omni:connector_bytes_total{model_name=\"omni\",from_stage=\"1\",to_stage=\"2\"}",
+    );
+    assert_eq!(
+        codes,
+        2.0 * f64::from(16 * FRAMES * 4 + 16 * 4 * 4),
+        "11 frames + 4 of context"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -103,6 +103,10 @@ impl omni_server::EngineClient for CoreEngineClient {
     fn cache_info(&self) -> CacheInfo {
         self.cache
     }
+
+    fn pipeline_stats(&self) -> Option<omni_protocol::PipelineStats> {
+        self.client.pipeline_stats()
+    }
 }
 
 #[cfg(test)]

@@ -90,6 +90,11 @@ pub trait EngineCoreClient: Send + Sync + std::fmt::Debug {
     /// `Err` once the engine is dead (naming the failed worker or the engine core).
     fn health(&self) -> Result<(), EngineDeadError>;
 
+    /// An omni pipeline's per-stage state and connector bytes (`None`: one engine).
+    fn pipeline_stats(&self) -> Option<omni_protocol::PipelineStats> {
+        None
+    }
+
     /// Stops the engine core: live requests end at once with [`RequestError::Shutdown`], new
     /// ones are refused, then this waits until the engine core and its workers are gone.
     /// Idempotent; a second caller waits for the first.
@@ -112,6 +117,10 @@ impl<T: EngineCoreClient + ?Sized> EngineCoreClient for Arc<T> {
 
     fn health(&self) -> Result<(), EngineDeadError> {
         (**self).health()
+    }
+
+    fn pipeline_stats(&self) -> Option<omni_protocol::PipelineStats> {
+        (**self).pipeline_stats()
     }
 
     fn shutdown(&self) {

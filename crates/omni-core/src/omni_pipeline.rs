@@ -24,6 +24,7 @@
 //!   on (its segments are removed by its [`StageClient`]).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
@@ -84,6 +85,8 @@ struct Shared {
     table: Mutex<Table>,
     /// The last scheduler state each (stage, replica) reported.
     stats: Mutex<Vec<Vec<SchedulerStats>>>,
+    /// Bytes sent Thinker -> Talker and Talker -> Code2Wav (headers' tensors and codes).
+    connector_bytes: [AtomicU64; 2],
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -234,6 +237,9 @@ impl Shared {
                 continue;
             }
             let id = chunk.request_id.clone();
+            let bytes: usize = bufs.iter().map(|b| b.len()).sum();
+            // A statistic: no ordering with anything else.
+            self.connector_bytes[0].fetch_add(bytes as u64, Ordering::Relaxed);
             if let Err(e) = talker.send(&StageInput::Thinker(Box::new(chunk)), &bufs) {
                 self.fail(&id, e);
             }
@@ -275,6 +281,8 @@ impl Shared {
                 continue;
             };
             let id = chunk.request_id.clone();
+            let bytes = chunk.codes.len() * std::mem::size_of::<u32>();
+            self.connector_bytes[1].fetch_add(bytes as u64, Ordering::Relaxed);
             if let Err(e) = c2w.send(&StageInput::Codec(chunk), &[]) {
                 self.fail(&id, e);
             }
@@ -368,6 +376,7 @@ impl OmniPipeline {
                 routes: HashMap::new(),
                 load: cfg.stages.iter().map(|s| vec![0; s.len()]).collect(),
             }),
+            connector_bytes: [AtomicU64::new(0), AtomicU64::new(0)],
             stats: Mutex::new(
                 cfg.stages
                     .iter()
@@ -461,6 +470,28 @@ impl EngineCoreClient for OmniPipeline {
     /// The Thinker's scheduler state (the last replica that reported).
     fn stats(&self) -> SchedulerStats {
         self.shared.frontend.stats()
+    }
+
+    fn pipeline_stats(&self) -> Option<omni_protocol::PipelineStats> {
+        let stages = self
+            .stage_stats()
+            .into_iter()
+            .enumerate()
+            .flat_map(|(s, replicas)| {
+                replicas
+                    .into_iter()
+                    .enumerate()
+                    .map(move |(r, st)| (s as u32, r as u32, st))
+            })
+            .collect();
+        let c = &self.shared.connector_bytes;
+        Some(omni_protocol::PipelineStats {
+            stages,
+            connector_bytes: vec![
+                (0, 1, c[0].load(Ordering::Relaxed)),
+                (1, 2, c[1].load(Ordering::Relaxed)),
+            ],
+        })
     }
 
     fn health(&self) -> Result<(), EngineDeadError> {

@@ -62,8 +62,8 @@ pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use stage::{
-    CodecChunk, CodecWindowing, StageInput, StageKind, StageOutputs, StagePayloadError, StageSpec,
-    ThinkerChunk, ThinkerStates, ThinkerStatesView, ThinkerToTalker,
+    CodecChunk, CodecWindowing, PipelineStats, StageInput, StageKind, StageOutputs,
+    StagePayloadError, StageSpec, ThinkerChunk, ThinkerStates, ThinkerStatesView, ThinkerToTalker,
 };
 pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};
 pub use worker::{

@@ -273,6 +273,16 @@ impl StageOutputs {
     }
 }
 
+/// An omni pipeline's state for metrics: each stage replica's scheduler, and the bytes each
+/// connector carried.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PipelineStats {
+    /// `(stage_id, replica, stats)` of every replica.
+    pub stages: Vec<(u32, u32, SchedulerStats)>,
+    /// `(from_stage, to_stage, bytes so far)` of every connector.
+    pub connector_bytes: Vec<(u32, u32, u64)>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -73,4 +73,8 @@ pub trait EngineClient: Send + Sync + 'static {
     fn is_healthy(&self) -> Result<(), String>;
     /// The KV cache geometry.
     fn cache_info(&self) -> CacheInfo;
+    /// An omni pipeline's per-stage scheduler state and connector bytes (`None`: one engine).
+    fn pipeline_stats(&self) -> Option<omni_protocol::PipelineStats> {
+        None
+    }
 }

@@ -64,6 +64,8 @@ struct Exported {
     preemptions: u64,
     prefix_queries: u64,
     prefix_hits: u64,
+    /// Per `(from_stage, to_stage)` connector.
+    connector_bytes: std::collections::HashMap<(u32, u32), u64>,
 }
 
 /// Every metric the server exports.
@@ -91,6 +93,7 @@ pub struct Metrics {
     audio_rtf: HistogramFamily,
     audio_duration: HistogramFamily,
     audio_frames: Family<Labels, Counter>,
+    connector_bytes: Family<Labels, Counter>,
     exported: Mutex<Exported>,
 }
 
@@ -242,6 +245,12 @@ impl Metrics {
             "Total audio frames generated; throughput recovered via rate().",
             audio_frames.clone(),
         );
+        let connector_bytes = Family::<Labels, Counter>::default();
+        r.register(
+            "vllm_omni:connector_bytes",
+            "Bytes an omni pipeline's connector carried between two stages.",
+            connector_bytes.clone(),
+        );
         // Touch the unlabelled-by-request series so they render as 0 before the first request.
         for c in [
             &prompt_tokens,
@@ -278,6 +287,7 @@ impl Metrics {
             audio_rtf,
             audio_duration,
             audio_frames,
+            connector_bytes,
             exported: Mutex::new(Exported::default()),
         }
     }
@@ -347,6 +357,38 @@ impl Metrics {
         self.audio_rtf.get_or_create(&self.model).observe(rtf);
     }
 
+    /// An omni pipeline's per-stage gauges (vLLM's names with `stage` and `replica` labels
+    /// beside the unlabelled series, which are the Thinker's) and its connectors' bytes.
+    fn render_pipeline(&self, p: &omni_protocol::PipelineStats) {
+        for (stage, replica, st) in &p.stages {
+            let mut l = self.model.clone();
+            l.push(("stage".into(), stage.to_string()));
+            l.push(("replica".into(), replica.to_string()));
+            self.running
+                .get_or_create(&l)
+                .set(i64::from(st.num_running_reqs));
+            self.waiting
+                .get_or_create(&l)
+                .set(i64::from(st.num_waiting_reqs));
+            self.kv_usage
+                .get_or_create(&l)
+                .set(f64::from(st.kv_cache_usage));
+        }
+        if let Ok(mut ex) = self.exported.lock() {
+            for &(from, to, bytes) in &p.connector_bytes {
+                let last = ex.connector_bytes.entry((from, to)).or_insert(0);
+                let mut l = self.model.clone();
+                l.push(("from_stage".into(), from.to_string()));
+                l.push(("to_stage".into(), to.to_string()));
+                let c = self.connector_bytes.get_or_create(&l);
+                if bytes > *last {
+                    c.inc_by(bytes - *last);
+                    *last = bytes;
+                }
+            }
+        }
+    }
+
     /// Refreshes engine-side values and renders the exposition text.
     pub fn render(&self, engine: &dyn EngineClient) -> String {
         let stats = engine.stats();
@@ -387,6 +429,9 @@ impl Metrics {
                 &mut ex.prefix_hits,
                 stats.prefix_cache_hits,
             );
+        }
+        if let Some(p) = engine.pipeline_stats() {
+            self.render_pipeline(&p);
         }
         let mut out = String::new();
         // Writing into a String cannot fail.
