@@ -16,6 +16,8 @@
 #           greedy frames, graphs == eager, top-k/top-p draws), then `omni-engine bench talker`
 #           (frames/s at batch 1/16/32/64, graphs and eager, dummy weights of the real shapes)
 #           and a per-kernel profile of eager steps at batch 1 and 64
+#   omni    the omni pipeline's stage processes on the tiny fixture with the CUDA Thinker
+#           (its text = transformers') and the CUDA Code2Wav (SNR vs the CPU's audio)
 #   thinker Qwen3-Omni's Thinker: its hidden-state export on CUDA vs the CPU Thinker on the tiny
 #           fixture (prefill eager, decode from graphs), then `omni-engine bench thinker`
 #           (decode tok/s at batch 1 and 64 with the export off and on; dummy weights, real shapes)
@@ -99,6 +101,12 @@ if want code2wav; then
   step code2wav-tests "$BIN/code2wav-tests" --test-threads=1 --nocapture
   step code2wav-bench "$BIN/omni-engine" bench code2wav --model bench/models/qwen3-omni-30b-a3b \
     --load-format dummy --shapes 16x50,1x4,1x50 --profile --json "$LOGS/code2wav.json"
+fi
+
+if want omni; then
+  # The pipeline's stage processes with the CUDA Thinker and CUDA Code2Wav (and the CPU tests
+  # of the same binary).
+  OMNI_ENGINE_BIN=$BIN/omni-engine step omni "$BIN/omni-pipeline-tests" --test-threads=1 --nocapture
 fi
 
 latency() { # model tp
