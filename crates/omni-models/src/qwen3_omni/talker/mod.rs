@@ -29,7 +29,7 @@ use crate::weights::{SubmodelWeights, WeightSource};
 use crate::{KvCacheSpec, LayerKvCache};
 
 pub use code_predictor::CodePredictor;
-pub use prompt::{TalkerPrompt, ThinkerExports};
+pub use prompt::{PromptBuilder, TalkerPrompt, ThinkerExports};
 
 /// The Talker decoder's names as a single-model loader asks for them.
 pub(crate) const TALKER_RENAMES: &[(&str, &str)] = &[
@@ -100,8 +100,7 @@ impl ResizeMlp {
 pub struct Talker {
     decoder: DecoderModel,
     code_predictor: CodePredictor,
-    text_projection: ResizeMlp,
-    hidden_projection: ResizeMlp,
+    prompt: PromptBuilder,
     config: OmniConfig,
 }
 
@@ -117,13 +116,8 @@ impl Talker {
             &SubmodelWeights::new(ws, "talker.", TALKER_RENAMES),
             tp,
         )?;
-        let (th, mid, h) = (
-            t.thinker_hidden_size,
-            t.text_config.intermediate_size,
-            t.text_config.hidden_size,
-        );
-        let text_projection = ResizeMlp::load(ws, "talker.text_projection", th, mid, h)?;
-        let hidden_projection = ResizeMlp::load(ws, "talker.hidden_projection", th, mid, h)?;
+        let h = t.text_config.hidden_size;
+        let prompt = PromptBuilder::load(&config, ws, &|ids| decoder.embed_ids(ids))?;
         let code_predictor = CodePredictor::load(t, ws)?;
         if t.code_predictor_config.hidden_size != h {
             return Err(ModelError::Config(format!(
@@ -134,8 +128,7 @@ impl Talker {
         Ok(Self {
             decoder,
             code_predictor,
-            text_projection,
-            hidden_projection,
+            prompt,
             config,
         })
     }
@@ -180,12 +173,17 @@ impl Talker {
 
     /// `text_projection` of `[rows, thinker_hidden]`.
     pub fn project_text(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
-        self.text_projection.forward(x)
+        self.prompt.project_text(x)
     }
 
     /// `hidden_projection` of `[rows, thinker_hidden]`.
     pub fn project_hidden(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
-        self.hidden_projection.forward(x)
+        self.prompt.project_hidden(x)
+    }
+
+    /// What builds its prompts.
+    pub fn prompt_builder(&self) -> &PromptBuilder {
+        &self.prompt
     }
 
     /// `codec_embedding` rows of layer-0 codes, `[codes, hidden]`.

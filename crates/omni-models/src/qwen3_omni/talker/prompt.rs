@@ -17,9 +17,13 @@
 //! `<|im_start|>` on, over the prompt and the generated tokens that were fed back (the last
 //! generated token never is).
 
+use std::collections::HashMap;
+
 use crate::error::ModelError;
-use crate::qwen3_omni::talker::Talker;
+use crate::qwen3_omni::config::OmniConfig;
+use crate::qwen3_omni::talker::{ResizeMlp, Talker};
 use crate::qwen3_omni::thinker::TtsEmbeddings;
+use crate::weights::WeightSource;
 
 /// What crossed from the Thinker for one request.
 #[derive(Debug, Clone, Copy)]
@@ -73,10 +77,99 @@ impl Talker {
         ex: &ThinkerExports<'_>,
         speaker: u32,
     ) -> Result<TalkerPrompt, ModelError> {
-        let c = self.config();
+        self.prompt_builder().build(ex, speaker)
+    }
+}
+
+/// What building a Talker prompt takes: the two projections and the `codec_embedding` rows of
+/// the codec ids the bootstrap uses (its fixed tokens and every speaker). A CUDA Talker builds
+/// its prompts with one of these on the host.
+#[derive(Debug, Clone)]
+pub struct PromptBuilder {
+    config: OmniConfig,
+    text_projection: ResizeMlp,
+    hidden_projection: ResizeMlp,
+    codec: HashMap<u32, Vec<f32>>,
+    hidden: usize,
+}
+
+impl PromptBuilder {
+    /// Loads the projections (`talker.text_projection`, `talker.hidden_projection`) and reads
+    /// the codec rows it needs through `codec_rows` (ids -> `[ids, hidden]`: the CPU Talker's
+    /// table, or a device's).
+    pub fn load(
+        config: &OmniConfig,
+        ws: &dyn WeightSource,
+        codec_rows: &dyn Fn(&[u32]) -> Result<Vec<f32>, ModelError>,
+    ) -> Result<Self, ModelError> {
+        let t = &config.talker_config;
+        let (th, mid, h) = (
+            t.thinker_hidden_size,
+            t.text_config.intermediate_size,
+            t.text_config.hidden_size,
+        );
+        let text_projection = ResizeMlp::load(ws, "talker.text_projection", th, mid, h)?;
+        let hidden_projection = ResizeMlp::load(ws, "talker.hidden_projection", th, mid, h)?;
+        let mut ids = vec![
+            t.codec_nothink_id,
+            t.codec_think_bos_id,
+            t.codec_think_eos_id,
+            t.codec_pad_id,
+            t.codec_bos_id,
+        ];
+        ids.extend(t.speaker_id.values().copied());
+        ids.sort_unstable();
+        ids.dedup();
+        let rows = codec_rows(&ids)?;
+        if rows.len() != ids.len() * h {
+            return Err(ModelError::Batch(format!(
+                "{} codec embedding values for {} ids of width {h}",
+                rows.len(),
+                ids.len()
+            )));
+        }
+        let codec = ids
+            .iter()
+            .zip(rows.chunks_exact(h))
+            .map(|(&id, r)| (id, r.to_vec()))
+            .collect();
+        Ok(Self {
+            config: config.clone(),
+            text_projection,
+            hidden_projection,
+            codec,
+            hidden: h,
+        })
+    }
+
+    /// `text_projection` of `[rows, thinker_hidden]`.
+    pub fn project_text(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
+        self.text_projection.forward(x)
+    }
+
+    /// `hidden_projection` of `[rows, thinker_hidden]`.
+    pub fn project_hidden(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
+        self.hidden_projection.forward(x)
+    }
+
+    /// The `codec_embedding` rows of `ids` (each one the builder holds).
+    fn embed_codec(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::with_capacity(ids.len() * self.hidden);
+        for id in ids {
+            let row = self.codec.get(id).ok_or_else(|| {
+                ModelError::Batch(format!("codec id {id} is not a speaker or bootstrap token"))
+            })?;
+            out.extend_from_slice(row);
+        }
+        Ok(out)
+    }
+
+    /// Builds the Talker's prefill and trailing text for `speaker` (a codec id).
+    pub fn build(&self, ex: &ThinkerExports<'_>, speaker: u32) -> Result<TalkerPrompt, ModelError> {
+        let c = &self.config;
         let (ids, t) = (&c.ids, &c.talker_config);
         let th = t.thinker_hidden_size;
-        let h = self.hidden_size();
+        let h = self.hidden;
         let rows = ex.embed.len() / th.max(1);
         if ex.embed.len() != rows * th || ex.hidden.len() != ex.embed.len() {
             return Err(ModelError::Batch(format!(
