@@ -116,3 +116,153 @@ impl Code2WavNet for Code2Wav {
         Code2Wav::decode_windows(self, windows)
     }
 }
+
+/// How one row's residual codes are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CodeDraw {
+    /// Argmax (a greedy Talker makes the code predictor greedy, as transformers does).
+    pub greedy: bool,
+    /// The request's stream.
+    pub seed: u64,
+    /// Frames done (the draw's counter).
+    pub frame: u64,
+}
+
+/// The Talker (decoder and code predictor) on some device, with its KV cache.
+pub trait TalkerNet: Send + std::fmt::Debug {
+    /// Its config.
+    fn config(&self) -> &omni_models::qwen3_omni::config::OmniConfig;
+    /// The Talker's width.
+    fn hidden_size(&self) -> usize;
+    /// Builds prompts (on the host).
+    fn prompts(&self) -> &omni_models::qwen3_omni::talker::PromptBuilder;
+    /// One Talker step over input embeddings `[tokens, hidden]`: the codec logits of the
+    /// batch's output rows, `[rows, vocab]`.
+    fn forward(&mut self, batch: &ForwardBatch, embeds: &[f32]) -> Result<Vec<f32>, ModelError>;
+    /// Completes one frame for every output row of the last step, in order, from its layer-0
+    /// code `c0[r]`: the frames `[rows, groups]` and the sums of their codec embeddings
+    /// `[rows, hidden]` (the next step's input before its text vector).
+    fn predict(
+        &mut self,
+        c0: &[u32],
+        draws: &[CodeDraw],
+    ) -> Result<(Vec<u32>, Vec<f32>), ModelError>;
+}
+
+/// A small counter-based uniform draw in `[0, 1)` (splitmix64 of the seed and the counter).
+pub fn uniform(seed: u64, counter: u64) -> f32 {
+    let mut z = seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 24) as f32
+}
+
+/// The code predictor's own sampling when the Talker samples (transformers' defaults).
+pub const CP_TOP_K: usize = 50;
+/// See [`CP_TOP_K`].
+pub const CP_TOP_P: f32 = 0.8;
+
+/// The CPU Talker (f32) and its host KV cache.
+#[derive(Debug)]
+pub struct CpuTalker {
+    talker: omni_models::qwen3_omni::talker::Talker,
+    kv: Vec<LayerKvCache>,
+    /// Final-norm states of the last step's output rows.
+    last: Vec<f32>,
+}
+
+impl CpuTalker {
+    /// Wraps a loaded Talker with `num_blocks` KV blocks of `block_size`.
+    pub fn new(
+        talker: omni_models::qwen3_omni::talker::Talker,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, ModelError> {
+        let kv = StageModel::kv_cache_spec(&talker)
+            .ok_or_else(|| ModelError::Config("the Talker has no KV cache".into()))?
+            .allocate(num_blocks, block_size);
+        Ok(Self {
+            talker,
+            kv,
+            last: Vec::new(),
+        })
+    }
+}
+
+impl TalkerNet for CpuTalker {
+    fn config(&self) -> &omni_models::qwen3_omni::config::OmniConfig {
+        self.talker.config()
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.talker.hidden_size()
+    }
+
+    fn prompts(&self) -> &omni_models::qwen3_omni::talker::PromptBuilder {
+        self.talker.prompt_builder()
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, embeds: &[f32]) -> Result<Vec<f32>, ModelError> {
+        let inputs = ModelInputs {
+            batch,
+            tokens: TokenInputs::Embeds(embeds),
+            positions: PositionInputs::Batch,
+            mm_features: &[],
+            capture: &[omni_models::Capture::FinalNorm],
+        };
+        let out = StageModel::forward(&self.talker, &inputs, &mut self.kv)?;
+        let h = self.talker.hidden_size();
+        let rows = batch.output_rows();
+        let states = out
+            .hidden_states
+            .into_iter()
+            .find(|(k, _)| *k == omni_models::Capture::FinalNorm)
+            .map(|(_, t)| t.data)
+            .ok_or_else(|| ModelError::Batch("the Talker returned no final-norm state".into()))?;
+        // The capture holds the output rows, or every row of the batch.
+        self.last = if states.len() == rows.len() * h {
+            states
+        } else {
+            rows.iter()
+                .flat_map(|&r| states[r * h..(r + 1) * h].iter().copied())
+                .collect()
+        };
+        Ok(out.logits.map(|t| t.data).unwrap_or_default())
+    }
+
+    fn predict(
+        &mut self,
+        c0: &[u32],
+        draws: &[CodeDraw],
+    ) -> Result<(Vec<u32>, Vec<f32>), ModelError> {
+        use omni_models::qwen3_omni::talker::sampling::{argmax, top_k_top_p};
+        if c0.len() * self.talker.hidden_size() != self.last.len() || draws.len() != c0.len() {
+            return Err(ModelError::Batch(format!(
+                "{} layer-0 codes and {} draws for {} output rows",
+                c0.len(),
+                draws.len(),
+                self.last.len() / self.talker.hidden_size().max(1)
+            )));
+        }
+        let embed = self.talker.embed_codec(c0)?;
+        let mut choose = |row: usize, group: usize, l: &mut [f32]| {
+            let d = draws[row];
+            if d.greedy {
+                argmax(l)
+            } else {
+                top_k_top_p(
+                    l,
+                    CP_TOP_K,
+                    CP_TOP_P,
+                    uniform(d.seed, d.frame * 17 + group as u64),
+                )
+            }
+        };
+        let f = self
+            .talker
+            .code_predictor()
+            .predict(&self.last, c0, &embed, &mut choose)?;
+        Ok((f.codes, f.codec_sum))
+    }
+}

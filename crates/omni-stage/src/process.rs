@@ -15,7 +15,7 @@ use omni_protocol::{Device, LoadFormat, StageInput, StageKind, StageOutputs, Sta
 
 use crate::StageError;
 use crate::code2wav::Code2WavStage;
-use crate::nets::CpuThinker;
+use crate::nets::{CpuTalker, CpuThinker};
 use crate::stage::Stage;
 use crate::talker::TalkerStage;
 use crate::thinker::ThinkerStage;
@@ -62,10 +62,11 @@ pub fn build_stage(spec: &StageSpec) -> Result<BuiltStage, StageError> {
             let net = CpuThinker::new(t, spec.num_blocks as usize, spec.block_size as usize)?;
             Box::new(ThinkerStage::new(Box::new(net), spec)?)
         }
-        StageKind::Talker => Box::new(TalkerStage::new(
-            Talker::load(&config, ws, TpContext::single())?,
-            spec,
-        )?),
+        StageKind::Talker => {
+            let t = Talker::load(&config, ws, TpContext::single())?;
+            let net = CpuTalker::new(t, spec.num_blocks as usize, spec.block_size as usize)?;
+            Box::new(TalkerStage::new(Box::new(net), spec)?)
+        }
         StageKind::Code2Wav => Box::new(Code2WavStage::new(
             Box::new(Code2Wav::load(&config, ws)?),
             spec,

@@ -13,16 +13,12 @@ use std::collections::HashMap;
 
 use omni_core::connector::CodecChunker;
 use omni_core::{Scheduler, SchedulerConfig};
-use omni_models::qwen3_omni::talker::Talker;
 use omni_models::qwen3_omni::talker::prompt::{TalkerPrompt, ThinkerExports};
 use omni_models::qwen3_omni::talker::sampling::{
     argmax, repetition_penalty, suppress_control_codes, top_k_top_p,
 };
 use omni_models::qwen3_omni::thinker::TtsEmbeddings;
-use omni_models::{
-    Capture, ForwardBatch, LayerKvCache, ModelInputs, PositionInputs, SeqChunk, StageModel,
-    TokenInputs,
-};
+use omni_models::{ForwardBatch, SeqChunk};
 use omni_protocol::{
     BlockId, CodecChunk, CodecWindowing, EngineCoreRequest, ModelRunnerOutput, RequestId,
     SamplingParams, SchedulerOutput, StageInput, StageOutputs, StageSpec, ThinkerChunk,
@@ -30,12 +26,9 @@ use omni_protocol::{
 };
 
 use crate::StageError;
+use crate::nets::{CodeDraw, TalkerNet, uniform};
 use crate::stage::{Stage, StepResult, scheduler_config};
 use crate::tensors::read_f32;
-
-/// The code predictor's own sampling when the Talker samples (transformers' defaults).
-const CP_TOP_K: usize = 50;
-const CP_TOP_P: f32 = 0.8;
 
 /// One live request.
 #[derive(Debug)]
@@ -69,8 +62,7 @@ struct Pending {
 /// See the module docs.
 #[derive(Debug)]
 pub struct TalkerStage {
-    talker: Talker,
-    kv: Vec<LayerKvCache>,
+    talker: Box<dyn TalkerNet>,
     scheduler: Scheduler,
     config: SchedulerConfig,
     pending: HashMap<RequestId, Pending>,
@@ -80,24 +72,11 @@ pub struct TalkerStage {
     seed: u64,
 }
 
-/// A small counter-based uniform draw in `[0, 1)` (splitmix64 of the seed and the counter).
-fn uniform(seed: u64, counter: u64) -> f32 {
-    let mut z = seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 24) as f32
-}
-
 impl TalkerStage {
-    /// A stage over a loaded Talker.
-    pub fn new(talker: Talker, spec: &StageSpec) -> Result<Self, StageError> {
+    /// A stage over a loaded Talker (its KV cache of `spec.num_blocks` blocks).
+    pub fn new(talker: Box<dyn TalkerNet>, spec: &StageSpec) -> Result<Self, StageError> {
         let config = scheduler_config(spec, false);
-        let kv = StageModel::kv_cache_spec(&talker)
-            .ok_or_else(|| StageError::Model("the Talker has no KV cache".into()))?
-            .allocate(config.num_blocks, config.block_size);
         Ok(Self {
-            kv,
             scheduler: Scheduler::new(config.clone())
                 .map_err(|e| StageError::Config(e.to_string()))?,
             config,
@@ -155,7 +134,7 @@ impl TalkerStage {
             hidden: &hidden,
             tts: &tts,
         };
-        let mut prompt = self.talker.build_prompt(&ex, p.speaker)?;
+        let mut prompt = self.talker.prompts().build(&ex, p.speaker)?;
         let h = prompt.hidden;
         // The trailing text ends with tts_eos: kept aside until the Thinker ends.
         let cut = prompt.trailing_text.len().saturating_sub(h);
@@ -206,7 +185,7 @@ impl TalkerStage {
             ThinkerChunk::Full(s) => self.start(&id, &s, buffers, true),
             ThinkerChunk::Decode { embed, .. } => {
                 let row = read_f32(&embed, buffers)?;
-                let text = self.talker.project_text(&row)?;
+                let text = self.talker.prompts().project_text(&row)?;
                 if let Some(r) = self.reqs.get_mut(&id) {
                     r.prompt.trailing_text.extend_from_slice(&text);
                 }
@@ -391,24 +370,9 @@ impl Stage for TalkerStage {
         }
         let mut batch = ForwardBatch::from_chunks(&chunks, self.config.block_size)?;
         batch.logits_indices = Some(rows.clone());
-        let inputs = ModelInputs {
-            batch: &batch,
-            tokens: TokenInputs::Embeds(&embeds),
-            positions: PositionInputs::Batch,
-            mm_features: &[],
-            capture: &[Capture::FinalNorm],
-        };
-        let outputs = StageModel::forward(&self.talker, &inputs, &mut self.kv)?;
-        let mut logits = outputs.logits.map(|t| t.data).unwrap_or_default();
-        let final_norm = outputs
-            .hidden_states
-            .iter()
-            .find(|(k, _)| *k == Capture::FinalNorm)
-            .map(|(_, t)| t.data.clone())
-            .ok_or_else(|| StageError::Model("the Talker returned no final-norm state".into()))?;
+        let mut logits = self.talker.forward(&batch, &embeds)?;
         let tc = &self.talker.config().talker_config;
         let eos = tc.codec_eos_token_id;
-        let h = self.talker.hidden_size();
         let v = logits.len().checked_div(rows.len()).unwrap_or(0);
         // Layer 0 per sampled row.
         let ids: Vec<&RequestId> = scheduled
@@ -418,12 +382,14 @@ impl Stage for TalkerStage {
             .map(|((id, _, _), _)| id)
             .collect();
         let mut c0 = Vec::with_capacity(ids.len());
+        let mut draws = Vec::with_capacity(ids.len());
         for (k, id) in ids.iter().enumerate() {
             let r = &self.reqs[*id];
             let l = &mut logits[k * v..(k + 1) * v];
             repetition_penalty(l, &r.layer0, r.params.repetition_penalty);
             suppress_control_codes(l, eos);
-            let code = if r.params.temperature <= 0.0 {
+            let greedy = r.params.temperature <= 0.0;
+            let code = if greedy {
                 argmax(l)
             } else {
                 l.iter_mut().for_each(|x| *x /= r.params.temperature);
@@ -431,58 +397,28 @@ impl Stage for TalkerStage {
                 top_k_top_p(l, k, r.params.top_p, uniform(r.seed, r.frames * 17))
             };
             c0.push(code);
+            draws.push(CodeDraw {
+                greedy,
+                seed: r.seed,
+                frame: r.frames,
+            });
         }
-        // The code predictor over the rows that go on (not EOS).
-        let go: Vec<usize> = (0..ids.len()).filter(|&k| c0[k] != eos).collect();
+        // The code predictor over every output row; an EOS row's frame is dropped.
         let mut frames: HashMap<&RequestId, (Vec<u32>, Vec<f32>)> = HashMap::new();
-        if !go.is_empty() {
-            // The capture holds the output rows only, or every row of the batch.
-            let at = |k: usize| {
-                if final_norm.len() == rows.len() * h {
-                    k
-                } else {
-                    rows[k]
+        if !c0.is_empty() {
+            let h = self.talker.hidden_size();
+            let (codes, sums) = self.talker.predict(&c0, &draws)?;
+            let g = codes.len() / c0.len();
+            for (k, id) in ids.iter().enumerate() {
+                if c0[k] != eos {
+                    frames.insert(
+                        *id,
+                        (
+                            codes[k * g..(k + 1) * g].to_vec(),
+                            sums[k * h..(k + 1) * h].to_vec(),
+                        ),
+                    );
                 }
-            };
-            let hidden: Vec<f32> = go
-                .iter()
-                .flat_map(|&k| final_norm[at(k) * h..(at(k) + 1) * h].iter().copied())
-                .collect();
-            let codes: Vec<u32> = go.iter().map(|&k| c0[k]).collect();
-            let embed = self.talker.embed_codec(&codes)?;
-            let draws: Vec<(bool, u64, u64)> = go
-                .iter()
-                .map(|&k| {
-                    let r = &self.reqs[ids[k]];
-                    (r.params.temperature <= 0.0, r.seed, r.frames)
-                })
-                .collect();
-            let mut choose = |row: usize, group: usize, l: &mut [f32]| {
-                let (greedy, seed, frame) = draws[row];
-                if greedy {
-                    argmax(l)
-                } else {
-                    top_k_top_p(
-                        l,
-                        CP_TOP_K,
-                        CP_TOP_P,
-                        uniform(seed, frame * 17 + group as u64),
-                    )
-                }
-            };
-            let f = self
-                .talker
-                .code_predictor()
-                .predict(&hidden, &codes, &embed, &mut choose)?;
-            let g = f.codes.len() / go.len();
-            for (j, &k) in go.iter().enumerate() {
-                frames.insert(
-                    ids[k],
-                    (
-                        f.codes[j * g..(j + 1) * g].to_vec(),
-                        f.codec_sum[j * h..(j + 1) * h].to_vec(),
-                    ),
-                );
             }
         }
         let mut mro = ModelRunnerOutput::default();
