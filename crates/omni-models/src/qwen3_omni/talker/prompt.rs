@@ -81,6 +81,9 @@ impl Talker {
     }
 }
 
+/// Reads `codec_embedding` rows of codec ids, `[ids, hidden]`.
+pub type CodecRows<'a> = dyn Fn(&[u32]) -> Result<Vec<f32>, ModelError> + 'a;
+
 /// What building a Talker prompt takes: the two projections and the `codec_embedding` rows of
 /// the codec ids the bootstrap uses (its fixed tokens and every speaker). A CUDA Talker builds
 /// its prompts with one of these on the host.
@@ -100,7 +103,7 @@ impl PromptBuilder {
     pub fn load(
         config: &OmniConfig,
         ws: &dyn WeightSource,
-        codec_rows: &dyn Fn(&[u32]) -> Result<Vec<f32>, ModelError>,
+        codec_rows: &CodecRows<'_>,
     ) -> Result<Self, ModelError> {
         let t = &config.talker_config;
         let (th, mid, h) = (
