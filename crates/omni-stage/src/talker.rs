@@ -142,6 +142,8 @@ impl TalkerStage {
         let n = prompt.prefill_len();
         let mut req = p.request;
         req.prompt_token_ids = vec![0; n];
+        // The Talker's "tokens" are layer-0 codes: it ends at the codec EOS.
+        req.eos_token_id = Some(self.talker.config().talker_config.codec_eos_token_id);
         self.scheduler
             .add_request(req.clone())
             .map_err(|e| StageError::Input(e.to_string()))?;
