@@ -19,6 +19,8 @@ pub struct SampleRequest {
     pub prompt_len: usize,
     /// `max_tokens` to ask for.
     pub output_len: usize,
+    /// A system turn before the prompt (chat endpoints only; Seed-TTS's instruction).
+    pub system: Option<String>,
 }
 
 const WORDS: [&str; 32] = [
@@ -156,6 +158,7 @@ pub fn random(
                 prompt,
                 prompt_len: got + added,
                 output_len: plan.output_len,
+                system: None,
             }
         })
         .collect();
@@ -345,6 +348,7 @@ fn random_words(
                 prompt_len: prefix_len + in_len,
                 prompt,
                 output_len: sample_len(rng, output_len, range_ratio),
+                system: None,
             }
         })
         .collect()
@@ -393,6 +397,7 @@ pub fn sharegpt(
             prompt,
             prompt_len,
             output_len,
+            system: None,
         });
     }
     if out.is_empty() {

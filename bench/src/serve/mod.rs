@@ -2,6 +2,16 @@
 //! end-to-end latency over streamed requests and prints vLLM's `Serving Benchmark Result` block.
 //! It speaks only the public OpenAI API, so the same command benchmarks omni-engine and vLLM.
 //!
+//! With `--omni` (vLLM-Omni's `vllm bench serve --omni --backend openai-chat-omni`) it sends
+//! chat requests with `modalities` (default text and audio) and
+//! `stream_options.continuous_usage_stats`, times text chunks for TTFT / ITL / TPOT and audio
+//! chunks (`modality: "audio"`, each a base64 WAV file of its own) for the time to first packet
+//! (TTFP: the first non-empty audio chunk) and the real-time factor (RTF: the last audio chunk's
+//! arrival over the audio's duration, PCM sample frames of every decoded chunk over its sample
+//! rate), and prints vLLM-Omni's block with its Text Result and Audio Result.
+//! Datasets beside random and ShareGPT: a Seed-TTS-like one ([`seed_tts`]). For dummy weights,
+//! `--omni-fixed-lengths 64,144` fixes the Thinker tokens and Talker frames of every request.
+//!
 //! Requests go out as `vllm bench serve` sends them (its `benchmark` and `get_request`): one
 //! test request first (retried until the server answers, `--ready-check-timeout-sec`); then
 //! every request gets an arrival time (all at once at `--request-rate inf`, else exponential
@@ -26,7 +36,11 @@
 
 mod client;
 pub mod dataset;
+mod omni_stats;
+mod plan;
+pub mod seed_tts;
 pub mod stats;
+pub mod wav;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -38,8 +52,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::Semaphore;
 
+use plan::{Plan, plan, samples};
+
+pub use client::{DEFAULT_OMNI_MODALITIES, RequestSpec};
 pub use dataset::SampleRequest;
-pub use stats::{RequestOutcome, ServeBenchResult, Summary};
+pub use stats::{AudioMetrics, AudioOutcome, RequestOutcome, ServeBenchResult, Summary};
 
 /// Which prompts to send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -48,7 +65,36 @@ pub enum DatasetName {
     Random,
     /// ShareGPT conversations from `--dataset-path`.
     Sharegpt,
+    /// Text to speak under a text-to-speech system prompt: `meta.lst` of `--dataset-path`
+    /// (`utt_id|prompt_transcript|prompt_wav|text`), else generated texts of
+    /// `--seed-tts-prompt-len` tokens.
+    SeedTts,
 }
+
+/// The request protocol (vLLM's `--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// `/v1/completions` with `prompt`.
+    Openai,
+    /// vLLM's name for the completions protocol.
+    Vllm,
+    /// `/v1/chat/completions` with `messages`.
+    OpenaiChat,
+    /// vLLM-Omni's: chat with content parts and `modalities`, text and audio chunks timed
+    /// apart (the same as `--omni`).
+    OpenaiChatOmni,
+}
+
+/// The metrics `--percentile-metrics` may name.
+pub const PERCENTILE_METRICS: [&str; 7] = [
+    "ttft",
+    "tpot",
+    "itl",
+    "e2el",
+    "audio_ttfp",
+    "audio_rtf",
+    "audio_duration",
+];
 
 /// Options of `bench serve` (names as in `vllm bench serve`).
 #[derive(Debug, Clone, clap::Args)]
@@ -56,9 +102,30 @@ pub struct ServeBenchArgs {
     /// Server base URL.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     pub base_url: String,
-    /// API path: /v1/completions or /v1/chat/completions.
-    #[arg(long, default_value = "/v1/completions")]
-    pub endpoint: String,
+    /// API path: /v1/completions or /v1/chat/completions (default: the backend's).
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// Request protocol (default: chat when the endpoint is a chat one, else completions).
+    #[arg(long, value_enum)]
+    pub backend: Option<Backend>,
+    /// vLLM-Omni's omni mode (the `openai-chat-omni` backend): chat completions with
+    /// `modalities` (default text and audio), audio chunks measured for time to first packet
+    /// (TTFP) and real-time factor (RTF), and the Audio Result in the block. A request that
+    /// asks for audio and gets none fails.
+    #[arg(long)]
+    pub omni: bool,
+    /// JSON object merged into every request body, replacing the client's keys (e.g.
+    /// '{"speaker":"chelsie","sampling_params_list":[...]}').
+    #[arg(long)]
+    pub extra_body: Option<String>,
+    /// Omni fixed-length profile for dummy weights, THINKER_TOKENS,TALKER_FRAMES (e.g.
+    /// 64,144): `sampling_params_list` with those `max_tokens` and `ignore_eos` on both (the
+    /// Talker keeps the built-in profile's sampling, Code2Wav its defaults).
+    #[arg(long, value_delimiter = ',')]
+    pub omni_fixed_lengths: Option<Vec<usize>>,
+    /// Requests sent (and discarded) before the timed run, --max-concurrency at a time.
+    #[arg(long, default_value_t = 0)]
+    pub num_warmups: usize,
     /// Model name to request (default: the first of /v1/models).
     #[arg(long)]
     pub model: Option<String>,
@@ -84,6 +151,13 @@ pub struct ServeBenchArgs {
     /// Random dataset: output tokens.
     #[arg(long, default_value_t = 128)]
     pub random_output_len: usize,
+    /// Seed-TTS generated set: tokens of text to speak (vLLM-Omni's blog: 10, 160, 320, 640);
+    /// `w<id>` words unless --tokenizer fits them.
+    #[arg(long, default_value_t = seed_tts::SEED_TTS_PROMPT_LENS[0])]
+    pub seed_tts_prompt_len: usize,
+    /// Seed-TTS: the Thinker's `max_tokens` (vLLM-Omni's default).
+    #[arg(long, default_value_t = seed_tts::SEED_TTS_OUTPUT_LEN)]
+    pub seed_tts_output_len: usize,
     /// Random dataset: lengths vary in [len*(1-r), len*(1+r)].
     #[arg(long, default_value_t = 0.0)]
     pub random_range_ratio: f64,
@@ -107,9 +181,10 @@ pub struct ServeBenchArgs {
     /// retrying every 5 s (vLLM's ready check); 0 skips the test request.
     #[arg(long, default_value_t = 600)]
     pub ready_check_timeout_sec: u64,
-    /// Sections to print: any of ttft,tpot,itl,e2el.
-    #[arg(long, default_value = "ttft,tpot,itl", value_delimiter = ',')]
-    pub percentile_metrics: Vec<String>,
+    /// Sections to print: any of ttft,tpot,itl,e2el,audio_ttfp,audio_rtf,audio_duration
+    /// (default ttft,tpot,itl; with --omni also e2el,audio_ttfp,audio_rtf).
+    #[arg(long, value_delimiter = ',')]
+    pub percentile_metrics: Option<Vec<String>>,
     /// Hide the progress bar.
     #[arg(long)]
     pub disable_tqdm: bool,
@@ -184,33 +259,46 @@ pub fn arrival_times(n: usize, rate: f64, rng: &mut StdRng) -> Vec<Duration> {
         .collect()
 }
 
-async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchError> {
-    if args.request_rate.is_nan() || args.request_rate <= 0.0 {
-        return Err(ServeBenchError::Args("--request-rate must be > 0".into()));
-    }
-    if args.max_concurrency == Some(0) {
-        return Err(ServeBenchError::Args(
-            "--max-concurrency must be >= 1".into(),
-        ));
-    }
-    let tokenizer = args.tokenizer.as_deref().map(load_tokenizer).transpose()?;
-    let samples = match args.dataset {
-        DatasetName::Random => dataset::random(
-            tokenizer.as_ref(),
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            args.random_prefix_len,
-            args.seed,
-        )?,
-        DatasetName::Sharegpt => {
-            let path = args.dataset_path.as_deref().ok_or_else(|| {
-                ServeBenchError::Args("--dataset sharegpt needs --dataset-path".into())
-            })?;
-            dataset::sharegpt(path, tokenizer.as_ref(), args.num_prompts, args.seed)?
+/// Sends `n` requests (the samples' bodies in turn), `limit` at a time, and waits for them
+/// all; their figures are dropped.
+async fn warm_up(
+    http: &reqwest::Client,
+    url: &str,
+    bodies: &[(serde_json::Value, usize)],
+    n: usize,
+    limit: &Arc<Semaphore>,
+) {
+    let tasks: Vec<_> = bodies
+        .iter()
+        .cycle()
+        .take(n)
+        .map(|(body, prompt_len)| {
+            let (http, url, body, limit) =
+                (http.clone(), url.to_string(), body.clone(), limit.clone());
+            let prompt_len = *prompt_len;
+            tokio::spawn(async move {
+                let _permit = limit.acquire_owned().await;
+                client::send(&http, &url, &body, prompt_len, Instant::now()).await
+            })
+        })
+        .collect();
+    let mut failed = 0;
+    for t in tasks {
+        if !t.await.is_ok_and(|o| o.success) {
+            failed += 1;
         }
-    };
+    }
+    eprintln!("warm-up: {n} request(s), {failed} failed");
+}
+
+async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchError> {
+    let Plan {
+        endpoint,
+        mut spec,
+        metrics,
+    } = plan(&args)?;
+    let tokenizer = args.tokenizer.as_deref().map(load_tokenizer).transpose()?;
+    let samples = samples(&args, tokenizer.as_ref())?;
     let base = args.base_url.trim_end_matches('/').to_string();
     // Keep-alive connections, no Nagle: what aiohttp's connector does for vLLM's client.
     let http = reqwest::Client::builder()
@@ -220,16 +308,15 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
             url: base.clone(),
             reason: format!("building the HTTP client: {e}"),
         })?;
-    let model = match &args.model {
+    spec.model = match &args.model {
         Some(m) => m.clone(),
         None => client::first_model(&http, &base).await?,
     };
-    let url = format!("{base}{}", args.endpoint);
-    let chat = args.endpoint.contains("chat");
+    let url = format!("{base}{endpoint}");
     if args.ready_check_timeout_sec > 0
         && let Some(first) = samples.first()
     {
-        let body = client::request_body(&model, first, chat, args.ignore_eos);
+        let body = spec.body(first);
         let timeout = Duration::from_secs(args.ready_check_timeout_sec);
         let test = client::wait_for_endpoint(&http, &url, &body, first.prompt_len, timeout).await;
         if let Some(e) = test.error {
@@ -238,6 +325,16 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
                 reason: format!("the initial test request failed: {e}"),
             });
         }
+    }
+    let limit = Arc::new(Semaphore::new(
+        args.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
+    ));
+    if args.num_warmups > 0 {
+        let bodies: Vec<_> = samples
+            .iter()
+            .map(|s| (spec.body(s), s.prompt_len))
+            .collect();
+        warm_up(&http, &url, &bodies, args.num_warmups, &limit).await;
     }
 
     let progress = if args.disable_tqdm {
@@ -249,9 +346,6 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
         ProgressStyle::with_template("{bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let limit = Arc::new(Semaphore::new(
-        args.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
-    ));
     let mut rng = StdRng::seed_from_u64(args.seed);
     let arrivals = arrival_times(samples.len(), args.request_rate, &mut rng);
     let start = Instant::now();
@@ -262,12 +356,12 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
         {
             tokio::time::sleep(wait).await;
         }
-        let body = client::request_body(&model, &sample, chat, args.ignore_eos);
+        let body = spec.body(&sample);
         let (http, url, limit, progress) =
             (http.clone(), url.clone(), limit.clone(), progress.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = limit.acquire_owned().await;
-            let outcome = client::send(&http, &url, &body, sample.prompt_len).await;
+            let outcome = client::send(&http, &url, &body, sample.prompt_len, start).await;
             progress.inc(1);
             outcome
         }));
@@ -287,13 +381,22 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
     for e in &result.errors {
         eprintln!("request failed: {e}");
     }
-    print!("{}", result.format_block(&args.percentile_metrics));
+    if spec.omni {
+        print!("{}", result.format_omni_block(&metrics));
+    } else {
+        print!("{}", result.format_block(&metrics));
+    }
     if let Some(path) = &args.save_result {
         let mut json = serde_json::to_value(&result).unwrap_or_default();
-        json["model"] = serde_json::json!(model);
-        json["endpoint"] = serde_json::json!(args.endpoint);
+        json["model"] = serde_json::json!(spec.model);
+        json["endpoint"] = serde_json::json!(endpoint);
         json["base_url"] = serde_json::json!(args.base_url);
         json["num_prompts"] = serde_json::json!(args.num_prompts);
+        json["omni"] = serde_json::json!(spec.omni);
+        json["num_warmups"] = serde_json::json!(args.num_warmups);
+        if let Some(extra) = &args.extra_body {
+            json["extra_body"] = serde_json::json!(extra);
+        }
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
         std::fs::write(path, text)?;
     }

@@ -2,6 +2,8 @@
 
 use serde::Serialize;
 
+pub use super::omni_stats::AudioMetrics;
+
 /// What one request measured.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestOutcome {
@@ -19,6 +21,24 @@ pub struct RequestOutcome {
     pub itl: Vec<f64>,
     /// End-to-end latency, seconds.
     pub latency: f64,
+    /// When it started, seconds after the start of the run.
+    pub start: f64,
+    /// The audio of an omni request (`None` without audio).
+    pub audio: Option<AudioOutcome>,
+}
+
+/// What one omni request measured of its audio (vLLM-Omni's client definitions).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AudioOutcome {
+    /// Time to first packet: the first SSE chunk with `modality: "audio"` and non-empty content
+    /// after the request started, seconds.
+    pub ttfp: f64,
+    /// PCM sample frames of all decoded audio chunks divided by their sample rate, seconds.
+    pub duration: f64,
+    /// PCM sample frames of all audio chunks.
+    pub frames: u64,
+    /// Real-time factor: (arrival of the last audio chunk - start) / `duration`.
+    pub rtf: f64,
 }
 
 /// Mean, median, P99 and standard deviation of one metric, in milliseconds.
@@ -98,8 +118,48 @@ pub struct ServeBenchResult {
     pub itl: Summary,
     /// End-to-end latency.
     pub e2el: Summary,
+    /// Most output tokens that arrived within one second of the run (vLLM's peak).
+    pub max_output_tokens_per_s: f64,
+    /// Most requests in flight within one second of the run (vLLM's peak).
+    pub max_concurrent_requests: f64,
+    /// The Audio Result of an omni run (vLLM-Omni's names in the JSON); `None` without audio.
+    #[serde(flatten)]
+    pub audio: Option<AudioMetrics>,
     /// The first few error messages.
     pub errors: Vec<String>,
+}
+
+/// vLLM's `max_output_tokens_per_s` and `max_concurrent_requests`: the run cut into one-second
+/// buckets from the first start; a token counts in the bucket it arrived in (first at TTFT, the
+/// others ITL apart), a request in every bucket from its start to its end.
+fn peaks(ok: &[&RequestOutcome]) -> (f64, f64) {
+    let Some(t0) = ok.iter().map(|o| o.start).min_by(f64::total_cmp) else {
+        return (0.0, 0.0);
+    };
+    let end = ok.iter().map(|o| o.start + o.latency).fold(t0, f64::max);
+    let buckets = (end - t0).ceil() as usize + 1;
+    let mut tokens = vec![0usize; buckets];
+    let mut running = vec![0usize; buckets];
+    for o in ok {
+        let mut t = o.start + o.ttft;
+        let mut times = vec![t];
+        for gap in &o.itl {
+            t += gap;
+            times.push(t);
+        }
+        for t in times {
+            if let Some(b) = tokens.get_mut((t - t0).max(0.0) as usize) {
+                *b += 1;
+            }
+        }
+        let first = (o.start - t0) as usize;
+        let last = ((o.start + o.latency - t0) as usize).min(buckets - 1);
+        for r in &mut running[first.min(last)..=last] {
+            *r += 1;
+        }
+    }
+    let max = |v: &[usize]| v.iter().copied().max().unwrap_or(0) as f64;
+    (max(&tokens), max(&running))
 }
 
 impl ServeBenchResult {
@@ -122,6 +182,7 @@ impl ServeBenchResult {
         let itls: Vec<f64> = ok.iter().flat_map(|o| o.itl.iter().copied()).collect();
         let e2els: Vec<f64> = ok.iter().map(|o| o.latency).collect();
         let per_s = |x: f64| if duration > 0.0 { x / duration } else { 0.0 };
+        let (max_output_tokens_per_s, max_concurrent_requests) = peaks(&ok);
         Self {
             completed: ok.len(),
             failed: outcomes.len() - ok.len(),
@@ -137,6 +198,9 @@ impl ServeBenchResult {
             tpot: Summary::of_seconds(&tpots),
             itl: Summary::of_seconds(&itls),
             e2el: Summary::of_seconds(&e2els),
+            max_output_tokens_per_s,
+            max_concurrent_requests,
+            audio: AudioMetrics::compute(&ok, duration),
             errors: outcomes
                 .iter()
                 .filter_map(|o| o.error.clone())
@@ -249,6 +313,8 @@ mod tests {
             itl,
             latency,
             error: None,
+            start: 0.0,
+            audio: None,
         }
     }
 

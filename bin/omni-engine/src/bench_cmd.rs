@@ -13,8 +13,9 @@ pub enum BenchCommand {
     /// a plain memcpy of the same bytes.
     Ipc(IpcArgs),
     /// Serving benchmark of an OpenAI-compatible server (vLLM's `bench serve`): TTFT, TPOT,
-    /// ITL and end-to-end latency over streamed requests; prints the result block last.
-    Serve(omni_bench::serve::ServeBenchArgs),
+    /// ITL and end-to-end latency over streamed requests; with --omni (vLLM-Omni's) also audio
+    /// TTFP and RTF; prints the result block last.
+    Serve(Box<omni_bench::serve::ServeBenchArgs>),
     /// This machine's memory bandwidth (read with all cores; single-threaded copy): the
     /// ceiling of CPU decode, which streams every weight once per step.
     Mem(MemArgs),
@@ -141,7 +142,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Code2wav(a) => crate::bench_code2wav::run(*a),
         BenchCommand::Serve(a) => {
             // Prints the result block last and writes `--save-result` JSON.
-            let result = omni_bench::serve::run(a)?;
+            let result = omni_bench::serve::run(*a)?;
             if result.completed == 0 {
                 anyhow::bail!("no request completed");
             }
