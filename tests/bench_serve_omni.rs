@@ -6,7 +6,7 @@
 //! zero.
 
 // server_common.rs and omni_common.rs each load engine_common.rs as a module.
-#![allow(clippy::unwrap_used, clippy::duplicate_mod)]
+#![allow(clippy::unwrap_used)]
 
 #[path = "server_common.rs"]
 mod common;

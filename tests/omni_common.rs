@@ -8,9 +8,10 @@ use std::path::PathBuf;
 use omni_models::qwen3_omni::code2wav::Code2Wav;
 use omni_protocol::CodecWindowing;
 
-#[path = "engine_common.rs"]
-mod engine_common;
-pub use engine_common::engine_bin;
+// The including test crate declares `mod common` (tests/server_common.rs), which brings
+// engine_common's helpers: one copy of them per test crate.
+#[allow(unused_imports)] // the pipeline tests start stages with it; the server tests do not
+pub use crate::common::engine_bin;
 
 pub const WINDOWS: CodecWindowing = CodecWindowing {
     initial: 4,
@@ -22,7 +23,7 @@ pub const FRAMES: u32 = 11;
 
 /// The fixture (from a copy of the repository too: the GPU machine runs the binaries there).
 pub fn fixture() -> PathBuf {
-    engine_common::fixture("qwen3-omni")
+    crate::common::fixture("qwen3-omni")
 }
 
 pub fn reference() -> serde_json::Value {

@@ -9,8 +9,12 @@
 //! differing code would change the waveform. Four requests (2 prompts x 2 voices) run at once,
 //! so every stage batches across requests.
 
+#![allow(clippy::unwrap_used)]
+
 use std::time::{Duration, Instant};
 
+#[path = "server_common.rs"]
+mod common;
 #[path = "omni_common.rs"]
 mod omni_common;
 use omni_common::*;
