@@ -196,15 +196,26 @@ __device__ int tk_choose(unsigned long long* keys, int* out_code, int v,
     return *out_code;
 }
 
+// Teacher forcing: with `forced` ([rows, groups_total], or null), the kernel records its own
+// choice in `chosen` (same layout) and continues with the forced code (clamped into the
+// vocabulary), so a frame follows a given trajectory.
+__device__ __forceinline__ int tk_forced(const int* forced, int* chosen, size_t at, int c, int v) {
+    if (!forced) return c;
+    if (threadIdx.x == 0) chosen[at] = c;
+    const int f = forced[at];
+    return f < 0 ? 0 : (f >= v ? v - 1 : f);
+}
+
 // One block per row r: the Talker's layer-0 code from its logits [rows, v]: the repetition
 // penalty over the codes this row chose before (`seen` [rows, v] bytes), the control range
-// [suppress_from, v) suppressed except `eos` (Qwen3-Omni: v - 1024), then tk_choose. Writes c0[r], codes[r * groups_total],
-// marks it seen.
+// [suppress_from, v) suppressed except `eos` (Qwen3-Omni: v - 1024), then tk_choose (or the
+// forced code, see tk_forced). Writes c0[r], codes[r * groups_total], marks it seen.
 extern "C" __global__ void __launch_bounds__(CHOOSE_THREADS) talker_choose_c0(
         const float* __restrict__ logits, unsigned char* __restrict__ seen,
         const unsigned int* __restrict__ params, long long* __restrict__ frame,
-        int* __restrict__ c0, int* __restrict__ codes, int v, float penalty, int eos,
-        int suppress_from, int groups_total) {
+        int* __restrict__ c0, int* __restrict__ codes, const int* __restrict__ forced,
+        int* __restrict__ chosen, int v, float penalty, int eos, int suppress_from,
+        int groups_total) {
     __shared__ unsigned long long keys[CHOOSE_MAX_VOCAB];
     __shared__ int code;
     const int r = blockIdx.x;
@@ -215,8 +226,9 @@ extern "C" __global__ void __launch_bounds__(CHOOSE_THREADS) talker_choose_c0(
         keys[i] = tk_pack(x, i);
     }
     __syncthreads();
-    const int c = tk_choose(keys, &code, v, params + 6 * r,
-                            (unsigned long long)frame[r] * (unsigned long long)groups_total);
+    const int own = tk_choose(keys, &code, v, params + 6 * r,
+                              (unsigned long long)frame[r] * (unsigned long long)groups_total);
+    const int c = tk_forced(forced, chosen, (size_t)r * groups_total, own, v);
     if (threadIdx.x == 0) {
         c0[r] = c;
         codes[(size_t)r * groups_total] = c;
@@ -228,20 +240,22 @@ extern "C" __global__ void __launch_bounds__(CHOOSE_THREADS) talker_choose_c0(
 // One block per row r after code-predictor group step g (1-based): chooses code g from the
 // head's logits [rows, v]; adds its embedding (table g - 1 of `embed`, [groups, v, dim]) to
 // codec_sum[r], writes it as the next step's input row r and that step's metadata. After the
-// last group the row's frame counter advances.
+// last group the row's frame counter advances. `forced` / `chosen`: see tk_forced.
 extern "C" __global__ void __launch_bounds__(CHOOSE_THREADS) cp_choose(
         const float* __restrict__ logits, const unsigned int* __restrict__ params,
         long long* __restrict__ frame, const unsigned short* __restrict__ embed,
         unsigned short* __restrict__ cp_in, float* __restrict__ codec_sum, int* __restrict__ codes,
         int* positions, long long* slots, int* qsl, int* seq_lens, int* tables, int* rows,
+        const int* __restrict__ forced, int* __restrict__ chosen,
         int v, int dim, int g, int groups_total, int block_size, int mbps) {
     __shared__ unsigned long long keys[CHOOSE_MAX_VOCAB];
     __shared__ int code;
     const int r = blockIdx.x;
     for (int i = threadIdx.x; i < v; i += blockDim.x) keys[i] = tk_pack(logits[(size_t)r * v + i], i);
     __syncthreads();
-    const int c = tk_choose(keys, &code, v, params + 6 * r,
-                            (unsigned long long)frame[r] * (unsigned long long)groups_total + g);
+    const int own = tk_choose(keys, &code, v, params + 6 * r,
+                              (unsigned long long)frame[r] * (unsigned long long)groups_total + g);
+    const int c = tk_forced(forced, chosen, (size_t)r * groups_total + g, own, v);
     const unsigned short* e = embed + ((size_t)(g - 1) * v + c) * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const unsigned short x = e[i];
@@ -254,48 +268,5 @@ extern "C" __global__ void __launch_bounds__(CHOOSE_THREADS) cp_choose(
             cp_meta(r, g + 1, block_size, mbps, positions, slots, qsl, seq_lens, tables, rows);
         else
             frame[r] += 1;
-    }
-}
-
-// y[r, n] = sum_k x[r, k] * w[n, k] for a few rows (r < rows <= 8): one warp per output column,
-// 16-byte loads of the weight row (k a multiple of 8, rows 16-byte aligned), f32 accumulation,
-// bf16 (out_f32 == 0) or f32 output. The small-batch GEMM of the code predictor, whose steps
-// are weight-streaming GEMVs that cuBLAS runs at a fraction of the bandwidth.
-extern "C" __global__ void gemv_nt_bf16(const unsigned short* __restrict__ x,
-        const unsigned short* __restrict__ w, void* __restrict__ y, int rows, int k, int n,
-        int out_f32) {
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= n) return;
-    float acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = 0.f;
-    const uint4* wr = reinterpret_cast<const uint4*>(w + (size_t)warp * k);
-    const int chunks = k >> 3;
-    for (int c = lane; c < chunks; c += 32) {
-        const uint4 wv = wr[c];
-        const unsigned int ww[4] = {wv.x, wv.y, wv.z, wv.w};
-        float wf[8];
-        for (int j = 0; j < 4; ++j) {
-            wf[2 * j] = __uint_as_float(ww[j] << 16);
-            wf[2 * j + 1] = __uint_as_float(ww[j] & 0xffff0000u);
-        }
-        for (int r = 0; r < rows; ++r) {
-            const uint4 xv = reinterpret_cast<const uint4*>(x + (size_t)r * k)[c];
-            const unsigned int xx[4] = {xv.x, xv.y, xv.z, xv.w};
-            float s = 0.f;
-            for (int j = 0; j < 4; ++j) {
-                s += __uint_as_float(xx[j] << 16) * wf[2 * j];
-                s += __uint_as_float(xx[j] & 0xffff0000u) * wf[2 * j + 1];
-            }
-            acc[r] += s;
-        }
-    }
-    for (int r = 0; r < rows; ++r) {
-        float v = acc[r];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) {
-            if (out_f32) reinterpret_cast<float*>(y)[(size_t)r * n + warp] = v;
-            else reinterpret_cast<unsigned short*>(y)[(size_t)r * n + warp] = f2bf(v);
-        }
     }
 }

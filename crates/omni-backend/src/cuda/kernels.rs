@@ -134,7 +134,7 @@ fn read_cubin(prog: ns::nvrtcProgram) -> Result<Vec<u8>, CudaError> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::cuda::{attention, layers, moe, sampling, talker};
+    use crate::cuda::{attention, gemv, layers, moe, sampling, talker};
 
     /// Whether NVRTC can be loaded (it needs no driver or GPU: `scripts/fetch-nvrtc.sh` provides
     /// it on CPU machines, so kernel sources are compile-checked everywhere the test command
@@ -173,6 +173,7 @@ mod tests {
             ("moe".to_string(), moe::source::moe_source()),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),
+            ("gemv".to_string(), gemv::gemv_source()),
         ];
         for hd in attention::SUPPORTED_HEAD_DIMS {
             v.push((

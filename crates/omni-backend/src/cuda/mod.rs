@@ -12,11 +12,13 @@
 //! The kernels are CUDA C++ files under the crate's `kernels/` folder, embedded with
 //! `include_str!` and compiled at run time by NVRTC for the device's architecture (`kernels.rs`).
 //! Each op family is a module here: `layers` (the fused per-layer kernels), `attention`, `moe`,
-//! `sampling`, `talker` (Qwen3-Omni's Talker and code predictor); `launch` holds the checks every launcher makes.
+//! `sampling`, `talker` (Qwen3-Omni's Talker and code predictor), `gemv` (the small-batch GEMV
+//! and the decoder's fused small-batch path); `launch` holds the checks every launcher makes.
 
 mod attention;
 pub mod audio;
 mod collective;
+mod gemv;
 mod kernels;
 mod launch;
 mod layers;
@@ -30,6 +32,7 @@ pub(crate) mod tests;
 
 pub use attention::*;
 pub use collective::NcclAllReduce;
+pub use gemv::*;
 pub use layers::*;
 pub use moe::*;
 pub use nccl::*;

@@ -20,7 +20,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use half::bf16;
 
 use super::kernels::{BF16_HELPERS, kernel_file};
-use super::launch::{aligned16, at_least, block_threads, elementwise_cfg, narrow, shape_err};
+use super::launch::{at_least, block_threads, elementwise_cfg, narrow, shape_err};
 use super::{CudaContext, CudaResult};
 
 const TALKER: &str = kernel_file!("talker.cu");
@@ -30,10 +30,6 @@ const CODEC_INPUT_FN: &str = "codec_input_bf16";
 const CP_BEGIN_FN: &str = "cp_begin";
 const CHOOSE_C0_FN: &str = "talker_choose_c0";
 const CP_CHOOSE_FN: &str = "cp_choose";
-const GEMV_FN: &str = "gemv_nt_bf16";
-
-/// The most rows [`CudaContext::gemv_nt_bf16`] takes.
-pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Threads of a choosing block (`CHOOSE_THREADS` in the kernel).
 const CHOOSE_THREADS: u32 = 1024;
@@ -217,6 +213,27 @@ pub struct ChooseC0<'a> {
     pub c0: &'a mut CudaSlice<i32>,
     /// `[rows, groups_total]` frames; column 0 is written.
     pub codes: &'a mut CudaSlice<i32>,
+    /// Teacher forcing ([`Forced`]): column 0 of the codes to continue with, the kernel's own
+    /// choice recorded beside them.
+    pub forced: Option<Forced<'a>>,
+}
+
+/// Teacher forcing of the choosing kernels: each row continues with `codes[r, g]` (clamped into
+/// the vocabulary) and records what it would have chosen in `chosen[r, g]`, so the device
+/// follows a given trajectory (a reference's frames) while its own choices can be checked.
+#[derive(Debug)]
+pub struct Forced<'a> {
+    /// `[rows, groups_total]` the codes to continue with.
+    pub codes: &'a CudaSlice<i32>,
+    /// `[rows, groups_total]` the kernel's own choices (the forced columns are written).
+    pub chosen: &'a mut CudaSlice<i32>,
+}
+
+impl Forced<'_> {
+    fn check(&self, rows: usize, groups_total: usize) -> CudaResult<()> {
+        at_least("forced codes", self.codes.len(), rows * groups_total)?;
+        at_least("forced chosen", self.chosen.len(), rows * groups_total)
+    }
 }
 
 /// Layer-0 constraints of [`CudaContext::talker_choose_c0`].
@@ -236,6 +253,21 @@ pub struct C0Rules {
     pub groups_total: usize,
 }
 
+/// The raw pointers of an optional [`Forced`] (null when off) and the guard of the mutable one.
+fn forced_ptrs<'a>(
+    s: &'a cudarc::driver::CudaStream,
+    forced: Option<Forced<'a>>,
+) -> CudaResult<(u64, u64, Option<cudarc::driver::SyncOnDrop<'a>>)> {
+    Ok(match forced {
+        None => (0, 0, None),
+        Some(f) => {
+            let (c, _g) = f.codes.device_ptr(s);
+            let (ch, g) = f.chosen.device_ptr_mut(s);
+            (c, ch, Some(g))
+        }
+    })
+}
+
 fn choose_cfg(rows: usize) -> CudaResult<LaunchConfig> {
     Ok(LaunchConfig {
         grid_dim: (narrow::<u32>("rows", rows)?, 1, 1),
@@ -245,96 +277,6 @@ fn choose_cfg(rows: usize) -> CudaResult<LaunchConfig> {
 }
 
 impl CudaContext {
-    /// `out[m, n] = a[m, k] @ w[n, k]^T` for `m <= GEMV_MAX_ROWS` rows, bf16 in, f32
-    /// accumulation, bf16 out: one warp per output column streaming its weight row (the
-    /// small-batch twin of [`CudaContext::matmul_nt_bf16`]). `k` must be a multiple of 8.
-    pub fn gemv_nt_bf16(
-        &self,
-        a: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<bf16>,
-        out: &mut impl DevicePtrMut<bf16>,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> CudaResult<()> {
-        at_least("gemv out", out.len(), m * n)?;
-        let (o, _g) = out.device_ptr_mut(&self.stream);
-        self.gemv(a, w, o, m, k, n, 0)
-    }
-
-    /// [`CudaContext::gemv_nt_bf16`] with f32 output.
-    pub fn gemv_nt_bf16_f32(
-        &self,
-        a: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<bf16>,
-        out: &mut impl DevicePtrMut<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> CudaResult<()> {
-        at_least("gemv out", out.len(), m * n)?;
-        let (o, _g) = out.device_ptr_mut(&self.stream);
-        self.gemv(a, w, o, m, k, n, 1)
-    }
-
-    /// Whether [`CudaContext::gemv_nt_bf16`] takes this shape.
-    pub fn gemv_fits(m: usize, k: usize) -> bool {
-        (1..=GEMV_MAX_ROWS).contains(&m) && k > 0 && k.is_multiple_of(8)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn gemv(
-        &self,
-        a: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<bf16>,
-        out: u64,
-        m: usize,
-        k: usize,
-        n: usize,
-        out_f32: i32,
-    ) -> CudaResult<()> {
-        if !Self::gemv_fits(m, k) {
-            return Err(shape_err("gemv rows (1..=8) / k (multiple of 8)", 8, m));
-        }
-        at_least("gemv lhs", a.len(), m * k)?;
-        crate::check_len("gemv weight", w.len(), n * k)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let s = &self.stream;
-        let (ap, _g1) = a.device_ptr(s);
-        let (wp, _g2) = w.device_ptr(s);
-        aligned16("gemv lhs", ap)?;
-        aligned16("gemv weight", wp)?;
-        let (mi, ki, ni) = (
-            narrow::<i32>("m", m)?,
-            narrow::<i32>("k", k)?,
-            narrow::<i32>("n", n)?,
-        );
-        let f = self.function(talker_source, GEMV_FN)?;
-        let mut launch = s.launch_builder(&f);
-        launch
-            .arg(&ap)
-            .arg(&wp)
-            .arg(&out)
-            .arg(&mi)
-            .arg(&ki)
-            .arg(&ni)
-            .arg(&out_f32);
-        let cfg = LaunchConfig {
-            grid_dim: (narrow::<u32>("gemv blocks", n.div_ceil(8))?, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match `gemv_nt_bf16(const u16*, const u16*, void*, int, int,
-        // int, int)`; a holds m * k and w n * k bf16, out m * n of the type out_f32 names
-        // (checked by the callers); k is a multiple of 8 and both inputs 16-byte aligned, so
-        // every row starts 16-byte aligned for the uint4 loads; 8 warps per block, one per
-        // column, the last block's extra warps exit.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
-    }
-
     /// `proj[r] += sigmoid(x32[r] . gate) * shared_out[r]` for `rows` rows of width `dim`.
     pub fn gated_shared_add_f32(
         &self,
@@ -491,6 +433,9 @@ impl CudaContext {
         at_least("choose_c0 frame", b.frame.len(), r)?;
         at_least("choose_c0 c0", b.c0.len(), r)?;
         at_least("choose_c0 codes", b.codes.len(), r * rules.groups_total)?;
+        if let Some(fc) = &b.forced {
+            fc.check(r, rules.groups_total)?;
+        }
         if r == 0 {
             return Ok(());
         }
@@ -508,6 +453,7 @@ impl CudaContext {
         let (fr, _g4) = b.frame.device_ptr_mut(s);
         let (c, _g5) = b.c0.device_ptr_mut(s);
         let (co, _g6) = b.codes.device_ptr_mut(s);
+        let (fc, ch, _g7) = forced_ptrs(s, b.forced)?;
         let mut launch = s.launch_builder(&f);
         launch
             .arg(&l)
@@ -516,14 +462,17 @@ impl CudaContext {
             .arg(&fr)
             .arg(&c)
             .arg(&co)
+            .arg(&fc)
+            .arg(&ch)
             .arg(&vi)
             .arg(&rules.penalty)
             .arg(&eos)
             .arg(&sup)
             .arg(&groups);
         // SAFETY: the arguments match `talker_choose_c0`'s parameter list; logits and seen hold
-        // rows * vocab, params 6 words per row, frame / c0 one per row and codes rows *
-        // groups_total (checked above); vocab <= CHOOSE_MAX_VOCAB, the kernel's shared-memory
+        // rows * vocab, params 6 words per row, frame / c0 one per row and codes (and the
+        // forced / chosen codes, or null) rows * groups_total (checked above); forced codes are
+        // clamped into the vocabulary before they index anything; vocab <= CHOOSE_MAX_VOCAB, the kernel's shared-memory
         // row; one block of CHOOSE_THREADS per row, as its __launch_bounds__ says.
         unsafe { launch.launch(choose_cfg(r)?) }?;
         Ok(())
@@ -531,6 +480,7 @@ impl CudaContext {
 
     /// Chooses code `g` (1-based) of each row from the code predictor's head logits and
     /// prepares step `g + 1` (see the module docs). `embed` is `[groups_total - 1, vocab, dim]`.
+    /// With `forced`, each row continues with the forced code of group `g` (see [`Forced`]).
     #[allow(clippy::too_many_arguments)]
     pub fn cp_choose(
         &self,
@@ -544,6 +494,7 @@ impl CudaContext {
         codec_sum: &mut CudaSlice<f32>,
         codes: &mut CudaSlice<i32>,
         meta: CpMetadata<'_>,
+        forced: Option<Forced<'_>>,
     ) -> CudaResult<()> {
         shape.check_meta(&meta)?;
         let (r, v, d) = (shape.rows, shape.vocab, shape.dim);
@@ -565,6 +516,9 @@ impl CudaContext {
         at_least("cp_choose cp_in", cp_in.len(), r * d)?;
         at_least("cp_choose codec_sum", codec_sum.len(), r * d)?;
         at_least("cp_choose codes", codes.len(), r * shape.groups_total)?;
+        if let Some(fc) = &forced {
+            fc.check(r, shape.groups_total)?;
+        }
         if r == 0 {
             return Ok(());
         }
@@ -585,6 +539,7 @@ impl CudaContext {
         let (m4, _m4) = meta.seq_lens.device_ptr_mut(s);
         let (m5, _m5) = meta.block_tables.device_ptr_mut(s);
         let (m6, _m6) = meta.out_rows.device_ptr_mut(s);
+        let (fc, ch, _g8) = forced_ptrs(s, forced)?;
         let mut launch = s.launch_builder(&f);
         launch
             .arg(&l)
@@ -600,6 +555,8 @@ impl CudaContext {
             .arg(&m4)
             .arg(&m5)
             .arg(&m6)
+            .arg(&fc)
+            .arg(&ch)
             .arg(&vocab)
             .arg(&dim)
             .arg(&gi)
@@ -607,8 +564,9 @@ impl CudaContext {
             .arg(&bs)
             .arg(&mbps);
         // SAFETY: the arguments match `cp_choose`'s parameter list; every buffer holds what the
-        // row count needs (checked above), embed is exactly the groups' tables, the chosen code
-        // is below vocab (an id of the row) so its table row is inside embed; vocab <=
+        // row count needs (checked above, the forced / chosen codes too, or null), embed is
+        // exactly the groups' tables, the chosen code is below vocab (an id of the row, or a
+        // forced code clamped into the vocabulary) so its table row is inside embed; vocab <=
         // CHOOSE_MAX_VOCAB; one block of CHOOSE_THREADS per row.
         unsafe { launch.launch(choose_cfg(r)?) }?;
         Ok(())

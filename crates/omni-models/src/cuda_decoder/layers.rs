@@ -5,13 +5,75 @@ use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use omni_backend::cuda::{
-    AttnShape, CudaContext, CudaError, DeviceAllReduce, MoeShape, QkvBuffers, QkvShape,
-    ResidualUpdate, bf16,
+    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, MoeShape, QkvBuffers,
+    QkvShape, ResidualUpdate, bf16,
 };
 
-use super::weights::{DLinear, DMlp};
+use super::buffers::{Activations, StepInputs};
+use super::weights::{DLayer, DLinear, DMlp};
 use super::{CudaDecoderModel, StepShape};
 use crate::ModelError;
+
+/// One layer's attention core: q/k norm + RoPE + cache write, then paged attention into
+/// `a.attn` (the same launches on the fused and the unfused path).
+struct AttnCore<'a> {
+    cx: &'a CudaContext,
+    inputs: &'a StepInputs,
+    inv_freq: &'a CudaSlice<f32>,
+    shape: &'a AttnShape,
+    eps: f32,
+}
+
+impl AttnCore<'_> {
+    fn run(
+        &self,
+        a: &mut Activations,
+        l: &DLayer,
+        kv: &mut (CudaSlice<bf16>, CudaSlice<bf16>),
+    ) -> Result<(), ModelError> {
+        let sh = self.shape;
+        let (kc, vc) = kv;
+        self.cx.qkv_rope_cache_bf16(
+            QkvShape {
+                tokens: sh.num_tokens,
+                q_heads: sh.num_heads,
+                kv_heads: sh.num_kv_heads,
+                head_dim: sh.head_dim,
+                eps: self.eps,
+            },
+            QkvBuffers {
+                qkv: &a.qkv,
+                q_out: &mut a.q,
+                k_cache: kc,
+                v_cache: vc,
+                positions: &self.inputs.positions,
+                slot_mapping: &self.inputs.slots,
+                inv_freq: self.inv_freq,
+                qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q, k)),
+            },
+        )?;
+        Ok(())
+    }
+
+    fn attend(
+        &self,
+        a: &mut Activations,
+        kv: &(CudaSlice<bf16>, CudaSlice<bf16>),
+    ) -> Result<(), ModelError> {
+        self.cx.paged_attention_bf16(
+            &a.q,
+            &kv.0,
+            &kv.1,
+            &mut a.attn,
+            &self.inputs.query_start_loc,
+            &self.inputs.seq_lens,
+            &self.inputs.block_tables,
+            &mut a.attn_workspace,
+            self.shape,
+        )?;
+        Ok(())
+    }
+}
 
 impl CudaDecoderModel {
     fn linear(
@@ -71,8 +133,37 @@ impl CudaDecoderModel {
         Ok(())
     }
 
+    /// Whether step `st` takes the fused small-batch path
+    /// ([`CudaDecoderModel::set_fused_small_batch`]).
+    fn fused_fits(&self, st: &StepShape) -> bool {
+        let (t, h) = (st.tokens, self.spec.hidden_size);
+        let one_rank = self
+            .all_reduce
+            .as_ref()
+            .is_none_or(|ar| ar.world_size() == 1);
+        self.small_batch_gemv
+            && self.fused_small_batch
+            && one_rank
+            && self.capture.is_none()
+            && CudaContext::gemv_norm_fits(t, h)
+            && self.layers.iter().all(|l| {
+                let dense = match &l.mlp {
+                    DMlp::Dense { gate_up, down, .. } => {
+                        gate_up.b.is_none()
+                            && down.b.is_none()
+                            && CudaContext::gemv_fits(t, down.inp)
+                    }
+                    DMlp::Moe { .. } => false,
+                };
+                dense && l.qkv.b.is_none() && l.o.b.is_none() && CudaContext::gemv_fits(t, l.o.inp)
+            })
+    }
+
     /// Queues one step's kernels on the stream (no host sync: capturable).
     pub(super) fn run_kernels(&mut self, st: StepShape) -> Result<(), ModelError> {
+        if self.fused_fits(&st) {
+            return self.run_fused_kernels(st);
+        }
         let cx = self.cx.clone();
         let (h, hd) = (self.spec.hidden_size, self.spec.head_dim);
         let (lq, lkv) = (self.heads.local_heads, self.heads.local_kv_heads);
@@ -132,38 +223,16 @@ impl CudaDecoderModel {
             }
             Self::linear(&cx, gemv, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
             mark!("qkv_proj");
-            let (kc, vc) = &mut self.kv[li];
-            cx.qkv_rope_cache_bf16(
-                QkvShape {
-                    tokens: t,
-                    q_heads: lq,
-                    kv_heads: lkv,
-                    head_dim: hd,
-                    eps,
-                },
-                QkvBuffers {
-                    qkv: &a.qkv,
-                    q_out: &mut a.q,
-                    k_cache: kc,
-                    v_cache: vc,
-                    positions: &self.inputs.positions,
-                    slot_mapping: &self.inputs.slots,
-                    inv_freq: &self.inv_freq,
-                    qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q, k)),
-                },
-            )?;
+            let core = AttnCore {
+                cx: &cx,
+                inputs: &self.inputs,
+                inv_freq: &self.inv_freq,
+                shape: &attn_shape,
+                eps,
+            };
+            core.run(a, l, &mut self.kv[li])?;
             mark!("qk_norm_rope_cache");
-            cx.paged_attention_bf16(
-                &a.q,
-                &*kc,
-                &*vc,
-                &mut a.attn,
-                &self.inputs.query_start_loc,
-                &self.inputs.seq_lens,
-                &self.inputs.block_tables,
-                &mut a.attn_workspace,
-                &attn_shape,
-            )?;
+            core.attend(a, &self.kv[li])?;
             mark!("attention");
             Self::linear_f32(
                 &cx,
@@ -334,6 +403,163 @@ impl CudaDecoderModel {
                 format!("{}decode batch {}", p.name(), st.seqs)
             } else {
                 format!("{}prefill {} tokens", p.name(), st.tokens)
+            };
+            p.finish(kind)?;
+            self.profiler = Some(p);
+        }
+        Ok(())
+    }
+
+    /// The fused small-batch step ([`CudaDecoderModel::set_fused_small_batch`]; the caller
+    /// checked [`Self::fused_fits`]): per layer QKV (input norm inside; the first layer sets
+    /// the residual from the embeddings), q/k norm + RoPE + cache, attention, o_proj adding
+    /// into the residual, gate_up (post-attention norm and SiLU-and-mul inside), down_proj
+    /// adding into the residual; then the final norm of the output rows.
+    fn run_fused_kernels(&mut self, st: StepShape) -> Result<(), ModelError> {
+        let cx = self.cx.clone();
+        let (h, hd) = (self.spec.hidden_size, self.spec.head_dim);
+        let (lq, lkv) = (self.heads.local_heads, self.heads.local_kv_heads);
+        let eps = self.spec.rms_norm_eps;
+        let t = st.tokens;
+        let attn_shape = AttnShape {
+            num_seqs: st.seqs,
+            num_tokens: t,
+            num_heads: lq,
+            num_kv_heads: lkv,
+            head_dim: hd,
+            block_size: self.limits.block_size,
+            max_blocks_per_seq: self.limits.max_blocks_per_seq(),
+            max_query_len: st.max_query_len,
+            max_seq_len: st.max_seq_len,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let mut prof = self.profiler.take();
+        let stream = cx.stream().clone();
+        macro_rules! mark {
+            ($label:expr) => {
+                if let Some(p) = prof.as_mut() {
+                    p.mark(&stream, $label)?;
+                }
+            };
+        }
+        mark!("start");
+        if !st.embeds {
+            let table = self.embed.as_ref().ok_or_else(|| {
+                ModelError::Batch(format!("{} has no token embedding", self.spec.architecture))
+            })?;
+            cx.embedding_ids_bf16(table, h, &self.inputs.ids, t, &mut self.act.sel_embed)?;
+            mark!("embedding");
+        }
+        for li in 0..self.layers.len() {
+            let a = &mut self.act;
+            let l = &self.layers[li];
+            let DMlp::Dense {
+                gate_up,
+                down,
+                inter,
+            } = &l.mlp
+            else {
+                return Err(ModelError::Batch(
+                    "the fused path has dense layers only".into(),
+                ));
+            };
+            let input = if li == 0 {
+                GemvIn::SetNorm {
+                    init: a.sel_embed.slice(..t * h),
+                    residual: &mut a.x,
+                    weight: &l.input_norm,
+                    eps,
+                }
+            } else {
+                GemvIn::Norm {
+                    residual: &mut a.x,
+                    weight: &l.input_norm,
+                    eps,
+                }
+            };
+            let n = l.qkv.out;
+            cx.gemv_fused(
+                &l.qkv.w,
+                input,
+                GemvOut::Bf16(a.qkv.slice_mut(..t * n)),
+                t,
+                h,
+                n,
+            )?;
+            mark!("rms_norm+qkv_proj");
+            let core = AttnCore {
+                cx: &cx,
+                inputs: &self.inputs,
+                inv_freq: &self.inv_freq,
+                shape: &attn_shape,
+                eps,
+            };
+            core.run(a, l, &mut self.kv[li])?;
+            mark!("qk_norm_rope_cache");
+            core.attend(a, &self.kv[li])?;
+            mark!("attention");
+            let k = l.o.inp;
+            cx.gemv_fused(
+                &l.o.w,
+                GemvIn::X(a.attn.slice(..t * k)),
+                GemvOut::AddTo(&mut a.x),
+                t,
+                k,
+                h,
+            )?;
+            mark!("o_proj+residual");
+            cx.gemv_fused(
+                &gate_up.w,
+                GemvIn::Norm {
+                    residual: &mut a.x,
+                    weight: &l.post_norm,
+                    eps,
+                },
+                GemvOut::SiluMul(a.act.slice_mut(..t * inter)),
+                t,
+                h,
+                *inter,
+            )?;
+            mark!("rms_norm+gate_up_proj+silu");
+            cx.gemv_fused(
+                &down.w,
+                GemvIn::X(a.act.slice(..t * inter)),
+                GemvOut::AddTo(&mut a.x),
+                t,
+                *inter,
+                h,
+            )?;
+            mark!("down_proj+residual");
+        }
+        let a = &mut self.act;
+        cx.rms_norm_rows(
+            &a.x,
+            &self.inputs.logits_rows,
+            &self.norm,
+            &mut a.sel,
+            st.rows,
+            h,
+            eps,
+        )?;
+        mark!("rms_norm");
+        if let Some(head) = self.lm_head.as_ref().or(self.embed.as_ref()) {
+            let v = self.spec.vocab_size;
+            let mut logits = a.logits.slice_mut(..st.rows * v);
+            cx.matmul_nt_bf16_f32(
+                &a.sel.slice(..st.rows * h),
+                head,
+                &mut logits,
+                st.rows,
+                h,
+                v,
+            )?;
+            mark!("lm_head");
+        }
+        if let Some(mut p) = prof {
+            let kind = if st.max_query_len == 1 {
+                format!("{}decode batch {} (fused)", p.name(), st.seqs)
+            } else {
+                format!("{}prefill {} tokens (fused)", p.name(), st.tokens)
             };
             p.finish(kind)?;
             self.profiler = Some(p);

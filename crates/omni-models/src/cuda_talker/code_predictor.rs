@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::{CudaGraph, CudaSlice, sys as driver_sys};
-use omni_backend::cuda::{CodeSampling, CpMetadata, CpShape, CudaContext, CudaError, bf16};
+use omni_backend::cuda::{CodeSampling, CpMetadata, CpShape, CudaContext, CudaError, Forced, bf16};
 
 use crate::ModelError;
 use crate::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits, StepShape};
@@ -62,6 +62,10 @@ pub struct CudaCodePredictor {
     pub(super) codes: CudaSlice<i32>,
     /// `[max_rows, hidden]` f32: the sum of the last frame's codec embeddings.
     pub(super) codec_sum: CudaSlice<f32>,
+    /// `[max_rows, groups_total]` teacher-forced codes (read by forced frames only).
+    pub(super) forced: CudaSlice<i32>,
+    /// `[max_rows, groups_total]` the choices of the last forced frame.
+    pub(super) chosen: CudaSlice<i32>,
     graphs: BTreeMap<usize, FrameGraph>,
 }
 
@@ -151,6 +155,8 @@ impl CudaCodePredictor {
             c0: s.alloc_zeros(n)?,
             codes: s.alloc_zeros(n * groups_total)?,
             codec_sum: s.alloc_zeros(n * h)?,
+            forced: s.alloc_zeros(n * groups_total)?,
+            chosen: s.alloc_zeros(n * groups_total)?,
             cx,
             decoder,
             embeds,
@@ -197,12 +203,14 @@ impl CudaCodePredictor {
 
     /// Queues one frame for `rows` rows (no host work: capturable). `hidden` is the Talker's
     /// final-norm buffer (rows `0..rows` the states that chose `c0`), `talker_embed` its codec
-    /// embedding table.
+    /// embedding table. `forced`: every group continues with `self.forced`'s code and records
+    /// its own choice in `self.chosen`.
     fn queue_frame(
         &mut self,
         rows: usize,
         hidden: &CudaSlice<bf16>,
         talker_embed: &CudaSlice<bf16>,
+        forced: bool,
     ) -> Result<(), ModelError> {
         let (h, v) = (self.hidden, self.vocab);
         let limits = self.decoder.limits();
@@ -272,6 +280,10 @@ impl CudaCodePredictor {
                     block_tables: &mut inp.block_tables,
                     out_rows: &mut inp.logits_rows,
                 },
+                forced.then_some(Forced {
+                    codes: &self.forced,
+                    chosen: &mut self.chosen,
+                }),
             )?;
         }
         Ok(())
@@ -279,12 +291,13 @@ impl CudaCodePredictor {
 
     /// Runs one frame for rows `0..rows`: replays the graph of the smallest captured size that
     /// holds them, or queues the frame eagerly. Asynchronous: `codes` / `codec_sum` are ready in
-    /// stream order.
+    /// stream order. A `forced` frame (see [`Self::queue_frame`]) always runs eagerly.
     pub(super) fn run_frame(
         &mut self,
         rows: usize,
         hidden: &CudaSlice<bf16>,
         talker_embed: &CudaSlice<bf16>,
+        forced: bool,
     ) -> Result<(), ModelError> {
         if rows == 0 || rows > self.max_rows {
             return Err(ModelError::Batch(format!(
@@ -292,11 +305,11 @@ impl CudaCodePredictor {
                 self.max_rows
             )));
         }
-        if let Some((_, g)) = self.graphs.range(rows..).next() {
+        if !forced && let Some((_, g)) = self.graphs.range(rows..).next() {
             g.0.launch().map_err(CudaError::from)?;
             return Ok(());
         }
-        self.queue_frame(rows, hidden, talker_embed)
+        self.queue_frame(rows, hidden, talker_embed, forced)
     }
 
     /// Captures a frame graph for each size in `sizes` (at most `max_rows`), bound to `hidden`
@@ -319,11 +332,11 @@ impl CudaCodePredictor {
             let s = self.cx.stream().clone();
             s.memcpy_dtoh(&self.frame.slice(..g), &mut saved)
                 .map_err(CudaError::from)?;
-            self.queue_frame(g, hidden, talker_embed)?;
+            self.queue_frame(g, hidden, talker_embed, false)?;
             self.cx.synchronize()?;
             s.begin_capture(driver_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .map_err(CudaError::from)?;
-            let run = self.queue_frame(g, hidden, talker_embed);
+            let run = self.queue_frame(g, hidden, talker_embed, false);
             let graph = s
                 .end_capture(driver_sys::CUgraphInstantiate_flags(0))
                 .map_err(CudaError::from)?;
@@ -344,6 +357,12 @@ impl CudaCodePredictor {
     /// See [`CudaDecoderModel::set_small_batch_gemv`] (drops the frame graphs).
     pub fn set_small_batch_gemv(&mut self, on: bool) {
         self.decoder.set_small_batch_gemv(on);
+        self.graphs.clear();
+    }
+
+    /// See [`CudaDecoderModel::set_fused_small_batch`] (drops the frame graphs).
+    pub fn set_fused_small_batch(&mut self, on: bool) {
+        self.decoder.set_fused_small_batch(on);
         self.graphs.clear();
     }
 

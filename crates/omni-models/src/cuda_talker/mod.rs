@@ -24,7 +24,7 @@ mod code_predictor;
 use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::{CudaSlice, sys as driver_sys};
-use omni_backend::cuda::{C0Rules, ChooseC0, CodeSampling, CudaContext, CudaError};
+use omni_backend::cuda::{C0Rules, ChooseC0, CodeSampling, CudaContext, CudaError, Forced};
 use serde_json::Value;
 
 pub use code_predictor::CudaCodePredictor;
@@ -199,6 +199,13 @@ impl CudaTalker {
         self.cp.set_small_batch_gemv(on);
     }
 
+    /// See [`CudaDecoderModel::set_fused_small_batch`] (the code predictor's decoder; the
+    /// Talker's MoE layers never take the fused path). Drops the frame graphs.
+    pub fn set_fused_small_batch(&mut self, on: bool) {
+        self.talker.set_fused_small_batch(on);
+        self.cp.set_fused_small_batch(on);
+    }
+
     /// Sets the repetition penalty over each row's layer-0 history (1: off).
     pub fn set_repetition_penalty(&mut self, penalty: f32) {
         self.penalty = penalty;
@@ -288,6 +295,51 @@ impl CudaTalker {
         text: &[f32],
         timed: bool,
     ) -> Result<(Vec<u32>, Option<StepTimes>), ModelError> {
+        self.step_inner(batch, text, timed, false)
+    }
+
+    /// A teacher-forced [`CudaTalker::step`]: every row's frame is `forced` (`[rows,
+    /// groups_total]`, e.g. a reference's frame; the layer-0 history, the code predictor's
+    /// inputs and the next Talker input all follow it) while the device still computes its own
+    /// choice of each code, which this returns (`[rows, groups_total]`). The frame runs
+    /// eagerly (the frame graphs read no forced codes).
+    pub fn step_forced(
+        &mut self,
+        batch: &ForwardBatch,
+        text: &[f32],
+        forced: &[u32],
+    ) -> Result<Vec<u32>, ModelError> {
+        let n = self.rows * self.groups_total();
+        if forced.len() != n {
+            return Err(ModelError::Batch(format!(
+                "{} forced codes for {n} (rows x groups)",
+                forced.len()
+            )));
+        }
+        let codes: Vec<i32> = forced
+            .iter()
+            .map(|&c| i32::try_from(c).unwrap_or(i32::MAX))
+            .collect();
+        self.cx
+            .stream()
+            .memcpy_htod(&codes, &mut self.cp.forced.slice_mut(..n))
+            .map_err(CudaError::from)?;
+        self.step_inner(batch, text, false, true)?;
+        let mut host = vec![0i32; n];
+        self.cx
+            .stream()
+            .memcpy_dtoh(&self.cp.chosen.slice(..n), &mut host)
+            .map_err(CudaError::from)?;
+        Ok(host.into_iter().map(|c| c.max(0) as u32).collect())
+    }
+
+    fn step_inner(
+        &mut self,
+        batch: &ForwardBatch,
+        text: &[f32],
+        timed: bool,
+        forced: bool,
+    ) -> Result<(Vec<u32>, Option<StepTimes>), ModelError> {
         let (r, h) = (self.rows, self.hidden);
         if r == 0 || batch.input_ids.len() != r || text.len() != r * h {
             return Err(ModelError::Batch(format!(
@@ -306,7 +358,7 @@ impl CudaTalker {
             Ok(e)
         };
         let e0 = timed.then(event).transpose()?;
-        self.choose_and_predict()?;
+        self.choose_and_predict(forced)?;
         let e1 = timed.then(event).transpose()?;
         s.memcpy_htod(text, &mut self.text.slice_mut(..r * h))
             .map_err(CudaError::from)?;
@@ -340,8 +392,9 @@ impl CudaTalker {
         Ok(host.into_iter().map(|c| c.max(0) as u32).collect())
     }
 
-    /// Layer 0 from the Talker's last logits, then the code predictor (asynchronous).
-    fn choose_and_predict(&mut self) -> Result<(), ModelError> {
+    /// Layer 0 from the Talker's last logits, then the code predictor (asynchronous); `forced`:
+    /// teacher-forced by `cp.forced`.
+    fn choose_and_predict(&mut self, forced: bool) -> Result<(), ModelError> {
         let r = self.rows;
         let groups_total = self.groups_total();
         self.cx.talker_choose_c0(
@@ -360,6 +413,10 @@ impl CudaTalker {
                 frame: &mut self.l0_frame,
                 c0: &mut self.cp.c0,
                 codes: &mut self.cp.codes,
+                forced: forced.then_some(Forced {
+                    codes: &self.cp.forced,
+                    chosen: &mut self.cp.chosen,
+                }),
             },
         )?;
         let table = self
@@ -367,7 +424,7 @@ impl CudaTalker {
             .embed_table()
             .ok_or_else(|| ModelError::Config("the Talker has no codec embedding".into()))?;
         self.cp
-            .run_frame(r, self.talker.final_norm_buffer(), table)?;
+            .run_frame(r, self.talker.final_norm_buffer(), table, forced)?;
         Ok(())
     }
 }

@@ -1,0 +1,195 @@
+// The small-batch (rows <= 8) weight-streaming GEMV and the decoder's fused small-batch path
+// (src/cuda/gemv.rs): y[r, n] = sum_k x[r, k] * w[n, k], one warp per output (one or two
+// weight rows), 16-byte weight loads issued GV_UNROLL at a time (independent, so they are in
+// flight together), f32 accumulation in the order of the plain loop `for (c = lane; c < chunks;
+// c += 32)` (the same bits whatever the unroll), with
+//
+//   input   GV_IN_X:     x bf16 [rows, k] from global memory;
+//           GV_IN_NORM:  x = bf16(rms_norm(residual[r]) * norm_w), the f32 residual stream
+//                        normalised per block exactly as `fused_add_rmsnorm_f32res` does it
+//                        (same threads, same reduction order: same bits) into shared memory;
+//                        with `set`, the residual is first bf16 `init` [rows, k] (the
+//                        embedding), which block 0 also writes to `residual`;
+//   output  GV_OUT_BF16 / GV_OUT_F32: y [rows, n];
+//           GV_OUT_ADD:  residual[r, col] += y (each warp owns its column: race-free);
+//           GV_OUT_SILU: the warp computes columns o and o + n of a fused [gate | up] weight
+//                        ([2n, k]) and writes bf16(silu(bf16(gate)) * bf16(up)), the rounding
+//                        points of the unfused gate_up GEMV + `silu_mul_bf16`.
+//
+// Programmatic dependent launch: each kernel lets its dependents launch at once
+// (`griddepcontrol.launch_dependents`), prefetches its first weight loads (weights are never
+// written by a step), then waits for its predecessor (`griddepcontrol.wait`, a no-op when it
+// was launched without the attribute) before it reads or writes any activation.
+// Prepended by the Rust side: bf16.cuh.
+
+#define GV_IN_X 0
+#define GV_IN_NORM 1
+#define GV_OUT_BF16 0
+#define GV_OUT_F32 1
+#define GV_OUT_ADD 2
+#define GV_OUT_SILU 3
+#define GV_UNROLL 8
+#define GV_MAX_ROWS 8
+
+__device__ __forceinline__ void gv_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gv_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// `block_sum` of layers.cu (the same shuffles in the same order).
+__device__ __forceinline__ float gv_block_sum(float v, float* sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    v = (threadIdx.x < (blockDim.x >> 5)) ? sh[lane] : 0.f;
+    if (wid == 0) for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+
+// Row r of `residual` (or of bf16 `init` when set) normalised into xs[r * dim ..]: the loops of
+// `fused_add_rmsnorm_f32res` (mode 1 / the add already done), dim a multiple of 4.
+__device__ __forceinline__ void gv_norm_row(const float* __restrict__ x,
+        const unsigned short* __restrict__ init, bool set, bool write_back, float* residual,
+        const unsigned short* __restrict__ w, unsigned short* xs, int dim, float eps, float* sh) {
+    float ss = 0.f;
+    for (int i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
+        float4 v;
+        if (set) {
+            const unsigned short* s = init + i;
+            v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
+            if (write_back) *reinterpret_cast<float4*>(residual + i) = v;
+        } else {
+            v = *reinterpret_cast<const float4*>(x + i);
+        }
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    float inv = rsqrtf(gv_block_sum(ss, sh) / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float xi = set ? bf2f(init[i]) : x[i];
+        xs[i] = f2bf(bf2f(w[i]) * (xi * inv));
+    }
+}
+
+// Chunk c (8 values) of x row r dotted with the 8 weights wf: the plain GEMV's inner sum.
+__device__ __forceinline__ float gv_dot8(const uint4 xv, const float* wf) {
+    const unsigned int xx[4] = {xv.x, xv.y, xv.z, xv.w};
+    float s = 0.f;
+    for (int j = 0; j < 4; ++j) {
+        s += __uint_as_float(xx[j] << 16) * wf[2 * j];
+        s += __uint_as_float(xx[j] & 0xffff0000u) * wf[2 * j + 1];
+    }
+    return s;
+}
+
+__device__ __forceinline__ void gv_unpack(const uint4 wv, float* wf) {
+    const unsigned int ww[4] = {wv.x, wv.y, wv.z, wv.w};
+    for (int j = 0; j < 4; ++j) {
+        wf[2 * j] = __uint_as_float(ww[j] << 16);
+        wf[2 * j + 1] = __uint_as_float(ww[j] & 0xffff0000u);
+    }
+}
+
+// Grid: ceil(n / warps) blocks of `warps` warps; warp o of the grid owns output column o.
+// Dynamic shared memory: rows * k bf16 for GV_IN_NORM (none otherwise).
+extern "C" __global__ void gemv_fused_bf16(const unsigned short* __restrict__ x,
+        float* residual, const unsigned short* __restrict__ norm_w,
+        const unsigned short* __restrict__ w, void* y, int rows, int k, int n, int in_mode,
+        int out_mode, int set, float eps) {
+    extern __shared__ __align__(16) unsigned short gv_xs[];
+    __shared__ float sh[32];
+    gv_launch_dependents();
+    const int warps = blockDim.x >> 5;
+    const int o = blockIdx.x * warps + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    const bool live = o < n;
+    const int chunks = k >> 3;
+    const bool pair = out_mode == GV_OUT_SILU;
+    const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)(live ? o : 0) * k);
+    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(live ? o + (pair ? n : 0) : 0) * k);
+    uint4 wa[GV_UNROLL], wb[GV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < GV_UNROLL; ++u) {
+        const int c = lane + 32 * u;
+        if (live && c < chunks) {
+            wa[u] = w0[c];
+            if (pair) wb[u] = w1[c];
+        }
+    }
+    gv_wait();
+    if (in_mode == GV_IN_NORM) {
+        for (int r = 0; r < rows; ++r)
+            gv_norm_row(residual + (size_t)r * k, x + (size_t)r * k, set != 0,
+                        set != 0 && blockIdx.x == 0, residual + (size_t)r * k, norm_w,
+                        gv_xs + (size_t)r * k, k, eps, sh);
+        __syncthreads();
+    }
+    if (!live) return;
+    const unsigned short* xin = in_mode == GV_IN_NORM ? gv_xs : x;
+    float acc[GV_MAX_ROWS], accb[GV_MAX_ROWS];
+    for (int r = 0; r < GV_MAX_ROWS; ++r) { acc[r] = 0.f; accb[r] = 0.f; }
+    for (int base = 0; base < chunks; base += 32 * GV_UNROLL) {
+        if (base > 0) {
+#pragma unroll
+            for (int u = 0; u < GV_UNROLL; ++u) {
+                const int c = base + lane + 32 * u;
+                if (c < chunks) {
+                    wa[u] = w0[c];
+                    if (pair) wb[u] = w1[c];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GV_UNROLL; ++u) {
+            const int c = base + lane + 32 * u;
+            if (c < chunks) {
+                float wf[8], wg[8];
+                gv_unpack(wa[u], wf);
+                if (pair) gv_unpack(wb[u], wg);
+                for (int r = 0; r < rows; ++r) {
+                    const uint4 xv = reinterpret_cast<const uint4*>(xin + (size_t)r * k)[c];
+                    acc[r] += gv_dot8(xv, wf);
+                    if (pair) accb[r] += gv_dot8(xv, wg);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        float v = acc[r], vb = accb[r];
+        for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+        if (pair) for (int s = 16; s > 0; s >>= 1) vb += __shfl_xor_sync(0xffffffffu, vb, s);
+        if (lane == 0) {
+            const size_t at = (size_t)r * n + o;
+            if (out_mode == GV_OUT_F32) reinterpret_cast<float*>(y)[at] = v;
+            else if (out_mode == GV_OUT_ADD) residual[at] += v;
+            else if (out_mode == GV_OUT_SILU) {
+                const float g = bf2f(f2bf(v)), u = bf2f(f2bf(vb));
+                reinterpret_cast<unsigned short*>(y)[at] = f2bf(g / (1.0f + expf(-g)) * u);
+            } else reinterpret_cast<unsigned short*>(y)[at] = f2bf(v);
+        }
+    }
+}
+
+// out[b] = bf16(rms_norm(residual[rows[b]]) * w) for b < n_rows: the final norm of the rows a
+// step outputs, gathered (the fused path's `fused_add_rmsnorm_f32res` + `embedding_ids_bf16`;
+// the residual already holds the last sub-block's sum). One block per output row, the threads
+// of `fused_add_rmsnorm_f32res`.
+extern "C" __global__ void rms_norm_rows_f32res(const float* __restrict__ residual,
+        const int* __restrict__ rows, const unsigned short* __restrict__ w,
+        unsigned short* __restrict__ out, int dim, float eps) {
+    __shared__ float sh[32];
+    gv_launch_dependents();
+    gv_wait();
+    const int b = blockIdx.x;
+    const float* x = residual + (size_t)rows[b] * dim;
+    gv_norm_row(x, nullptr, false, false, nullptr, w, out + (size_t)b * dim, dim, eps, sh);
+}
