@@ -32,7 +32,6 @@ use std::thread::JoinHandle;
 use omni_protocol::{
     EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
     FinishReason, RequestId, SchedulerStats, StageInput, StageKind, StageOutputs, StageSpec,
-    ThinkerChunk, ThinkerToTalker,
 };
 
 use crate::engine_core_client::{EngineCoreClient, Frontend, RequestError, RequestStream};
@@ -222,7 +221,7 @@ impl Shared {
             let Some(talker) = self.stage(StageKind::Talker, route.replicas[1]) else {
                 continue;
             };
-            let picked = rebase_buffers(&mut chunk);
+            let picked = omni_protocol::rebase_buffers(&mut chunk);
             let bufs: Vec<&[u8]> = picked
                 .iter()
                 .filter_map(|&i| buffers.get(i).map(Vec::as_slice))
@@ -325,26 +324,6 @@ fn final_output(id: &str, reason: FinishReason) -> EngineCoreOutput {
         text_finish_reason: None,
         audio: None,
     }
-}
-
-/// Renumbers the chunk's tensors `0..k` in order of appearance; returns the old buffer index
-/// of each new one.
-fn rebase_buffers(chunk: &mut ThinkerToTalker) -> Vec<usize> {
-    let mut picked = Vec::new();
-    let mut take = |t: &mut omni_protocol::TensorRef| {
-        picked.push(t.buffer_index as usize);
-        t.buffer_index = (picked.len() - 1) as u32;
-    };
-    match &mut chunk.chunk {
-        ThinkerChunk::Prefill(s) | ThinkerChunk::Full(s) => {
-            take(&mut s.embed);
-            take(&mut s.hidden);
-            take(&mut s.tts);
-        }
-        ThinkerChunk::Decode { embed, .. } => take(embed),
-        ThinkerChunk::End => {}
-    }
-    picked
 }
 
 /// The pipeline; see the module docs. Cheap to clone.

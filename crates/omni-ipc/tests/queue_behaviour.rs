@@ -271,3 +271,32 @@ fn ready_wait_in_slices_names_the_missing_reader_then_completes() {
         assert_eq!(m.header::<u32>().unwrap(), 7);
     }
 }
+
+/// A busy reader polls with zero timeouts between steps (an omni stage does): an overflow
+/// message published meanwhile is still read whole, not timed out before its first byte on
+/// every call (which starved such a reader for good).
+#[test]
+fn a_reader_polling_with_zero_timeouts_still_gets_overflow_messages() {
+    let (mut q, mut r) = pair(small());
+    let big = vec![7u8; 3 << 20];
+    let writer = std::thread::spawn(move || {
+        for i in 0..4u32 {
+            q.enqueue(&i, &[&big]).unwrap();
+        }
+        q
+    });
+    let mut got = Vec::new();
+    let t0 = Instant::now();
+    while got.len() < 4 && t0.elapsed() < Duration::from_secs(20) {
+        match r.dequeue(Some(Duration::ZERO)) {
+            Ok(m) => {
+                assert_eq!(m.buffers()[0].len(), 3 << 20);
+                got.push(m.header::<u32>().unwrap());
+            }
+            Err(IpcError::Timeout(_)) => std::thread::yield_now(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(got, vec![0, 1, 2, 3]);
+    drop(writer.join().unwrap());
+}

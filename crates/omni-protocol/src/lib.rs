@@ -62,7 +62,7 @@ pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use stage::{
-    CodecChunk, CodecWindowing, PipelineStats, StageInput, StageKind, StageOutputs,
+    CodecChunk, CodecWindowing, PipelineStats, StageInput, rebase_buffers, StageKind, StageOutputs,
     StagePayloadError, StageSpec, ThinkerChunk, ThinkerStates, ThinkerStatesView, ThinkerToTalker,
 };
 pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};

@@ -283,6 +283,26 @@ pub struct PipelineStats {
     pub connector_bytes: Vec<(u32, u32, u64)>,
 }
 
+/// Renumbers the chunk's tensors `0..k` in order of appearance; returns the old buffer index
+/// of each new one.
+pub fn rebase_buffers(chunk: &mut ThinkerToTalker) -> Vec<usize> {
+    let mut picked = Vec::new();
+    let mut take = |t: &mut TensorRef| {
+        picked.push(t.buffer_index as usize);
+        t.buffer_index = (picked.len() - 1) as u32;
+    };
+    match &mut chunk.chunk {
+        ThinkerChunk::Prefill(s) | ThinkerChunk::Full(s) => {
+            take(&mut s.embed);
+            take(&mut s.hidden);
+            take(&mut s.tts);
+        }
+        ThinkerChunk::Decode { embed, .. } => take(embed),
+        ThinkerChunk::End => {}
+    }
+    picked
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,15 @@ use crate::stage::{Stage, StepResult};
 /// Qwen3-Omni's output rate (its config carries none; vLLM-Omni's fallback is the same).
 pub const SAMPLE_RATE: u32 = 24_000;
 
+/// Most frames one Code2Wav batch holds: its buffers scale with it (several MB a frame at the
+/// real size), so the stage's `max_num_batched_tokens` is capped at 32 windows of 25 + 25.
+pub const MAX_BATCH_FRAMES: u32 = 1600;
+
+/// Frames per batch for `spec`.
+pub fn frames_per_batch(spec: &StageSpec) -> usize {
+    spec.max_num_batched_tokens.clamp(1, MAX_BATCH_FRAMES) as usize
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct Code2WavStage {
@@ -32,7 +41,7 @@ impl Code2WavStage {
             model,
             queue: VecDeque::new(),
             max_windows: (spec.max_num_seqs as usize).max(1),
-            max_frames: (spec.max_num_batched_tokens as usize).max(1),
+            max_frames: frames_per_batch(spec),
         }
     }
 }

@@ -21,7 +21,7 @@ use omni_protocol::{LoadFormat, StageSpec};
 use serde_json::Value;
 
 use crate::StageError;
-use crate::nets::{Code2WavNet, ThinkerNet, ThinkerStep};
+use crate::nets::{CP_TOP_K, CP_TOP_P, Code2WavNet, CodeDraw, TalkerNet, ThinkerNet, ThinkerStep};
 
 /// Device memory kept free for CUDA graphs and the allocator's slack, per stage process.
 const RESERVE_BYTES: u64 = 512 << 20;
@@ -68,6 +68,36 @@ fn weights(
     })
 }
 
+/// The KV blocks a stage's share leaves after what it allocated since `free0` (at most
+/// `cap`).
+fn kv_blocks(
+    cx: &CudaContext,
+    free0: u64,
+    spec: &StageSpec,
+    per_block: u64,
+    what: &str,
+) -> Result<u64, StageError> {
+    let (free1, total) = mem_info(cx)?;
+    let mine = free0.saturating_sub(free1);
+    let budget = (total as f64 * f64::from(spec.gpu_memory_utilization)) as u64;
+    let kv = budget.saturating_sub(mine).saturating_sub(RESERVE_BYTES);
+    let blocks = (kv / per_block.max(1)).min(u64::from(spec.num_blocks));
+    if blocks == 0 {
+        return Err(StageError::Config(format!(
+            "the {what}'s share {} of {total} bytes leaves no KV cache after its {mine} bytes \
+             of weights and buffers",
+            spec.gpu_memory_utilization
+        )));
+    }
+    tracing::info!(
+        blocks,
+        weights_and_buffers = mine,
+        "{what} on cuda:{}",
+        spec.device_ordinal
+    );
+    Ok(blocks)
+}
+
 /// The Thinker on one GPU.
 #[derive(Debug)]
 pub struct CudaThinker {
@@ -83,7 +113,7 @@ impl CudaThinker {
     /// with the KV blocks it got.
     pub fn load(config: &Value, dir: &Path, spec: &StageSpec) -> Result<(Self, u32), StageError> {
         let cx = Arc::new(CudaContext::new(spec.device_ordinal as usize).map_err(dev_err)?);
-        let (free0, total) = mem_info(&cx)?;
+        let (free0, _) = mem_info(&cx)?;
         let omni = OmniConfig::from_json(config)?;
         let dspec = decoder_spec(config)?;
         let (hidden, vocab) = (dspec.hidden_size, dspec.vocab_size);
@@ -108,19 +138,7 @@ impl CudaThinker {
             &|_, _| {},
         )?;
         model.set_capture_after_layers(Some(omni.talker_config.accept_hidden_layer))?;
-        let (free1, _) = mem_info(&cx)?;
-        let mine = free0.saturating_sub(free1);
-        let budget = (total as f64 * f64::from(spec.gpu_memory_utilization)) as u64;
-        let kv = budget.saturating_sub(mine).saturating_sub(RESERVE_BYTES);
-        let per_block = model.kv_bytes_per_block(block).max(1);
-        let blocks = (kv / per_block).min(u64::from(spec.num_blocks));
-        if blocks == 0 {
-            return Err(StageError::Config(format!(
-                "the Thinker's share {} of {total} bytes leaves no KV cache after its {mine} \
-                 bytes of weights and buffers",
-                spec.gpu_memory_utilization
-            )));
-        }
+        let blocks = kv_blocks(&cx, free0, spec, model.kv_bytes_per_block(block), "Thinker")?;
         model.init_cache(blocks as usize, block)?;
         if !spec.enforce_eager {
             model.capture_decode_graphs(&graph_sizes(limits.max_seqs))?;
@@ -131,12 +149,6 @@ impl CudaThinker {
             ids.tts_eos_token_id,
             ids.tts_pad_token_id,
         ])?;
-        tracing::info!(
-            blocks,
-            weights_and_buffers = mine,
-            "Thinker on cuda:{}",
-            spec.device_ordinal
-        );
         Ok((
             Self {
                 model,
@@ -201,8 +213,14 @@ impl CudaCode2WavNet {
         } else {
             ws
         };
-        let frames = spec.max_num_batched_tokens.max(1) as usize;
+        let frames = crate::code2wav::frames_per_batch(spec);
         let mut model = CudaCode2Wav::load(cx, config, ws.as_ref(), frames)?;
+        tracing::info!(
+            frames,
+            buffer_bytes = model.buffer_bytes(),
+            "Code2Wav on cuda:{}",
+            spec.device_ordinal
+        );
         if spec.enforce_eager {
             model.set_graphs(false);
         } else {
@@ -223,5 +241,104 @@ impl Code2WavNet for CudaCode2WavNet {
         windows: &[(&[u32], usize, usize)],
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         self.model.decode_windows(windows)
+    }
+}
+
+/// The Talker and its code predictor on one GPU (omni-models' `CudaTalker`): each step the
+/// host uploads the input embeddings, reads the codec logits back, chooses layer 0 and hands
+/// the codes down for the code predictor's frame graph; prompts are built on the host.
+#[derive(Debug)]
+pub struct CudaTalkerNet {
+    talker: omni_models::cuda_talker::CudaTalker,
+    prompts: omni_models::qwen3_omni::talker::PromptBuilder,
+    config: OmniConfig,
+}
+
+impl CudaTalkerNet {
+    /// Loads it on `spec.device_ordinal` with the small-batch GEMVs on, sizes its KV cache
+    /// from its share and captures its decode and frame graphs unless `enforce_eager`.
+    /// Returns it with its KV blocks.
+    pub fn load(config: &Value, dir: &Path, spec: &StageSpec) -> Result<(Self, u32), StageError> {
+        let cx = Arc::new(CudaContext::new(spec.device_ordinal as usize).map_err(dev_err)?);
+        let (free0, _) = mem_info(&cx)?;
+        let omni = OmniConfig::from_json(config)?;
+        let (init, ws) = weights(config, dir, spec)?;
+        let block = spec.block_size as usize;
+        let limits = StepLimits {
+            max_tokens: spec.max_num_batched_tokens.max(1) as usize,
+            max_seqs: spec.max_num_seqs.max(1) as usize,
+            max_model_len: spec.max_model_len.max(1) as usize,
+            block_size: block,
+        };
+        let mut talker = omni_models::cuda_talker::CudaTalker::load(
+            cx.clone(),
+            config,
+            ws.as_ref(),
+            init,
+            limits,
+        )?;
+        talker.set_small_batch_gemv(true);
+        let prompts =
+            omni_models::qwen3_omni::talker::PromptBuilder::load(&omni, ws.as_ref(), &|ids| {
+                talker.talker().embedding_rows(ids)
+            })?;
+        let per_block = talker.talker().kv_bytes_per_block(block);
+        let blocks = kv_blocks(&cx, free0, spec, per_block, "Talker")?;
+        talker.init_cache(blocks as usize, block)?;
+        if !spec.enforce_eager {
+            talker.capture_graphs(&graph_sizes(limits.max_seqs))?;
+        }
+        Ok((
+            Self {
+                talker,
+                prompts,
+                config: omni,
+            },
+            blocks as u32,
+        ))
+    }
+}
+
+impl TalkerNet for CudaTalkerNet {
+    fn config(&self) -> &OmniConfig {
+        &self.config
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.talker.hidden_size()
+    }
+
+    fn prompts(&self) -> &omni_models::qwen3_omni::talker::PromptBuilder {
+        &self.prompts
+    }
+
+    fn forward(&mut self, batch: &ForwardBatch, embeds: &[f32]) -> Result<Vec<f32>, ModelError> {
+        self.talker.talker_mut().forward_embeds(batch, embeds)?;
+        self.talker.talker().logits_to_host()
+    }
+
+    fn predict(
+        &mut self,
+        c0: &[u32],
+        draws: &[CodeDraw],
+    ) -> Result<(Vec<u32>, Vec<f32>), ModelError> {
+        use omni_backend::cuda::CodeSampling;
+        let sampling: Vec<CodeSampling> = draws
+            .iter()
+            .map(|d| {
+                if d.greedy {
+                    CodeSampling::greedy()
+                } else {
+                    CodeSampling {
+                        temperature: 1.0,
+                        top_k: CP_TOP_K as i32,
+                        top_p: CP_TOP_P,
+                        seed: d.seed,
+                    }
+                }
+            })
+            .collect();
+        let frames: Vec<u64> = draws.iter().map(|d| d.frame).collect();
+        self.talker.predict_frames(c0, &sampling, &frames)
     }
 }

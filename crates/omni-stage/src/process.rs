@@ -24,6 +24,9 @@ use crate::thinker::ThinkerStage;
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// Inputs taken in one turn before a step runs (so a flood cannot starve the batch).
 const MAX_INPUTS_PER_TURN: usize = 1024;
+/// How long a busy stage waits for a further input of a turn (never zero: a message on the
+/// queue's overflow path needs its frames read within the wait).
+const BUSY_WAIT: Duration = Duration::from_micros(50);
 
 /// A loaded stage and what it reports at start-up.
 #[derive(Debug)]
@@ -90,7 +93,7 @@ fn build_cuda(
     config: &serde_json::Value,
     dir: &Path,
 ) -> Result<BuiltStage, StageError> {
-    use crate::cuda::{CudaCode2WavNet, CudaThinker};
+    use crate::cuda::{CudaCode2WavNet, CudaTalkerNet, CudaThinker};
     let (stage, num_blocks): (Box<dyn Stage>, u32) = match spec.kind {
         StageKind::Thinker => {
             let (net, blocks) = CudaThinker::load(config, dir, spec)?;
@@ -99,9 +102,10 @@ fn build_cuda(
             (Box::new(ThinkerStage::new(Box::new(net), &s)?), blocks)
         }
         StageKind::Talker => {
-            return Err(StageError::Config(
-                "the Talker stage runs on the CPU only in this build (pass --device cpu)".into(),
-            ));
+            let (net, blocks) = CudaTalkerNet::load(config, dir, spec)?;
+            let mut s = spec.clone();
+            s.num_blocks = blocks;
+            (Box::new(TalkerStage::new(Box::new(net), &s)?), blocks)
         }
         StageKind::Code2Wav => (
             Box::new(Code2WavStage::new(
@@ -159,7 +163,7 @@ pub fn run_stage_process() -> Result<(), StageError> {
             let wait = if i == 0 && !stage.has_work() {
                 IDLE_WAIT
             } else {
-                Duration::ZERO
+                BUSY_WAIT
             };
             match inputs.dequeue(Some(wait)) {
                 Ok(msg) => {
@@ -193,10 +197,32 @@ pub fn run_stage_process() -> Result<(), StageError> {
         }
         if stage.has_work() {
             let (out, bufs) = stage.step()?;
-            if !out.is_empty() || out.scheduler_stats.is_some() {
-                let views: Vec<&[u8]> = bufs.iter().map(Vec::as_slice).collect();
-                outputs.enqueue(&out, &views)?;
-            }
+            send_outputs(&mut outputs, out, &bufs)?;
         }
     }
+}
+
+/// Sends one step's outputs: the Thinker's chunks one message each (with their own buffers, so
+/// a message stays within a ring slot where it can), everything else in one message.
+fn send_outputs(
+    q: &mut omni_ipc::MessageQueue,
+    mut out: StageOutputs,
+    bufs: &[Vec<u8>],
+) -> Result<(), StageError> {
+    for mut chunk in std::mem::take(&mut out.thinker_chunks) {
+        let picked = omni_protocol::rebase_buffers(&mut chunk);
+        let views: Vec<&[u8]> = picked
+            .iter()
+            .filter_map(|&i| bufs.get(i).map(Vec::as_slice))
+            .collect();
+        let one = StageOutputs {
+            thinker_chunks: vec![chunk],
+            ..StageOutputs::default()
+        };
+        q.enqueue(&one, &views)?;
+    }
+    if !out.is_empty() || out.scheduler_stats.is_some() {
+        q.enqueue(&out, &[])?;
+    }
+    Ok(())
 }

@@ -14,6 +14,10 @@ use crate::ring::ShmRingBuffer;
 use crate::zmtp::{self, Stream};
 use crate::{IpcError, MessageQueueConfig, ReaderId};
 
+/// The least time a reader gives the frames of a published overflow message, whatever its
+/// caller's timeout: their transfer is under way.
+const OVERFLOW_READ_GRACE: Duration = Duration::from_secs(1);
+
 /// A received message, owned.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Message {
@@ -349,7 +353,9 @@ impl MessageQueueReader {
     }
 
     /// Receives the next message, borrowing it from the ring slot when it is there (zero-copy)
-    /// until the guard drops.
+    /// until the guard drops. `timeout` bounds the wait for a message to be published; the
+    /// frames of a published overflow message then get at least [`OVERFLOW_READ_GRACE`] (their
+    /// transfer is under way), so a call with a shorter `timeout` may outlast it by that much.
     pub fn dequeue_borrowed(
         &mut self,
         timeout: Option<Duration>,
@@ -413,7 +419,13 @@ impl MessageQueueReader {
                 body: Body::Slot { slot, layout },
             }),
             SlotContent::Overflow => {
-                let msg = self.recv_frames(deadline, timeout)?;
+                // The writer published this marker and is sending the frames now: give them at
+                // least OVERFLOW_READ_GRACE whatever the caller's timeout (a zero or tiny one
+                // would return before the first byte every time, and a busy caller polling
+                // with zero timeouts would never get the message). A writer stalled longer
+                // than that still ends the wait with a timeout (then the connection is cut).
+                let frames_deadline = deadline.map(|d| d.max(Instant::now() + OVERFLOW_READ_GRACE));
+                let msg = self.recv_frames(frames_deadline, timeout)?;
                 self.release(slot);
                 Ok(ReadGuard {
                     reader: self,

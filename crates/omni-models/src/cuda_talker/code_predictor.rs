@@ -201,6 +201,34 @@ impl CudaCodePredictor {
         Ok(())
     }
 
+    /// Sets rows `0..sampling.len()`'s sampling and their frame counters (the draws' offsets)
+    /// to `frames`: a serving stage whose batch rows change request from step to step.
+    pub fn set_rows(
+        &mut self,
+        sampling: &[CodeSampling],
+        frames: &[u64],
+    ) -> Result<(), ModelError> {
+        if sampling.len() > self.max_rows || frames.len() != sampling.len() {
+            return Err(ModelError::Batch(format!(
+                "{} rows and {} frame counters (at most {} rows)",
+                sampling.len(),
+                frames.len(),
+                self.max_rows
+            )));
+        }
+        let words: Vec<u32> = sampling.iter().flat_map(|p| p.words()).collect();
+        let s = self.cx.stream().clone();
+        s.memcpy_htod(&words, &mut self.params.slice_mut(..words.len()))
+            .map_err(CudaError::from)?;
+        let counters: Vec<i64> = frames
+            .iter()
+            .map(|&f| i64::try_from(f).unwrap_or(i64::MAX))
+            .collect();
+        s.memcpy_htod(&counters, &mut self.frame.slice_mut(..counters.len()))
+            .map_err(CudaError::from)?;
+        Ok(())
+    }
+
     /// Queues one frame for `rows` rows (no host work: capturable). `hidden` is the Talker's
     /// final-norm buffer (rows `0..rows` the states that chose `c0`), `talker_embed` its codec
     /// embedding table. `forced`: every group continues with `self.forced`'s code and records

@@ -381,6 +381,62 @@ impl CudaTalker {
         Ok((codes, times))
     }
 
+    /// For a serving stage that chooses layer 0 on the host and whose rows change request
+    /// between steps: completes one frame for rows `0..c0.len()` of the Talker's last forward
+    /// (its output rows, in order) from their layer-0 codes, each row with its code-predictor
+    /// `sampling` and draw offset `frames`. Returns the frames `[rows, groups_total]` (layer 0
+    /// first) and the sums of their codec embeddings `[rows, hidden]` f32 (synchronizes).
+    pub fn predict_frames(
+        &mut self,
+        c0: &[u32],
+        sampling: &[CodeSampling],
+        frames: &[u64],
+    ) -> Result<(Vec<u32>, Vec<f32>), ModelError> {
+        let (n, h) = (c0.len(), self.hidden);
+        if n == 0 || n > self.max_rows || sampling.len() != n {
+            return Err(ModelError::Batch(format!(
+                "a frame of {n} rows with {} samplings (at most {} rows)",
+                sampling.len(),
+                self.max_rows
+            )));
+        }
+        self.cp.set_rows(sampling, frames)?;
+        let codes: Vec<i32> = c0
+            .iter()
+            .map(|&c| i32::try_from(c).unwrap_or(i32::MAX))
+            .collect();
+        let s = self.cx.stream().clone();
+        s.memcpy_htod(&codes, &mut self.cp.c0.slice_mut(..n))
+            .map_err(CudaError::from)?;
+        let table = self
+            .talker
+            .embed_table()
+            .ok_or_else(|| ModelError::Config("the Talker has no codec embedding".into()))?;
+        self.cp
+            .run_frame(n, self.talker.final_norm_buffer(), table, false)?;
+        let mut frames = self.codes_to_host(n)?;
+        let g = self.groups_total();
+        for (r, &c) in c0.iter().enumerate() {
+            frames[r * g] = c;
+        }
+        let mut sums = vec![0f32; n * h];
+        s.memcpy_dtoh(&self.cp.codec_sum.slice(..n * h), &mut sums)
+            .map_err(CudaError::from)?;
+        Ok((frames, sums))
+    }
+
+    /// Captures the code predictor's frame graph for each size in `sizes` (for
+    /// [`CudaTalker::predict_frames`]; the Talker's own steps then run eagerly or from the
+    /// decoder's graphs). Returns the sizes captured.
+    pub fn capture_frame_graphs(&mut self, sizes: &[usize]) -> Result<Vec<usize>, ModelError> {
+        let table = self
+            .talker
+            .embed_table()
+            .ok_or_else(|| ModelError::Config("the Talker has no codec embedding".into()))?;
+        self.cp
+            .capture(sizes, self.talker.final_norm_buffer(), table)
+    }
+
     /// The last frame's codes of rows `0..rows` (synchronizes).
     fn codes_to_host(&self, rows: usize) -> Result<Vec<u32>, ModelError> {
         let n = rows * self.groups_total();
