@@ -62,8 +62,9 @@ pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use stage::{
-    CodecChunk, CodecWindowing, PipelineStats, StageInput, rebase_buffers, StageKind, StageOutputs,
+    CodecChunk, CodecWindowing, PipelineStats, StageInput, StageKind, StageOutputs,
     StagePayloadError, StageSpec, ThinkerChunk, ThinkerStates, ThinkerStatesView, ThinkerToTalker,
+    rebase_buffers,
 };
 pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};
 pub use worker::{
