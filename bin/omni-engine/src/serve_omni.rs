@@ -3,9 +3,8 @@
 //! `model_type`), edited by `--stage-overrides` and `--no-async-chunk`.
 //!
 //! Each stage's engine config is this command line's with the profile's keys for that stage as
-//! a layer under the environment and the CLI. The stages run on the CPU backend here; the CUDA
-//! networks exist at model level (`cuda_talker`, `cuda_code2wav`) and are not yet driven by a
-//! stage.
+//! a layer under the environment and the CLI; the profile's `platforms` delta is the one of
+//! the device `--device` resolves to (`cuda` or `cpu`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -41,15 +40,16 @@ pub fn start(args: &Args, engine: &EngineConfig, model: &Path) -> anyhow::Result
         .and_then(|v| v.as_str())
         .unwrap_or_default()
         .to_string();
-    if engine.device.device == omni_config::DeviceKind::Cuda {
-        tracing::warn!("--omni: the stages run on the CPU backend in this build");
-    }
+    let platform = match omni_launch::resolve_device(engine)? {
+        omni_protocol::Device::Cuda => "cuda",
+        omni_protocol::Device::Cpu => "cpu",
+    };
     let source = match &args.omni.deploy_config {
         Some(p) => DeploySource::File(p),
         None => DeploySource::Builtin(&model_type),
     };
     let overrides = DeployOverrides {
-        platform: "cpu",
+        platform,
         stage_overrides: args.omni.stage_overrides.as_deref(),
         no_async_chunk: args.omni.no_async_chunk,
     };
