@@ -1,7 +1,9 @@
 //! What every stage's loop drives: inputs in, one step, outputs out.
 
 use omni_core::SchedulerConfig;
-use omni_protocol::{SchedulerStats, StageInput, StageOutputs, StageSpec};
+use omni_protocol::{
+    BlockId, RequestId, SchedulerOutput, SchedulerStats, StageInput, StageOutputs, StageSpec,
+};
 
 use crate::StageError;
 
@@ -31,5 +33,59 @@ pub(crate) fn scheduler_config(spec: &StageSpec, prefix_caching: bool) -> Schedu
         num_blocks: spec.num_blocks as usize,
         enable_prefix_caching: prefix_caching,
         enable_chunked_prefill: true,
+    }
+}
+
+/// One scheduled request of a step: its id, first position and token count, in batch order
+/// (new requests, then cached ones, as the scheduler lists them).
+pub(crate) type Scheduled = (RequestId, usize, usize);
+
+/// The step's requests in batch order.
+pub(crate) fn scheduled(so: &SchedulerOutput) -> Vec<Scheduled> {
+    so.scheduled_new_reqs
+        .iter()
+        .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize))
+        .chain(
+            so.scheduled_cached_reqs
+                .iter()
+                .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize)),
+        )
+        .map(|(id, start)| {
+            let n = so.num_scheduled_tokens.get(&id).copied().unwrap_or(0) as usize;
+            (id, start, n)
+        })
+        .collect()
+}
+
+/// A stage's per-request state that holds the request's KV block table.
+pub(crate) trait HasBlocks {
+    /// The block table.
+    fn blocks(&mut self) -> &mut Vec<BlockId>;
+}
+
+/// Applies a step's block changes to the requests' block tables: a preempted request loses
+/// its blocks, a new or resumed one gets its list, a running one extends it.
+pub(crate) fn update_block_tables<T: HasBlocks>(
+    so: &SchedulerOutput,
+    reqs: &mut std::collections::HashMap<RequestId, T>,
+) {
+    for id in &so.preempted_req_ids {
+        if let Some(b) = reqs.get_mut(id).map(HasBlocks::blocks) {
+            b.clear();
+        }
+    }
+    for new in &so.scheduled_new_reqs {
+        if let Some(b) = reqs.get_mut(&new.req_id).map(HasBlocks::blocks) {
+            *b = new.block_ids.clone();
+        }
+    }
+    for c in &so.scheduled_cached_reqs {
+        if let Some(b) = reqs.get_mut(&c.req_id).map(HasBlocks::blocks) {
+            if c.resumed_from_preemption {
+                *b = c.new_block_ids.clone();
+            } else {
+                b.extend_from_slice(&c.new_block_ids);
+            }
+        }
     }
 }

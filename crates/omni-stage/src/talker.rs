@@ -27,7 +27,9 @@ use omni_protocol::{
 
 use crate::StageError;
 use crate::nets::{CodeDraw, TalkerNet, uniform};
-use crate::stage::{Stage, StepResult, scheduler_config};
+use crate::stage::{
+    HasBlocks, Stage, StepResult, scheduled, scheduler_config, update_block_tables,
+};
 use crate::tensors::read_f32;
 
 /// One live request.
@@ -50,6 +52,12 @@ struct TalkerReq {
     /// Frames done (the draws' counter).
     frames: u64,
     seed: u64,
+}
+
+impl HasBlocks for TalkerReq {
+    fn blocks(&mut self) -> &mut Vec<BlockId> {
+        &mut self.block_ids
+    }
 }
 
 /// A registered request still waiting for its first Thinker chunk.
@@ -201,25 +209,7 @@ impl TalkerStage {
     }
 
     fn update_states(&mut self, so: &SchedulerOutput) {
-        for id in &so.preempted_req_ids {
-            if let Some(r) = self.reqs.get_mut(id) {
-                r.block_ids.clear();
-            }
-        }
-        for new in &so.scheduled_new_reqs {
-            if let Some(r) = self.reqs.get_mut(&new.req_id) {
-                r.block_ids = new.block_ids.clone();
-            }
-        }
-        for c in &so.scheduled_cached_reqs {
-            if let Some(r) = self.reqs.get_mut(&c.req_id) {
-                if c.resumed_from_preemption {
-                    r.block_ids = c.new_block_ids.clone();
-                } else {
-                    r.block_ids.extend_from_slice(&c.new_block_ids);
-                }
-            }
-        }
+        update_block_tables(so, &mut self.reqs);
     }
 
     /// Holds out of the batch the requests whose next text row has not arrived.
@@ -335,20 +325,7 @@ impl Stage for TalkerStage {
         if so.is_empty() {
             return Ok((out, Vec::new()));
         }
-        let scheduled: Vec<(RequestId, usize, usize)> = so
-            .scheduled_new_reqs
-            .iter()
-            .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize))
-            .chain(
-                so.scheduled_cached_reqs
-                    .iter()
-                    .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize)),
-            )
-            .map(|(id, start)| {
-                let n = so.num_scheduled_tokens.get(&id).copied().unwrap_or(0) as usize;
-                (id, start, n)
-            })
-            .collect();
+        let scheduled = scheduled(&so);
         let mut embeds = Vec::new();
         let mut sampled = Vec::new();
         let mut rows = Vec::new();

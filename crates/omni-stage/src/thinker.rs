@@ -19,7 +19,9 @@ use omni_worker::sampler::{Sampler, SamplingSeq};
 
 use crate::StageError;
 use crate::nets::ThinkerNet;
-use crate::stage::{Stage, StepResult, scheduler_config};
+use crate::stage::{
+    HasBlocks, Stage, StepResult, scheduled, scheduler_config, update_block_tables,
+};
 use crate::tensors::Buffers;
 
 /// One live request.
@@ -37,6 +39,12 @@ struct ThinkerReq {
     /// Rows already sent (async mode).
     sent_rows: usize,
     next_chunk: u32,
+}
+
+impl HasBlocks for ThinkerReq {
+    fn blocks(&mut self) -> &mut Vec<BlockId> {
+        &mut self.block_ids
+    }
 }
 
 impl ThinkerReq {
@@ -82,25 +90,7 @@ impl ThinkerStage {
         for id in &so.finished_req_ids {
             self.reqs.remove(id);
         }
-        for id in &so.preempted_req_ids {
-            if let Some(r) = self.reqs.get_mut(id) {
-                r.block_ids.clear();
-            }
-        }
-        for new in &so.scheduled_new_reqs {
-            if let Some(r) = self.reqs.get_mut(&new.req_id) {
-                r.block_ids = new.block_ids.clone();
-            }
-        }
-        for c in &so.scheduled_cached_reqs {
-            if let Some(r) = self.reqs.get_mut(&c.req_id) {
-                if c.resumed_from_preemption {
-                    r.block_ids = c.new_block_ids.clone();
-                } else {
-                    r.block_ids.extend_from_slice(&c.new_block_ids);
-                }
-            }
-        }
+        update_block_tables(so, &mut self.reqs);
     }
 
     /// The chunks owed to the Talker after this step.
@@ -219,20 +209,7 @@ impl Stage for ThinkerStage {
         if so.is_empty() {
             return Ok((out, bufs.0));
         }
-        let scheduled: Vec<(RequestId, usize, usize)> = so
-            .scheduled_new_reqs
-            .iter()
-            .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize))
-            .chain(
-                so.scheduled_cached_reqs
-                    .iter()
-                    .map(|r| (r.req_id.clone(), r.num_computed_tokens as usize)),
-            )
-            .map(|(id, start)| {
-                let n = so.num_scheduled_tokens.get(&id).copied().unwrap_or(0) as usize;
-                (id, start, n)
-            })
-            .collect();
+        let scheduled = scheduled(&so);
         let mut chunks = Vec::with_capacity(scheduled.len());
         let mut sample_rows = Vec::new();
         let mut samples = Vec::new();
