@@ -176,65 +176,41 @@ impl MpClient {
         cfg: &MpClientConfig,
         engine_config: &C,
     ) -> Result<(Self, EngineCoreReady), EngineCoreStartError> {
-        let instance = omni_ipc::shm::new_instance_id();
-        let input = MessageQueue::create(QueueSpec::local(
-            &instance,
-            "input",
-            1,
-            cfg.input_queue.clone(),
-        ))
-        .map_err(|e| spawn_err("creating the input queue", &e))?;
-        let spawned = launch::spawn(&cfg.exe, &cfg.args)
-            .map_err(|e| spawn_err(&format!("spawning {}", cfg.exe.display()), &e))?;
-        let pid = spawned.child.id();
-        let mut processes = ChildProcesses::new(ChildRole::EngineCore);
-        processes.push(spawned.child);
-        processes.start_monitor();
-        let mut stdin = spawned.stdin;
-        let mut stdout = spawned.stdout;
-        match connect(
-            cfg,
-            engine_config,
+        let Connection {
+            processes,
+            pid,
+            stdin,
+            stdout,
+            ready,
             input,
-            &processes,
-            &mut stdin,
-            &mut stdout,
-        ) {
-            Ok((ready, input, output)) => {
-                let (tx, rx) = mpsc::channel();
-                let frontend = Arc::new(Frontend::new(tx));
-                let threads = start_threads(&frontend, input, rx, output, &processes, pid);
-                let client = Self {
-                    inner: Arc::new(MpInner {
-                        frontend,
-                        pid,
-                        shutdown_grace: cfg.shutdown_grace,
-                        state: Mutex::new(MpState {
-                            processes,
-                            stdin: Some(stdin),
-                            _stdout: Some(stdout),
-                            threads: Vec::new(),
-                            shut_down: false,
-                        }),
-                    }),
-                };
-                match threads {
-                    Ok(t) => {
-                        if let Ok(mut st) = client.inner.state.lock() {
-                            st.threads = t;
-                        }
-                        tracing::info!(pid, "engine core ready in its own process");
-                        Ok((client, ready))
-                    }
-                    Err(e) => Err(e), // dropping `client` stops the process
+            output,
+        } = spawn_and_connect(cfg, ChildRole::EngineCore, engine_config)?;
+        let (tx, rx) = mpsc::channel();
+        let frontend = Arc::new(Frontend::new(tx));
+        let threads = start_threads(&frontend, input, rx, output, &processes, pid);
+        let client = Self {
+            inner: Arc::new(MpInner {
+                frontend,
+                pid,
+                shutdown_grace: cfg.shutdown_grace,
+                state: Mutex::new(MpState {
+                    processes,
+                    stdin: Some(stdin),
+                    _stdout: Some(stdout),
+                    threads: Vec::new(),
+                    shut_down: false,
+                }),
+            }),
+        };
+        match threads {
+            Ok(t) => {
+                if let Ok(mut st) = client.inner.state.lock() {
+                    st.threads = t;
                 }
+                tracing::info!(pid, "engine core ready in its own process");
+                Ok((client, ready))
             }
-            Err(e) => {
-                processes.stop();
-                drop(stdin);
-                remove_segments_of(pid);
-                Err(e)
-            }
+            Err(e) => Err(e), // dropping `client` stops the process
         }
     }
 
@@ -245,6 +221,61 @@ impl MpClient {
 }
 
 pub(crate) type Connected = (EngineCoreReady, MessageQueue, MessageQueueReader);
+
+/// A started child (an engine core or an omni stage) that answered `Ready`: its process under
+/// a death monitor, its pipes, its report and both queues.
+#[derive(Debug)]
+pub(crate) struct Connection {
+    pub(crate) processes: ChildProcesses,
+    pub(crate) pid: u32,
+    pub(crate) stdin: ChildStdin,
+    pub(crate) stdout: BufReader<ChildStdout>,
+    pub(crate) ready: EngineCoreReady,
+    pub(crate) input: MessageQueue,
+    pub(crate) output: MessageQueueReader,
+}
+
+/// Creates the input queue, spawns `cfg.exe cfg.args` watched as `role`, and runs the
+/// handshake with `config`; on failure the process is stopped and its segments removed.
+pub(crate) fn spawn_and_connect<C: serde::Serialize>(
+    cfg: &MpClientConfig,
+    role: ChildRole,
+    config: &C,
+) -> Result<Connection, EngineCoreStartError> {
+    let instance = omni_ipc::shm::new_instance_id();
+    let input = MessageQueue::create(QueueSpec::local(
+        &instance,
+        "input",
+        1,
+        cfg.input_queue.clone(),
+    ))
+    .map_err(|e| spawn_err("creating the input queue", &e))?;
+    let spawned = launch::spawn(&cfg.exe, &cfg.args)
+        .map_err(|e| spawn_err(&format!("spawning {}", cfg.exe.display()), &e))?;
+    let pid = spawned.child.id();
+    let mut processes = ChildProcesses::new(role);
+    processes.push(spawned.child);
+    processes.start_monitor();
+    let mut stdin = spawned.stdin;
+    let mut stdout = spawned.stdout;
+    match connect(cfg, config, input, &processes, &mut stdin, &mut stdout) {
+        Ok((ready, input, output)) => Ok(Connection {
+            processes,
+            pid,
+            stdin,
+            stdout,
+            ready,
+            input,
+            output,
+        }),
+        Err(e) => {
+            processes.stop();
+            drop(stdin);
+            remove_segments_of(pid);
+            Err(e)
+        }
+    }
+}
 
 /// The handshake, the attach waits and the start-up line; see the module docs.
 pub(crate) fn connect<C: serde::Serialize>(

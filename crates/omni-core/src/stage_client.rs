@@ -21,13 +21,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec};
+use omni_ipc::{IpcError, MessageQueue, MessageQueueReader};
 use omni_protocol::{EngineCoreReady, EngineDeadError, StageInput, StageOutputs, StageSpec};
 
 use crate::engine_core_proc::remove_segments_of;
-use crate::executor::workers::launch;
 use crate::executor::workers::monitor::{ChildProcesses, ChildRole, DeathNotice};
-use crate::mp_client::{EngineCoreStartError, MpClientConfig, connect, spawn_err};
+use crate::mp_client::{
+    Connection, EngineCoreStartError, MpClientConfig, spawn_and_connect, spawn_err,
+};
 
 /// How long the reader waits for a message before it looks at the death notice again.
 const POLL: Duration = Duration::from_millis(50);
@@ -82,36 +83,20 @@ impl StageClient {
         on_output: StageOutputHandler,
         on_death: StageDeathHandler,
     ) -> Result<(Self, EngineCoreReady), EngineCoreStartError> {
-        let instance = omni_ipc::shm::new_instance_id();
-        let input = MessageQueue::create(QueueSpec::local(
-            &instance,
-            "input",
-            1,
-            cfg.input_queue.clone(),
-        ))
-        .map_err(|e| spawn_err("creating a stage's input queue", &e))?;
-        let spawned = launch::spawn(&cfg.exe, &cfg.args)
-            .map_err(|e| spawn_err(&format!("spawning {}", cfg.exe.display()), &e))?;
-        let pid = spawned.child.id();
-        let mut processes = ChildProcesses::new(ChildRole::Stage {
+        let role = ChildRole::Stage {
             stage_id: spec.stage_id,
             replica: spec.replica,
             kind: spec.kind,
-        });
-        processes.push(spawned.child);
-        processes.start_monitor();
-        let mut stdin = spawned.stdin;
-        let mut stdout = spawned.stdout;
-        let (ready, input, output) =
-            match connect(cfg, spec, input, &processes, &mut stdin, &mut stdout) {
-                Ok(c) => c,
-                Err(e) => {
-                    processes.stop();
-                    drop(stdin);
-                    remove_segments_of(pid);
-                    return Err(e);
-                }
-            };
+        };
+        let Connection {
+            processes,
+            pid,
+            stdin,
+            stdout,
+            ready,
+            input,
+            output,
+        } = spawn_and_connect(cfg, role, spec)?;
         let dead = processes.dead().clone();
         let inner = Arc::new(StageInner {
             stage_id: spec.stage_id,
