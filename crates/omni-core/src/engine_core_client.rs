@@ -272,6 +272,13 @@ impl Frontend {
 
     /// The engine is dead: every live stream (and every later request) fails with `e`, or with
     /// the first death already recorded.
+    /// Ends one request's stream with `e` (a pipeline stage it was bound to failed).
+    pub(crate) fn fail_request(&self, request_id: &str, e: EngineDeadError) {
+        if let Some(tx) = self.routes().streams.remove(request_id) {
+            let _ = tx.send(Err(RequestError::Engine(e)));
+        }
+    }
+
     pub(crate) fn die(&self, e: EngineDeadError) {
         let mut routes = self.routes();
         if routes.dead.is_none() {

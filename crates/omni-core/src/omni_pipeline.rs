@@ -185,9 +185,12 @@ impl Shared {
         }
     }
 
+    /// A stage the request is bound to cannot take its input: its stream ends with `e` (which
+    /// names the stage) and the other stages drop it.
     fn fail(&self, id: &str, e: EngineDeadError) {
         tracing::warn!(request = id, "{e}");
-        self.end_request(id, None, Some(FinishReason::Error));
+        self.end_request(id, None, None);
+        self.frontend.fail_request(id, e);
     }
 
     /// Failures and refusals a stage reported.
