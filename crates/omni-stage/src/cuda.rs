@@ -102,6 +102,8 @@ fn kv_blocks(
 #[derive(Debug)]
 pub struct CudaThinker {
     model: CudaDecoderModel,
+    /// `[max_num_seqs]` the device sampler's tokens.
+    sampled: omni_backend::cuda::cudarc::driver::CudaSlice<i32>,
     tts: Vec<f32>,
     hidden: usize,
     vocab: usize,
@@ -149,9 +151,14 @@ impl CudaThinker {
             ids.tts_eos_token_id,
             ids.tts_pad_token_id,
         ])?;
+        let sampled = cx
+            .stream()
+            .alloc_zeros::<i32>(limits.max_seqs)
+            .map_err(dev_err)?;
         Ok((
             Self {
                 model,
+                sampled,
                 tts,
                 hidden,
                 vocab,
@@ -176,7 +183,6 @@ impl ThinkerNet for CudaThinker {
 
     fn forward(&mut self, batch: &ForwardBatch, export: bool) -> Result<ThinkerStep, ModelError> {
         self.model.forward(batch)?;
-        let logits = self.model.logits_to_host()?;
         let exports = if export {
             let (embed, after) = self.model.captured_to_host()?;
             let after = after.ok_or_else(|| {
@@ -186,7 +192,48 @@ impl ThinkerNet for CudaThinker {
         } else {
             None
         };
-        Ok(ThinkerStep { logits, exports })
+        Ok(ThinkerStep { exports })
+    }
+
+    fn logits_host(&mut self) -> Result<Vec<f32>, ModelError> {
+        self.model.logits_to_host()
+    }
+
+    /// The decode path's sampler kernel (one CTA a row: temperature, top-k, top-p, min-p,
+    /// Gumbel-max with a counter-based hash of seed, offset and token), as the text engine's.
+    fn sample_on_device(
+        &mut self,
+        rows: &[omni_worker::DeviceSample],
+    ) -> Result<Option<Vec<u32>>, ModelError> {
+        use omni_backend::cuda::DeviceSamplingParams;
+        let params: Vec<DeviceSamplingParams> = rows
+            .iter()
+            .map(|r| DeviceSamplingParams {
+                temperature: r.temperature,
+                top_k: r.top_k,
+                top_p: r.top_p,
+                min_p: r.min_p,
+                seed: r.seed,
+                offset: r.offset,
+            })
+            .collect();
+        let cx = self.model.context().clone();
+        let mut out = self.sampled.slice_mut(..params.len());
+        let tokens = cx
+            .sample_rows_f32(&self.model.logits(), &params, self.vocab, &mut out)
+            .map_err(|e| ModelError::Device(e.to_string()))?;
+        tokens
+            .into_iter()
+            .enumerate()
+            .map(|(row, t)| {
+                t.ok_or_else(|| {
+                    ModelError::Batch(format!(
+                        "row {row}: no token can be sampled (all logits -inf or NaN)"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<u32>, _>>()
+            .map(Some)
     }
 }
 

@@ -7,11 +7,10 @@ use omni_models::{
     ForwardBatch, LayerKvCache, ModelError, ModelInputs, PositionInputs, StageModel, TokenInputs,
 };
 
-/// What one Thinker step gives back, on the host.
+/// What one Thinker step gives back on the host (its logits stay where they were computed
+/// until [`ThinkerNet::logits_host`] or [`ThinkerNet::sample_on_device`]).
 #[derive(Debug, Default)]
 pub struct ThinkerStep {
-    /// Logits of the batch's output rows, `[rows, vocab]`.
-    pub logits: Vec<f32>,
     /// With exports: layer 0's input and the accept-layer residual of every computed token,
     /// `[tokens, hidden]` each.
     pub exports: Option<(Vec<f32>, Vec<f32>)>,
@@ -27,6 +26,16 @@ pub trait ThinkerNet: Send + std::fmt::Debug {
     fn tts_rows(&self) -> &[f32];
     /// One step over token ids; `export` asks for the two Talker states of every token.
     fn forward(&mut self, batch: &ForwardBatch, export: bool) -> Result<ThinkerStep, ModelError>;
+    /// The last step's logits of its output rows, `[rows, vocab]`, on the host.
+    fn logits_host(&mut self) -> Result<Vec<f32>, ModelError>;
+    /// One token per output row of the last step, sampled where the logits are (`None`: no
+    /// device sampler; the host samples).
+    fn sample_on_device(
+        &mut self,
+        _rows: &[omni_worker::DeviceSample],
+    ) -> Result<Option<Vec<u32>>, ModelError> {
+        Ok(None)
+    }
 }
 
 /// The CPU Thinker (f32) and its host KV cache.
@@ -35,6 +44,7 @@ pub struct CpuThinker {
     thinker: Thinker,
     kv: Vec<LayerKvCache>,
     tts: Vec<f32>,
+    logits: Vec<f32>,
 }
 
 impl CpuThinker {
@@ -48,7 +58,12 @@ impl CpuThinker {
             .iter()
             .flat_map(|r| r.iter().copied())
             .collect();
-        Ok(Self { thinker, kv, tts })
+        Ok(Self {
+            thinker,
+            kv,
+            tts,
+            logits: Vec::new(),
+        })
     }
 }
 
@@ -86,10 +101,12 @@ impl ThinkerNet for CpuThinker {
             (Some(e), Some(h)) if export => Some((e, h)),
             _ => None,
         };
-        Ok(ThinkerStep {
-            logits: out.logits.map(|t| t.data).unwrap_or_default(),
-            exports,
-        })
+        self.logits = out.logits.map(|t| t.data).unwrap_or_default();
+        Ok(ThinkerStep { exports })
+    }
+
+    fn logits_host(&mut self) -> Result<Vec<f32>, ModelError> {
+        Ok(std::mem::take(&mut self.logits))
     }
 }
 

@@ -15,7 +15,8 @@ use omni_protocol::{
     BlockId, EngineCoreRequest, ModelRunnerOutput, RequestId, SchedulerOutput, StageInput,
     StageOutputs, StageSpec, ThinkerChunk, ThinkerStates, ThinkerToTalker, TokenId,
 };
-use omni_worker::sampler::{Sampler, SamplingSeq};
+use omni_worker::model_runner::{device_sample_for, prompt_seed};
+use omni_worker::sampler::{SampledToken, Sampler, SamplingSeq};
 
 use crate::StageError;
 use crate::nets::ThinkerNet;
@@ -38,6 +39,8 @@ struct ThinkerReq {
     hidden: Vec<f32>,
     /// Rows already sent (async mode).
     sent_rows: usize,
+    /// The request's sampling stream (its seed, else the stage's seed and the prompt).
+    seed: u64,
     next_chunk: u32,
 }
 
@@ -59,6 +62,8 @@ pub struct ThinkerStage {
     net: Box<dyn ThinkerNet>,
     scheduler: Scheduler,
     sampler: Sampler,
+    /// The stage's seed (streams of unseeded requests).
+    seed: u64,
     reqs: HashMap<RequestId, ThinkerReq>,
     block_size: usize,
     hidden: usize,
@@ -79,6 +84,7 @@ impl ThinkerStage {
             block_size: config.block_size,
             scheduler: Scheduler::new(config).map_err(|e| StageError::Config(e.to_string()))?,
             sampler: Sampler::new(Some(spec.seed)),
+            seed: spec.seed,
             reqs: HashMap::new(),
             hidden,
             vocab,
@@ -163,6 +169,10 @@ impl Stage for ThinkerStage {
                 let req = *req;
                 let id = req.request_id.clone();
                 let audio = req.omni.as_ref().is_some_and(|o| o.wants_audio());
+                let seed = req
+                    .sampling_params
+                    .seed
+                    .unwrap_or_else(|| prompt_seed(self.seed, &req.prompt_token_ids));
                 match self.scheduler.add_request(req.clone()) {
                     Ok(()) => {
                         self.reqs.insert(
@@ -175,6 +185,7 @@ impl Stage for ThinkerStage {
                                 embed: Vec::new(),
                                 hidden: Vec::new(),
                                 sent_rows: 0,
+                                seed,
                                 next_chunk: 0,
                             },
                         );
@@ -243,7 +254,6 @@ impl Stage for ThinkerStage {
         let mut batch = ForwardBatch::from_chunks(&chunks, self.block_size)?;
         batch.logits_indices = Some(sample_rows);
         let step = self.net.forward(&batch, any_audio)?;
-        let logits = step.logits;
         // Exports: each request's rows past what it already holds (a recompute after a
         // preemption repeats positions).
         let h = self.hidden;
@@ -284,9 +294,31 @@ impl Stage for ThinkerStage {
                 }
             })
             .collect();
-        let tokens = if seqs.is_empty() {
+        // On the device when every row allows it (no penalties, logprobs or pending
+        // min_tokens), as the text engine does; else the logits come to the host sampler.
+        let device_rows: Option<Vec<omni_worker::DeviceSample>> = sampled_ids
+            .iter()
+            .filter_map(|id| self.reqs.get(*id))
+            .map(|r| {
+                let outputs = r.tokens.len() - r.request.prompt_token_ids.len();
+                device_sample_for(&r.request.sampling_params, outputs, r.seed)
+            })
+            .collect();
+        let on_device = match device_rows {
+            Some(rows) if !rows.is_empty() => self.net.sample_on_device(&rows)?,
+            _ => None,
+        };
+        let tokens: Vec<SampledToken> = if seqs.is_empty() {
             Vec::new()
+        } else if let Some(t) = on_device {
+            t.into_iter()
+                .map(|token_id| SampledToken {
+                    token_id,
+                    logprobs: None,
+                })
+                .collect()
         } else {
+            let logits = self.net.logits_host()?;
             self.sampler
                 .sample(&logits, self.vocab, &seqs)
                 .map_err(|e| StageError::Model(e.to_string()))?

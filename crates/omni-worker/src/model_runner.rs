@@ -298,8 +298,14 @@ impl ModelRunner {
 /// The device sampler's settings for a request, or `None` when it needs the CPU sampler
 /// (penalties, logprobs, or EOS still masked by `min_tokens`).
 fn device_sample(st: &CachedRequestState) -> Option<DeviceSample> {
-    let p = &st.params;
     let outputs = st.tokens.len() - st.num_prompt_tokens;
+    device_sample_for(&st.params, outputs, st.sampling_seed)
+}
+
+/// The device sampler's settings for a request with `outputs` tokens so far and sampling
+/// stream `seed`, or `None` when it needs the CPU sampler (penalties, logprobs, or EOS still
+/// masked by `min_tokens`). Also what an omni stage samples its Thinker with.
+pub fn device_sample_for(p: &SamplingParams, outputs: usize, seed: u64) -> Option<DeviceSample> {
     let plain = p.presence_penalty == 0.0
         && p.frequency_penalty == 0.0
         && p.repetition_penalty == 1.0
@@ -313,14 +319,14 @@ fn device_sample(st: &CachedRequestState) -> Option<DeviceSample> {
         top_k: p.top_k.map_or(0, |k| k.min(i32::MAX as u32) as i32),
         top_p: p.top_p,
         min_p: p.min_p,
-        seed: st.sampling_seed,
+        seed,
         offset: outputs as u64,
     })
 }
 
 /// The sampling stream of an unseeded request: the worker seed and the prompt, hashed once when
-/// the request arrives.
-fn prompt_seed(worker_seed: u64, prompt: &[TokenId]) -> u64 {
+/// the request arrives (an omni Thinker stage seeds its requests the same way).
+pub fn prompt_seed(worker_seed: u64, prompt: &[TokenId]) -> u64 {
     use std::hash::{DefaultHasher, Hash, Hasher};
     let mut h = DefaultHasher::new();
     worker_seed.hash(&mut h);
