@@ -125,6 +125,21 @@ pub fn add_bias_inplace(x: &mut [f32], bias: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// SplitMix64's finaliser (the Talker kernels' `tk_mix64`).
+fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The uniform draw in `[0, 1)` of the Talker's code choices for `(seed, offset)` (offset =
+/// frame index * groups + group, layer 0 being group 0): the CUDA choosing kernels compute the
+/// same value, so the host and the device draw one stream.
+pub fn talker_uniform(seed: u64, offset: u64) -> f32 {
+    (mix64(seed ^ mix64(offset)) >> 40) as f32 * (1.0 / 16_777_216.0)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

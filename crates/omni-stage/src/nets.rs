@@ -166,15 +166,6 @@ pub trait TalkerNet: Send + std::fmt::Debug {
     ) -> Result<(Vec<u32>, Vec<f32>), ModelError>;
 }
 
-/// A small counter-based uniform draw in `[0, 1)` (splitmix64 of the seed and the counter).
-pub fn uniform(seed: u64, counter: u64) -> f32 {
-    let mut z = seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 24) as f32
-}
-
 /// The code predictor's own sampling when the Talker samples (transformers' defaults).
 pub const CP_TOP_K: usize = 50;
 /// See [`CP_TOP_K`].
@@ -253,7 +244,7 @@ impl TalkerNet for CpuTalker {
         c0: &[u32],
         draws: &[CodeDraw],
     ) -> Result<(Vec<u32>, Vec<f32>), ModelError> {
-        use omni_models::qwen3_omni::talker::sampling::{argmax, top_k_top_p};
+        use omni_models::qwen3_omni::talker::sampling::{argmax, talker_uniform, top_k_top_p};
         if c0.len() * self.talker.hidden_size() != self.last.len() || draws.len() != c0.len() {
             return Err(ModelError::Batch(format!(
                 "{} layer-0 codes and {} draws for {} output rows",
@@ -263,17 +254,14 @@ impl TalkerNet for CpuTalker {
             )));
         }
         let embed = self.talker.embed_codec(c0)?;
+        let groups = self.talker.config().talker_config.num_code_groups as u64;
         let mut choose = |row: usize, group: usize, l: &mut [f32]| {
             let d = draws[row];
             if d.greedy {
                 argmax(l)
             } else {
-                top_k_top_p(
-                    l,
-                    CP_TOP_K,
-                    CP_TOP_P,
-                    uniform(d.seed, d.frame * 17 + group as u64),
-                )
+                let u = talker_uniform(d.seed, d.frame * groups + group as u64);
+                top_k_top_p(l, CP_TOP_K, CP_TOP_P, u)
             }
         };
         let f = self

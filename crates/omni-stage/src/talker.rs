@@ -15,7 +15,7 @@ use omni_core::connector::CodecChunker;
 use omni_core::{Scheduler, SchedulerConfig};
 use omni_models::qwen3_omni::talker::prompt::{TalkerPrompt, ThinkerExports};
 use omni_models::qwen3_omni::talker::sampling::{
-    argmax, repetition_penalty, suppress_control_codes, top_k_top_p,
+    argmax, repetition_penalty, suppress_control_codes, talker_uniform, top_k_top_p,
 };
 use omni_models::qwen3_omni::thinker::TtsEmbeddings;
 use omni_models::{ForwardBatch, SeqChunk};
@@ -26,7 +26,7 @@ use omni_protocol::{
 };
 
 use crate::StageError;
-use crate::nets::{CodeDraw, TalkerNet, uniform};
+use crate::nets::{CodeDraw, TalkerNet};
 use crate::stage::{
     HasBlocks, Stage, StepResult, scheduled, scheduler_config, update_block_tables,
 };
@@ -373,7 +373,14 @@ impl Stage for TalkerStage {
             } else {
                 l.iter_mut().for_each(|x| *x /= r.params.temperature);
                 let k = r.params.top_k.map_or(v, |k| k as usize);
-                top_k_top_p(l, k, r.params.top_p, uniform(r.seed, r.frames * 17))
+                // Layer 0 is group 0 of the frame's draws (the kernels' offsets).
+                let groups = tc.num_code_groups as u64;
+                top_k_top_p(
+                    l,
+                    k,
+                    r.params.top_p,
+                    talker_uniform(r.seed, r.frames * groups),
+                )
             };
             c0.push(code);
             draws.push(CodeDraw {

@@ -41,19 +41,7 @@ pub(super) fn talker_source() -> String {
     format!("{BF16_HELPERS}{TALKER}")
 }
 
-/// SplitMix64's finaliser (the kernel's `tk_mix64`).
-fn mix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The uniform draw in `[0, 1)` the choosing kernels use for `(seed, offset)` (offset = frame
-/// index * groups + group): the same value on the host, so a CPU reference can replay a row.
-pub fn talker_uniform(seed: u64, offset: u64) -> f32 {
-    (mix64(seed ^ mix64(offset)) >> 40) as f32 * (1.0 / 16_777_216.0)
-}
+pub use crate::ops::talker_uniform;
 
 /// How one row chooses a code (uploaded once per request, read by every frame's kernels).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -7,6 +7,8 @@
 //! - Groups 1..15 ([`top_k_top_p`]): top-k 50, then top-p 0.8, temperature 1 (transformers'
 //!   `code_predictor.generate(top_k=50, top_p=0.8)`); greedy when the Talker is greedy.
 
+pub use omni_backend::ops::talker_uniform;
+
 /// Sets the control codes' logits to `-inf`, all but `eos`.
 pub fn suppress_control_codes(logits: &mut [f32], eos: u32) {
     let v = logits.len();
