@@ -18,6 +18,7 @@ use omni_models::qwen3_omni::config::OmniConfig;
 use omni_models::registry::{causal_lm_weights, decoder_spec, dummy_weights};
 use omni_models::{ForwardBatch, ModelError, WeightSource};
 use omni_protocol::{LoadFormat, StageSpec};
+use omni_worker::cuda_model::decode_graph_sizes;
 use serde_json::Value;
 
 use crate::StageError;
@@ -35,16 +36,6 @@ fn mem_info(cx: &CudaContext) -> Result<(u64, u64), StageError> {
     cx.synchronize().map_err(dev_err)?;
     let (free, total) = cx.raw().mem_get_info().map_err(dev_err)?;
     Ok((free as u64, total as u64))
-}
-
-/// Decode-graph sizes up to `max`: 1, 2, 4, 8, then every 16.
-fn graph_sizes(max: usize) -> Vec<usize> {
-    let mut s: Vec<usize> = [1, 2, 4, 8].into_iter().filter(|&b| b <= max).collect();
-    s.extend((16..=max).step_by(16));
-    if s.last() != Some(&max) {
-        s.push(max);
-    }
-    s
 }
 
 /// The weights a stage loads: real ones read on the host, or random ones made on the device.
@@ -143,7 +134,7 @@ impl CudaThinker {
         let blocks = kv_blocks(&cx, free0, spec, model.kv_bytes_per_block(block), "Thinker")?;
         model.init_cache(blocks as usize, block)?;
         if !spec.enforce_eager {
-            model.capture_decode_graphs(&graph_sizes(limits.max_seqs))?;
+            model.capture_decode_graphs(&decode_graph_sizes(limits.max_seqs))?;
         }
         let ids = &omni.ids;
         let tts = model.embedding_rows(&[
@@ -199,41 +190,14 @@ impl ThinkerNet for CudaThinker {
         self.model.logits_to_host()
     }
 
-    /// The decode path's sampler kernel (one CTA a row: temperature, top-k, top-p, min-p,
-    /// Gumbel-max with a counter-based hash of seed, offset and token), as the text engine's.
+    /// The text engine's device sampler (omni-worker's `sample_rows`).
     fn sample_on_device(
         &mut self,
         rows: &[omni_worker::DeviceSample],
     ) -> Result<Option<Vec<u32>>, ModelError> {
-        use omni_backend::cuda::DeviceSamplingParams;
-        let params: Vec<DeviceSamplingParams> = rows
-            .iter()
-            .map(|r| DeviceSamplingParams {
-                temperature: r.temperature,
-                top_k: r.top_k,
-                top_p: r.top_p,
-                min_p: r.min_p,
-                seed: r.seed,
-                offset: r.offset,
-            })
-            .collect();
-        let cx = self.model.context().clone();
-        let mut out = self.sampled.slice_mut(..params.len());
-        let tokens = cx
-            .sample_rows_f32(&self.model.logits(), &params, self.vocab, &mut out)
-            .map_err(|e| ModelError::Device(e.to_string()))?;
-        tokens
-            .into_iter()
-            .enumerate()
-            .map(|(row, t)| {
-                t.ok_or_else(|| {
-                    ModelError::Batch(format!(
-                        "row {row}: no token can be sampled (all logits -inf or NaN)"
-                    ))
-                })
-            })
-            .collect::<Result<Vec<u32>, _>>()
+        omni_worker::cuda_model::sample_rows(&self.model, &mut self.sampled, rows)
             .map(Some)
+            .map_err(|e| ModelError::Device(e.to_string()))
     }
 }
 
@@ -271,7 +235,7 @@ impl CudaCode2WavNet {
         if spec.enforce_eager {
             model.set_graphs(false);
         } else {
-            let batches = graph_sizes(spec.max_num_seqs.max(1) as usize);
+            let batches = decode_graph_sizes(spec.max_num_seqs.max(1) as usize);
             model.capture_graphs(&batches, &FRAME_BUCKETS)?;
         }
         Ok(Self { model })
@@ -333,7 +297,7 @@ impl CudaTalkerNet {
         let blocks = kv_blocks(&cx, free0, spec, per_block, "Talker")?;
         talker.init_cache(blocks as usize, block)?;
         if !spec.enforce_eager {
-            talker.capture_graphs(&graph_sizes(limits.max_seqs))?;
+            talker.capture_graphs(&decode_graph_sizes(limits.max_seqs))?;
         }
         Ok((
             Self {

@@ -222,36 +222,46 @@ impl StepModel for CudaStepModel {
     }
 
     fn sample_on_device(&mut self, rows: &[DeviceSample]) -> Result<Option<Vec<u32>>, WorkerError> {
-        let params: Vec<DeviceSamplingParams> = rows
-            .iter()
-            .map(|r| DeviceSamplingParams {
-                temperature: r.temperature,
-                top_k: r.top_k,
-                top_p: r.top_p,
-                min_p: r.min_p,
-                seed: r.seed,
-                offset: r.offset,
-            })
-            .collect();
-        let vocab = self.model.vocab_size();
-        let cx = self.model.context().clone();
-        let mut out = self.sampled.slice_mut(..params.len());
-        let tokens = cx
-            .sample_rows_f32(&self.model.logits(), &params, vocab, &mut out)
-            .map_err(|e| WorkerError::Model(e.into()))?;
-        tokens
-            .into_iter()
-            .enumerate()
-            .map(|(row, t)| {
-                t.ok_or_else(|| {
-                    WorkerError::Batch(format!(
-                        "row {row}: no token can be sampled (all logits -inf or NaN)"
-                    ))
-                })
-            })
-            .collect::<Result<Vec<u32>, _>>()
-            .map(Some)
+        sample_rows(&self.model, &mut self.sampled, rows).map(Some)
     }
+}
+
+/// One token per output row of `model`'s last step, drawn on its device by the sampler kernel
+/// (`rows[r]` row `r`'s settings; `out` holds at least `rows.len()` tokens): the text engine's
+/// device sampling, shared with the omni Thinker stage.
+pub fn sample_rows(
+    model: &CudaDecoderModel,
+    out: &mut CudaSlice<i32>,
+    rows: &[DeviceSample],
+) -> Result<Vec<u32>, WorkerError> {
+    let params: Vec<DeviceSamplingParams> = rows
+        .iter()
+        .map(|r| DeviceSamplingParams {
+            temperature: r.temperature,
+            top_k: r.top_k,
+            top_p: r.top_p,
+            min_p: r.min_p,
+            seed: r.seed,
+            offset: r.offset,
+        })
+        .collect();
+    let vocab = model.vocab_size();
+    let cx = model.context().clone();
+    let mut out = out.slice_mut(..params.len());
+    let tokens = cx
+        .sample_rows_f32(&model.logits(), &params, vocab, &mut out)
+        .map_err(|e| WorkerError::Model(e.into()))?;
+    tokens
+        .into_iter()
+        .enumerate()
+        .map(|(row, t)| {
+            t.ok_or_else(|| {
+                WorkerError::Batch(format!(
+                    "row {row}: no token can be sampled (all logits -inf or NaN)"
+                ))
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
