@@ -39,8 +39,8 @@ use omni_backend::rope::{Rope, RopeScaling};
 use serde_json::Value;
 
 use crate::ModelError;
-use crate::qwen3_omni::code2wav::Code2WavConfig;
 use crate::qwen3_omni::code2wav::config::{CONV_KERNEL, CONVNEXT_EXPANSION};
+use crate::qwen3_omni::code2wav::{Code2WavConfig, window_trim};
 use crate::weights::WeightSource;
 use forward::mark;
 use weights::DWeights;
@@ -533,15 +533,6 @@ impl CudaCode2Wav {
     }
 }
 
-/// vLLM-Omni's streaming trim: `wav[max(0, left * spf - tail) .. frames * spf]` with
-/// `tail = frames * spf - wav.len()`.
-fn window_trim(wav: Vec<f32>, frames: usize, left: usize, spf: usize) -> Vec<f32> {
-    let tail = (frames * spf).saturating_sub(wav.len());
-    let start = (left * spf).saturating_sub(tail);
-    let end = (frames * spf).min(wav.len());
-    wav[start.min(end)..end].to_vec()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -563,14 +554,5 @@ mod tests {
         // columns (7 taps) are the largest.
         assert_eq!(act, 1920 * 96);
         assert_eq!(scratch, 1920 * 7 * 96);
-    }
-
-    #[test]
-    fn window_trim_matches_the_cpu_rule() {
-        // First window: all 1920 T - 555 samples; later ones 1920 * new, starting 555 early.
-        let spf = 1920;
-        let wav = vec![0.0; 1920 * 50 - 555];
-        assert_eq!(window_trim(wav.clone(), 50, 0, spf).len(), 1920 * 50 - 555);
-        assert_eq!(window_trim(wav, 50, 25, spf).len(), 1920 * 25);
     }
 }

@@ -172,14 +172,18 @@ impl Code2Wav {
         Ok(wavs
             .into_iter()
             .zip(windows)
-            .map(|(wav, &(_, t, left))| {
-                let tail = (t * spf).saturating_sub(wav.len());
-                let start = (left * spf).saturating_sub(tail);
-                let end = (t * spf).min(wav.len());
-                wav[start.min(end)..end].to_vec()
-            })
+            .map(|(wav, &(_, t, left))| window_trim(wav, t, left, spf))
             .collect())
     }
+}
+
+/// vLLM-Omni's streaming trim: `wav[max(0, left * spf - tail) .. frames * spf]` with
+/// `tail = frames * spf - wav.len()`.
+pub(crate) fn window_trim(wav: Vec<f32>, frames: usize, left: usize, spf: usize) -> Vec<f32> {
+    let tail = (frames * spf).saturating_sub(wav.len());
+    let start = (left * spf).saturating_sub(tail);
+    let end = (frames * spf).min(wav.len());
+    wav[start.min(end)..end].to_vec()
 }
 
 impl StageModel for Code2Wav {
@@ -338,5 +342,14 @@ mod tests {
         assert!(both[2].is_empty());
         assert!(m.decode(&[32; 4], 1).is_err());
         assert!(m.decode(&[0; 5], 1).is_err());
+    }
+
+    #[test]
+    fn window_trim_keeps_a_window_s_new_audio() {
+        // First window: all 1920 T - 555 samples; later ones 1920 * new, starting 555 early.
+        let spf = 1920;
+        let wav = vec![0.0; 1920 * 50 - 555];
+        assert_eq!(window_trim(wav.clone(), 50, 0, spf).len(), 1920 * 50 - 555);
+        assert_eq!(window_trim(wav, 50, 25, spf).len(), 1920 * 25);
     }
 }
