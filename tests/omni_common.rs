@@ -171,28 +171,9 @@ impl Drop for TempDir {
     }
 }
 
-/// Standard base64 (with padding) to bytes.
+/// Standard base64 to bytes (the bench client's decoder).
 pub fn base64_decode(s: &str) -> Vec<u8> {
-    let val = |c: u8| -> u32 {
-        match c {
-            b'A'..=b'Z' => (c - b'A') as u32,
-            b'a'..=b'z' => (c - b'a' + 26) as u32,
-            b'0'..=b'9' => (c - b'0' + 52) as u32,
-            b'+' => 62,
-            b'/' => 63,
-            _ => panic!("not base64: {c}"),
-        }
-    };
-    let bytes: Vec<u8> = s.bytes().filter(|&c| c != b'=').collect();
-    let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
-    for chunk in bytes.chunks(4) {
-        let mut n = 0u32;
-        for (i, &c) in chunk.iter().enumerate() {
-            n |= val(c) << (18 - 6 * i);
-        }
-        out.extend(&n.to_be_bytes()[1..chunk.len()]);
-    }
-    out
+    omni_bench::serve::wav::base64_decode(s).unwrap()
 }
 
 /// The samples of a 16-bit PCM WAV file, as floats (`s / 32768`), and its sample rate.

@@ -103,6 +103,14 @@ pub(crate) fn spawn_err(what: &str, e: &dyn std::fmt::Display) -> EngineCoreStar
 
 /// The monitor's cause of death, if it comes within 200 ms; else `fallback`.
 pub(crate) fn wait_for_cause(dead: &DeathNotice, fallback: String) -> EngineDeadError {
+    wait_for_cause_or(dead, || EngineDeadError::EngineCore { cause: fallback })
+}
+
+/// The monitor's cause of death, if it comes within 200 ms; else `fallback()`.
+pub(crate) fn wait_for_cause_or(
+    dead: &DeathNotice,
+    fallback: impl FnOnce() -> EngineDeadError,
+) -> EngineDeadError {
     let until = Instant::now() + Duration::from_millis(200);
     while Instant::now() < until {
         if let Some(e) = dead.get() {
@@ -110,7 +118,7 @@ pub(crate) fn wait_for_cause(dead: &DeathNotice, fallback: String) -> EngineDead
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    EngineDeadError::EngineCore { cause: fallback }
+    fallback()
 }
 
 #[derive(Debug)]

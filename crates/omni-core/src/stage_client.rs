@@ -28,6 +28,7 @@ use crate::engine_core_proc::remove_segments_of;
 use crate::executor::workers::monitor::{ChildProcesses, ChildRole, DeathNotice};
 use crate::mp_client::{
     Connection, EngineCoreStartError, MpClientConfig, spawn_and_connect, spawn_err,
+    wait_for_cause_or,
 };
 
 /// How long the reader waits for a message before it looks at the death notice again.
@@ -262,11 +263,7 @@ fn read_outputs(
             Err(_) if stopping() => break None,
             Err(e) => {
                 // The monitor names the exit status within ~100 ms; else say what broke.
-                let until = std::time::Instant::now() + Duration::from_millis(200);
-                while dead.get().is_none() && std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                break Some(dead.get().unwrap_or_else(|| {
+                break Some(wait_for_cause_or(dead, || {
                     stage_error(format!("stage process {pid}: output queue: {e}"))
                 }));
             }
