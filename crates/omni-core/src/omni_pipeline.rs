@@ -144,19 +144,13 @@ impl Shared {
         let route = {
             let mut t = lock(&self.table);
             let mut replicas = [0usize; 3];
+            // The least-loaded replica of each stage the request uses, counted at once.
             for (s, slot) in replicas.iter_mut().enumerate() {
-                let used = audio || s == 0;
-                if let Some(load) = t.load.get(s)
-                    && used
+                if let Some(load) = t.load.get_mut(s).filter(|_| audio || s == 0)
+                    && let Some(r) = (0..load.len()).min_by_key(|&r| load[r])
                 {
-                    *slot = (0..load.len()).min_by_key(|&r| load[r]).unwrap_or(0);
-                }
-            }
-            for (s, &r) in replicas.iter().enumerate() {
-                if (audio || s == 0)
-                    && let Some(n) = t.load.get_mut(s).and_then(|l| l.get_mut(r))
-                {
-                    *n += 1;
+                    load[r] += 1;
+                    *slot = r;
                 }
             }
             let route = Route { replicas, audio };

@@ -24,9 +24,6 @@ use crate::thinker::ThinkerStage;
 const IDLE_WAIT: Duration = Duration::from_millis(100);
 /// Inputs taken in one turn before a step runs (so a flood cannot starve the batch).
 const MAX_INPUTS_PER_TURN: usize = 1024;
-/// How long a busy stage waits for a further input of a turn (never zero: a message on the
-/// queue's overflow path needs its frames read within the wait).
-const BUSY_WAIT: Duration = Duration::from_micros(50);
 
 /// A loaded stage and what it reports at start-up.
 #[derive(Debug)]
@@ -160,10 +157,12 @@ pub fn run_stage_process() -> Result<(), StageError> {
         let mut stop = false;
         let mut took = 0;
         for i in 0..MAX_INPUTS_PER_TURN {
+            // A busy stage only polls (a published overflow message is still read whole:
+            // omni-ipc gives its frames their own grace).
             let wait = if i == 0 && !stage.has_work() {
                 IDLE_WAIT
             } else {
-                BUSY_WAIT
+                Duration::ZERO
             };
             match inputs.dequeue(Some(wait)) {
                 Ok(msg) => {
