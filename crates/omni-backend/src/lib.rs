@@ -28,11 +28,14 @@ pub mod activation;
 pub mod attention;
 pub mod comm;
 pub mod conv;
+pub mod conv2d;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod gelu_tanh;
 pub mod linalg;
 pub mod ops;
 pub mod rope;
+pub mod varlen_attention;
 pub mod window_attention;
 
 /// Errors from backend ops: all of them are shape or argument mismatches.
