@@ -19,6 +19,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("omni-backend", 1),
     ("omni-gguf", 1),
     ("omni-tokenizer", 1),
+    ("omni-mm", 1),
     ("omni-models", 2),
     ("omni-core", 2),
     ("omni-worker", 3),
