@@ -8,7 +8,9 @@
 #
 # Env: CONCURRENCY ("1 16 32 64"), PROMPT_LENS ("10 160 320 640"), LENGTHS (Thinker tokens,
 # Talker frames: "64,144"), ROUNDS (requests per concurrency slot, 2), SERVE_ARGS (extra flags,
-# e.g. "--no-async-chunk" or "--stage-overrides {...}" or "--enforce-eager"), PORT (8200).
+# e.g. "--no-async-chunk" or "--stage-overrides {...}" or "--enforce-eager" or
+# "--cuda-profile-steps 50" for per-kernel tables in serve.log), PORT (8200). After each run
+# it prints the stages' `stage profile` lines (every 5 s: --stage-profile-interval-s).
 set -euo pipefail
 BIN=${BIN:-.gpu-bin}
 OUT=${1:-$(mktemp -d)}
@@ -20,7 +22,7 @@ cp bench/models/qwen3-omni-30b-a3b/config.json "$dir/"
 python3 scripts/make_omni_bench_tokenizer.py "$dir"
 # shellcheck disable=SC2086
 "$BIN/omni-engine" serve "$dir" --omni --load-format dummy --device cuda --served-model-name omni \
-  --host 127.0.0.1 --port "$PORT" --max-model-len 4096 ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
+  --host 127.0.0.1 --port "$PORT" --max-model-len 4096 --stage-profile-interval-s 5 ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
 server=$!
 trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 600); do
@@ -33,6 +35,7 @@ for c in ${CONCURRENCY:-1 16 32 64}; do
   for len in ${PROMPT_LENS:-10 160 320 640}; do
     n=$(( c * ${ROUNDS:-2} )); [ "$n" -lt 4 ] && n=4
     echo "== concurrency $c, prompt $len tokens, $n requests"
+    mark=$(wc -l < "$OUT/serve.log")
     "$BIN/omni-engine" bench serve --omni --backend openai-chat-omni \
       --base-url "http://127.0.0.1:$PORT" --model omni --dataset-name seed-tts \
       --seed-tts-prompt-len "$len" --omni-fixed-lengths "${LENGTHS:-64,144}" \
@@ -40,6 +43,9 @@ for c in ${CONCURRENCY:-1 16 32 64}; do
       --percentile-metrics ttft,tpot,itl,e2el,audio_ttfp,audio_rtf,audio_duration \
       --save-result "$OUT/c${c}-p${len}.json" 2>&1 | tee "$OUT/c${c}-p${len}.txt" \
       | grep -E "Successful|Failed|Request throughput|Mean AUDIO_TTFP|Mean AUDIO_RTF|Mean TTFT|Mean E2EL"
+    # The stages' `stage profile` lines of the run (phases per step, busy and idle shares).
+    tail -n +"$((mark + 1))" "$OUT/serve.log" | grep "stage profile" \
+      | sed -E 's/.*stage profile ([^:]+): /\1: /' || true
   done
 done
 grep -iE "warn|error" "$OUT/serve.log" | head -20 || true

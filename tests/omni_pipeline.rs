@@ -50,6 +50,8 @@ fn spec(kind: StageKind, replica: u32, async_chunk: bool) -> StageSpec {
         async_chunk,
         windowing: WINDOWS,
         default_sampling: SamplingParams::greedy(FRAMES),
+        cuda_profile_steps: 0,
+        profile_interval_s: 0.0,
     }
 }
 

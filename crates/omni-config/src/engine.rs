@@ -207,6 +207,10 @@ pub struct DeviceConfig {
     /// Print per-kernel GPU times of this many eager steps (env `OMNI_CUDA_PROFILE`; 0: off).
     #[arg(long, default_value_t = 0)]
     pub cuda_profile_steps: u32,
+    /// Seconds between an omni stage's `stage profile` log lines (its steps' phases, inputs,
+    /// sends and idle time; env `OMNI_STAGE_PROFILE_INTERVAL_S`; 0: off).
+    #[arg(long, default_value_t = 10.0)]
+    pub stage_profile_interval_s: f32,
 }
 
 /// The broadcast queue (scheduler -> workers) and the workers' response queues.

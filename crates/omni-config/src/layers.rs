@@ -37,6 +37,7 @@ pub const ENV_FLAGS: &[(&str, &str)] = &[
     ("OMNI_IPC_WARN_INTERVAL_S", "ipc-warn-interval-s"),
     ("OMNI_CACHE_DIR", "cache-dir"),
     ("OMNI_CUDA_PROFILE", "cuda-profile-steps"),
+    ("OMNI_STAGE_PROFILE_INTERVAL_S", "stage-profile-interval-s"),
     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "timeout-keep-alive"),
     ("VLLM_ENABLE_V1_MULTIPROCESSING", "enable-multiprocessing"),
 ];

@@ -117,6 +117,8 @@ pub fn stage_specs(
                 async_chunk: deploy.async_chunk,
                 windowing,
                 default_sampling: s.default_sampling.clone(),
+                cuda_profile_steps: e.device.cuda_profile_steps,
+                profile_interval_s: e.device.stage_profile_interval_s,
             })
             .collect();
         out.push(replicas);

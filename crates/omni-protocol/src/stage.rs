@@ -214,6 +214,11 @@ pub struct StageSpec {
     pub windowing: CodecWindowing,
     /// Sampling of a request that brings none for this stage.
     pub default_sampling: SamplingParams,
+    /// Per-kernel GPU times of this many eager steps, logged (`--cuda-profile-steps`; 0: off;
+    /// graphs are off while profiling).
+    pub cuda_profile_steps: u32,
+    /// Seconds between the stage's `stage profile` log lines (0: off).
+    pub profile_interval_s: f32,
 }
 
 impl StageSpec {

@@ -11,6 +11,7 @@ use omni_protocol::{
 
 use crate::StageError;
 use crate::nets::Code2WavNet;
+use crate::profile::StepClock;
 use crate::stage::{Stage, StepResult};
 
 /// Qwen3-Omni's output rate (its config carries none; vLLM-Omni's fallback is the same).
@@ -85,7 +86,7 @@ impl Stage for Code2WavStage {
         })
     }
 
-    fn step(&mut self) -> Result<StepResult, StageError> {
+    fn step(&mut self, clock: &mut StepClock) -> Result<StepResult, StageError> {
         let mut out = StageOutputs::default();
         let mut batch = Vec::new();
         let mut frames = 0;
@@ -109,7 +110,10 @@ impl Stage for Code2WavStage {
                 )
             })
             .collect();
+        clock.set_rows(windows.len());
+        clock.lap("batch");
         let wavs = self.model.decode_windows(&windows)?;
+        clock.lap("decode");
         let rate = SAMPLE_RATE;
         for (c, samples) in batch.iter().zip(wavs) {
             let audio = (c.num_frames > 0).then(|| AudioOutput {
@@ -129,6 +133,7 @@ impl Stage for Code2WavStage {
                 audio,
             });
         }
+        clock.lap("outputs");
         Ok((out, Vec::new()))
     }
 }

@@ -133,7 +133,9 @@ impl CudaThinker {
         model.set_capture_after_layers(Some(omni.talker_config.accept_hidden_layer))?;
         let blocks = kv_blocks(&cx, free0, spec, model.kv_bytes_per_block(block), "Thinker")?;
         model.init_cache(blocks as usize, block)?;
-        if !spec.enforce_eager {
+        if spec.cuda_profile_steps > 0 {
+            model.enable_profiler_named(u64::from(spec.cuda_profile_steps), "thinker");
+        } else if !spec.enforce_eager {
             model.capture_decode_graphs(&decode_graph_sizes(limits.max_seqs))?;
         }
         let ids = &omni.ids;
@@ -296,7 +298,9 @@ impl CudaTalkerNet {
         let per_block = talker.talker().kv_bytes_per_block(block);
         let blocks = kv_blocks(&cx, free0, spec, per_block, "Talker")?;
         talker.init_cache(blocks as usize, block)?;
-        if !spec.enforce_eager {
+        if spec.cuda_profile_steps > 0 {
+            talker.enable_profiler(u64::from(spec.cuda_profile_steps));
+        } else if !spec.enforce_eager {
             talker.capture_graphs(&decode_graph_sizes(limits.max_seqs))?;
         }
         Ok((

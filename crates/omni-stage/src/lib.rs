@@ -14,6 +14,7 @@ pub mod code2wav;
 pub mod cuda;
 pub mod nets;
 mod process;
+pub mod profile;
 mod stage;
 pub mod talker;
 mod tensors;

@@ -2,7 +2,7 @@
 //! a loop of inputs and steps until `Shutdown` or the client's end.
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use omni_core::EngineCoreProc;
 use omni_ipc::IpcError;
@@ -16,6 +16,7 @@ use omni_protocol::{Device, LoadFormat, StageInput, StageKind, StageOutputs, Sta
 use crate::StageError;
 use crate::code2wav::Code2WavStage;
 use crate::nets::{CpuTalker, CpuThinker};
+use crate::profile::StageProfile;
 use crate::stage::Stage;
 use crate::talker::TalkerStage;
 use crate::thinker::ThinkerStage;
@@ -152,7 +153,11 @@ pub fn run_stage_process() -> Result<(), StageError> {
         kind = spec.kind.as_str(),
         "stage serving"
     );
+    let every = Duration::from_secs_f32(spec.profile_interval_s.max(0.0));
+    let mut profile = StageProfile::new(spec.process_name(), every);
     loop {
+        // Input time counts from the first input taken (not the idle wait before it).
+        let mut first_input: Option<Instant> = None;
         let mut out = StageOutputs::default();
         let mut stop = false;
         let mut took = 0;
@@ -166,6 +171,7 @@ pub fn run_stage_process() -> Result<(), StageError> {
             };
             match inputs.dequeue(Some(wait)) {
                 Ok(msg) => {
+                    first_input.get_or_insert_with(Instant::now);
                     let input: StageInput = msg.header()?;
                     if matches!(input, StageInput::Shutdown) {
                         stop = true;
@@ -191,13 +197,20 @@ pub fn run_stage_process() -> Result<(), StageError> {
         if !out.is_empty() || out.scheduler_stats.is_some() {
             outputs.enqueue(&out, &[])?;
         }
+        if let Some(t) = first_input {
+            profile.add_inputs(t.elapsed());
+        }
         if stop {
             return Ok(());
         }
         if stage.has_work() {
-            let (out, bufs) = stage.step()?;
+            let (out, bufs) = stage.step(profile.step_clock())?;
+            profile.end_step();
+            let sent = Instant::now();
             send_outputs(&mut outputs, out, &bufs)?;
+            profile.add_sends(sent.elapsed());
         }
+        profile.maybe_log();
     }
 }
 

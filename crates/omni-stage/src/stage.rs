@@ -6,6 +6,7 @@ use omni_protocol::{
 };
 
 use crate::StageError;
+use crate::profile::StepClock;
 
 /// One step's outputs and the buffers their tensors index.
 pub type StepResult = (StageOutputs, Vec<Vec<u8>>);
@@ -16,8 +17,9 @@ pub trait Stage: Send + std::fmt::Debug {
     fn input(&mut self, input: StageInput, buffers: &[&[u8]], out: &mut StageOutputs);
     /// Whether a step would do something.
     fn has_work(&self) -> bool;
-    /// Runs one batch. An error here is the stage's death (its process exits with it).
-    fn step(&mut self) -> Result<StepResult, StageError>;
+    /// Runs one batch, timing its phases on `clock` (and giving it the batch's size). An
+    /// error here is the stage's death (its process exits with it).
+    fn step(&mut self, clock: &mut StepClock) -> Result<StepResult, StageError>;
     /// Its scheduler's state (running, waiting, KV usage), if it has a scheduler.
     fn stats(&self) -> Option<SchedulerStats>;
 }

@@ -27,6 +27,7 @@ use omni_protocol::{
 
 use crate::StageError;
 use crate::nets::{CodeDraw, TalkerNet};
+use crate::profile::StepClock;
 use crate::stage::{
     HasBlocks, Stage, StepResult, scheduled, scheduler_config, update_block_tables,
 };
@@ -317,7 +318,7 @@ impl Stage for TalkerStage {
         Some(self.scheduler.stats())
     }
 
-    fn step(&mut self) -> Result<StepResult, StageError> {
+    fn step(&mut self, clock: &mut StepClock) -> Result<StepResult, StageError> {
         let mut out = StageOutputs::default();
         self.gate();
         let so = self.scheduler.schedule();
@@ -326,6 +327,8 @@ impl Stage for TalkerStage {
             return Ok((out, Vec::new()));
         }
         let scheduled = scheduled(&so);
+        clock.set_rows(scheduled.len());
+        clock.lap("schedule");
         let mut embeds = Vec::new();
         let mut sampled = Vec::new();
         let mut rows = Vec::new();
@@ -349,7 +352,9 @@ impl Stage for TalkerStage {
         }
         let mut batch = ForwardBatch::from_chunks(&chunks, self.config.block_size)?;
         batch.logits_indices = Some(rows.clone());
+        clock.lap("inputs");
         let mut logits = self.talker.forward(&batch, &embeds)?;
+        clock.lap("forward");
         let tc = &self.talker.config().talker_config;
         let eos = tc.codec_eos_token_id;
         let v = logits.len().checked_div(rows.len()).unwrap_or(0);
@@ -389,6 +394,7 @@ impl Stage for TalkerStage {
                 frame: r.frames,
             });
         }
+        clock.lap("layer0");
         // The code predictor over every output row; an EOS row's frame is dropped.
         let mut frames: HashMap<&RequestId, (Vec<u32>, Vec<f32>)> = HashMap::new();
         if !c0.is_empty() {
@@ -407,6 +413,7 @@ impl Stage for TalkerStage {
                 }
             }
         }
+        clock.lap("predict");
         let mut mro = ModelRunnerOutput::default();
         let mut c0s = c0.iter();
         for ((id, _, _), s) in scheduled.iter().zip(&sampled) {
@@ -457,6 +464,7 @@ impl Stage for TalkerStage {
         }
         out.outputs = outputs;
         out.scheduler_stats = Some(self.scheduler.stats());
+        clock.lap("outputs");
         Ok((out, Vec::new()))
     }
 }

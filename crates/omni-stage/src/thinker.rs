@@ -20,6 +20,7 @@ use omni_worker::sampler::{SampledToken, Sampler, SamplingSeq};
 
 use crate::StageError;
 use crate::nets::ThinkerNet;
+use crate::profile::StepClock;
 use crate::stage::{
     HasBlocks, Stage, StepResult, scheduled, scheduler_config, update_block_tables,
 };
@@ -212,7 +213,7 @@ impl Stage for ThinkerStage {
         Some(self.scheduler.stats())
     }
 
-    fn step(&mut self) -> Result<StepResult, StageError> {
+    fn step(&mut self, clock: &mut StepClock) -> Result<StepResult, StageError> {
         let mut out = StageOutputs::default();
         let mut bufs = Buffers::default();
         let so = self.scheduler.schedule();
@@ -221,6 +222,8 @@ impl Stage for ThinkerStage {
             return Ok((out, bufs.0));
         }
         let scheduled = scheduled(&so);
+        clock.set_rows(scheduled.len());
+        clock.lap("schedule");
         let mut chunks = Vec::with_capacity(scheduled.len());
         let mut sample_rows = Vec::new();
         let mut samples = Vec::new();
@@ -254,6 +257,11 @@ impl Stage for ThinkerStage {
         let mut batch = ForwardBatch::from_chunks(&chunks, self.block_size)?;
         batch.logits_indices = Some(sample_rows);
         let step = self.net.forward(&batch, any_audio)?;
+        clock.lap(if any_audio {
+            "forward+export"
+        } else {
+            "forward"
+        });
         // Exports: each request's rows past what it already holds (a recompute after a
         // preemption repeats positions).
         let h = self.hidden;
@@ -323,6 +331,7 @@ impl Stage for ThinkerStage {
                 .sample(&logits, self.vocab, &seqs)
                 .map_err(|e| StageError::Model(e.to_string()))?
         };
+        clock.lap("sample");
         let mut mro = ModelRunnerOutput::default();
         let mut tokens = tokens.into_iter();
         for ((id, _, _), s) in scheduled.iter().zip(&samples) {
@@ -353,6 +362,7 @@ impl Stage for ThinkerStage {
         }
         out.outputs = outputs;
         out.scheduler_stats = Some(self.scheduler.stats());
+        clock.lap("outputs");
         Ok((out, bufs.0))
     }
 }
