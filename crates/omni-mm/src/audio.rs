@@ -135,7 +135,7 @@ pub fn decode_audio(
         return Err(too_long(
             limits,
             format!(
-                "the header declares {:.1} s",
+                "the header declares {:.2} s",
                 frames as f64 / f64::from(rate)
             ),
         ));
@@ -178,7 +178,7 @@ pub fn decode_audio(
             return Err(too_long(
                 limits,
                 format!(
-                    "decoding stopped after {:.1} s",
+                    "decoding stopped after {:.2} s",
                     samples.len() as f64 / f64::from(rate)
                 ),
             ));

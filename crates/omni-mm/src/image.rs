@@ -30,7 +30,10 @@ impl RgbImage {
     }
 }
 
-fn reader(bytes: &[u8]) -> Result<(ImageReader<Cursor<&[u8]>>, ImageFormat), MediaError> {
+/// A reader over in-memory bytes.
+type BytesReader<'a> = ImageReader<Cursor<&'a [u8]>>;
+
+fn reader(bytes: &[u8]) -> Result<(BytesReader<'_>, ImageFormat), MediaError> {
     let format = image::guess_format(bytes).map_err(|_| MediaError::UnknownImageFormat)?;
     if !matches!(
         format,
@@ -70,7 +73,13 @@ pub fn decode_image(bytes: &[u8], limits: &MediaLimits) -> Result<RgbImage, Medi
     if pixels == 0 {
         return Err(MediaError::EmptyImage { width, height });
     }
-    let (mut reader, _) = reader(bytes)?;
+    let (mut reader, format) = reader(bytes)?;
+    if format == ImageFormat::Jpeg && !jpeg_has_end(bytes) {
+        // zune-jpeg fills a truncated scan in; PIL refuses it ("image file is truncated").
+        return Err(MediaError::InvalidImage(
+            "truncated JPEG: no end-of-image marker".into(),
+        ));
+    }
     let mut decode_limits = Limits::default();
     decode_limits.max_image_width = Some(width);
     decode_limits.max_image_height = Some(height);
@@ -81,6 +90,12 @@ pub fn decode_image(bytes: &[u8], limits: &MediaLimits) -> Result<RgbImage, Medi
         .decode()
         .map_err(|e| MediaError::InvalidImage(e.to_string()))?;
     Ok(to_rgb(decoded))
+}
+
+/// Whether a JPEG has an end-of-image marker (`FF D9`) after its first start-of-scan (`FF DA`).
+fn jpeg_has_end(bytes: &[u8]) -> bool {
+    let sos = bytes.windows(2).position(|w| w == [0xff, 0xda]);
+    sos.is_some_and(|s| bytes[s..].windows(2).any(|w| w == [0xff, 0xd9]))
 }
 
 /// PIL's `DIV255`: `x / 255` rounded, for `x <= 255 * 255`.

@@ -91,9 +91,9 @@ pub fn resample(samples: &[f32], from_hz: u32, to_hz: u32) -> Vec<f32> {
         };
         let mut acc = 0f64;
         if k >= n_pre_pad {
-            for i in i_min..=i_max {
+            for (i, &x) in samples.iter().enumerate().take(i_max + 1).skip(i_min) {
                 let j = k - n_pre_pad - i * up;
-                acc += h[j] * f64::from(samples[i]);
+                acc += h[j] * f64::from(x);
             }
         }
         out.push(acc as f32);
