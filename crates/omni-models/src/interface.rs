@@ -70,17 +70,74 @@ pub enum PositionInputs<'a> {
     Mrope(&'a MropePositions),
 }
 
-/// One multimodal item of a request in this step: what the encoders consume.
+/// What a multimodal item is, with the shape of its preprocessed tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MultiModalKind {
+    /// An image: `data` is `[t * h * w, C * T * P * P]` pixel patches (Qwen: `[patches, 1536]`)
+    /// of the patch grid `grid_thw` (`t` = 1 for an image).
+    Image {
+        /// `(t, h, w)` in patches (HF `image_grid_thw`).
+        grid_thw: [usize; 3],
+    },
+    /// A video: like an image, with `t` temporal patches (HF `video_grid_thw`).
+    Video {
+        /// `(t, h, w)` in patches.
+        grid_thw: [usize; 3],
+    },
+    /// An audio clip: `data` is `[num_mel_bins, num_frames]` log-mel features (HF
+    /// `input_features` of one clip, its `feature_attention_mask` all ones).
+    Audio {
+        /// Valid feature frames.
+        num_frames: usize,
+    },
+}
+
+impl MultiModalKind {
+    /// `"image"`, `"video"` or `"audio"`.
+    pub fn modality(&self) -> &'static str {
+        match self {
+            Self::Image { .. } => "image",
+            Self::Video { .. } => "video",
+            Self::Audio { .. } => "audio",
+        }
+    }
+}
+
+/// One multimodal item of a request in this step: what the encoders consume, and where their
+/// output rows go.
+///
+/// Chunked prefill may split an item's placeholder over several steps: a step carries the
+/// item with `placeholder` narrowed to the rows that fall in the step and `item_offset` the
+/// index, in the item's encoder output, of the row for `placeholder.start` (0 in the step that
+/// starts the item). Encoder output rows `item_offset..item_offset + placeholder.len()` replace
+/// the embeddings of batch rows `placeholder`.
 #[derive(Debug, Clone)]
 pub struct MultiModalFeature<'a> {
-    /// `"image"`, `"audio"`, `"video"`.
+    /// `"image"`, `"audio"`, `"video"` (the same as `kind.modality()`).
     pub modality: &'a str,
     /// Content hash (the encoder cache key; it also enters the prefix-cache block hash).
     pub mm_hash: u64,
-    /// The placeholder tokens this item replaces, as indices into the batch's tokens.
+    /// The placeholder tokens this item replaces in this step, as indices into the batch's
+    /// tokens.
     pub placeholder: Range<usize>,
-    /// The preprocessed tensor (pixel patches, log-mel frames), as broadcast.
+    /// The encoder output row of `placeholder.start`.
+    pub item_offset: usize,
+    /// What the item is and its tensor's shape.
+    pub kind: MultiModalKind,
+    /// The preprocessed tensor (pixel patches, log-mel frames) as broadcast: bf16,
+    /// little-endian, row-major in the shape `kind` gives.
     pub data: &'a [u8],
+}
+
+/// What the encoders make of one multimodal item (what a worker's encoder cache keeps per
+/// `mm_hash`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EncoderOutput {
+    /// `[tokens, hidden]`: one row per placeholder token of the item.
+    pub embeds: HostTensor,
+    /// Deepstack features (images and videos of Qwen3-VL / Qwen3-Omni), `[tokens, hidden]` each:
+    /// level `i` is added to the residual stream after decoder layer `i` at the item's rows.
+    pub deepstack: Vec<HostTensor>,
 }
 
 /// A hidden state to capture, for every computed position of the batch.
@@ -150,4 +207,33 @@ pub trait StageModel: Send + Sync + std::fmt::Debug {
         inputs: &ModelInputs<'_>,
         kv: &mut [LayerKvCache],
     ) -> Result<ModelOutputs, ModelError>;
+
+    /// Runs the encoder of one multimodal item over its whole tensor (the worker caches the
+    /// result by `mm_hash`, then passes it to [`StageModel::forward_encoded`] in each step that
+    /// covers part of the item's placeholder).
+    fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, ModelError> {
+        Err(ModelError::Batch(format!(
+            "{} has no {} encoder",
+            self.architecture(),
+            feature.modality
+        )))
+    }
+
+    /// [`StageModel::forward`] with the encoder outputs of `inputs.mm_features` given, one per
+    /// feature in the same order (their rows are not recomputed).
+    fn forward_encoded(
+        &self,
+        inputs: &ModelInputs<'_>,
+        encoded: &[&EncoderOutput],
+        kv: &mut [LayerKvCache],
+    ) -> Result<ModelOutputs, ModelError> {
+        if encoded.is_empty() {
+            self.forward(inputs, kv)
+        } else {
+            Err(ModelError::Batch(format!(
+                "{} takes no encoder outputs",
+                self.architecture()
+            )))
+        }
+    }
 }

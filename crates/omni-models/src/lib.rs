@@ -53,11 +53,11 @@ pub mod registry;
 pub mod weights;
 
 pub use batch::{ForwardBatch, SeqChunk};
-pub use decoder::{DecoderModel, DecoderSpec, TpContext};
+pub use decoder::{DecoderModel, DecoderSpec, ResidualAdds, TpContext};
 pub use error::ModelError;
 pub use interface::{
-    Capture, ModelInputs, ModelOutputs, ModelStage, MropePositions, MultiModalFeature,
-    PositionInputs, StageModel, TokenInputs,
+    Capture, EncoderOutput, ModelInputs, ModelOutputs, ModelStage, MropePositions,
+    MultiModalFeature, MultiModalKind, PositionInputs, StageModel, TokenInputs,
 };
 pub use omni_backend::attention::LayerKvCache;
 pub use omni_backend::comm::{AllReduce, IdentityAllReduce, InProcessAllReduce};

@@ -12,7 +12,7 @@ use omni_models::hf_dir::SafetensorsDir;
 use omni_models::registry::build_stage_model;
 use omni_models::{
     Capture, ForwardBatch, ModelInputs, ModelStage, MropePositions, MultiModalFeature,
-    PositionInputs, SeqChunk, StageModel, TokenInputs, TpContext, WeightSource,
+    MultiModalKind, PositionInputs, SeqChunk, StageModel, TokenInputs, TpContext, WeightSource,
 };
 
 fn stage_model(arch: &str) -> Box<dyn StageModel> {
@@ -206,6 +206,10 @@ fn text_only_mrope_is_1d_rope_and_what_the_decoder_cannot_take_is_refused() {
         modality: "image",
         mm_hash: 7,
         placeholder: 0..1,
+        item_offset: 0,
+        kind: MultiModalKind::Image {
+            grid_thw: [1, 2, 2],
+        },
         data: &[0u8; 16],
     }];
     let err = m

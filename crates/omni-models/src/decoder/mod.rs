@@ -98,6 +98,18 @@ pub(crate) struct DecoderLayer {
     pub(crate) mlp: Mlp,
 }
 
+/// Rows added to the residual stream after the first decoder layers (Qwen3-VL / Qwen3-Omni
+/// deepstack): after layer `i < after_layer.len()`, batch row `rows[j]` gets
+/// `after_layer[i][j * hidden..(j + 1) * hidden]`. A capture of [`Capture::AfterLayers`]`(i + 1)`
+/// sees the state before the addition (transformers records the layer's output).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ResidualAdds<'a> {
+    /// Batch rows that receive the additions.
+    pub rows: &'a [usize],
+    /// Per layer, `[rows.len(), hidden]` values.
+    pub after_layer: &'a [Vec<f32>],
+}
+
 /// Scratch buffers of one forward pass, reused across layers.
 #[derive(Debug, Default)]
 struct Scratch {
@@ -382,25 +394,47 @@ impl CausalLm for DecoderModel {
         batch: &ForwardBatch,
         kv: &mut [LayerKvCache],
     ) -> Result<HostTensor, ModelError> {
-        self.run(batch, None, PositionInputs::Batch, &[], kv)?
-            .logits
-            .ok_or_else(|| ModelError::Batch("the decoder produced no logits".into()))
+        self.run(
+            batch,
+            None,
+            PositionInputs::Batch,
+            &[],
+            ResidualAdds::default(),
+            kv,
+        )?
+        .logits
+        .ok_or_else(|| ModelError::Batch("the decoder produced no logits".into()))
     }
 }
 
 impl DecoderModel {
     /// One step: embeds the batch's ids (or takes `embeds`, `[tokens, hidden]`), runs every
-    /// layer, and returns the logits of the output rows and the `capture`d states.
+    /// layer (with `adds` after the first ones), and returns the logits of the output rows and
+    /// the `capture`d states.
     fn run(
         &self,
         batch: &ForwardBatch,
         embeds: Option<&[f32]>,
         positions: PositionInputs<'_>,
         capture: &[Capture],
+        adds: ResidualAdds<'_>,
         kv: &mut [LayerKvCache],
     ) -> Result<ModelOutputs, ModelError> {
         let t = batch.input_ids.len();
         let h = self.spec.hidden_size;
+        if adds.after_layer.len() > self.layers.len()
+            || adds.rows.iter().any(|&r| r >= t)
+            || adds
+                .after_layer
+                .iter()
+                .any(|a| a.len() != adds.rows.len() * h)
+        {
+            return Err(ModelError::Batch(format!(
+                "residual additions after {} layers at {} rows of {t}",
+                adds.after_layer.len(),
+                adds.rows.len()
+            )));
+        }
         if batch.positions.len() != t || batch.attn.num_tokens() != t {
             return Err(ModelError::Batch(format!(
                 "{t} tokens, {} positions, query_start_loc ends at {}",
@@ -499,6 +533,14 @@ impl DecoderModel {
             self.tp.all_reduce.all_reduce_sum(&mut s.proj)?;
             ops::add_inplace(&mut x, &s.proj)?;
             keep(&mut out, Capture::AfterLayers(i + 1), &x);
+            if let Some(add) = adds.after_layer.get(i) {
+                for (&r, a) in adds.rows.iter().zip(add.chunks_exact(h)) {
+                    x[r * h..(r + 1) * h]
+                        .iter_mut()
+                        .zip(a)
+                        .for_each(|(x, a)| *x += a);
+                }
+            }
         }
         let mut sel = Vec::with_capacity(rows.len() * h);
         for &r in &rows {
@@ -546,6 +588,19 @@ impl StageModel for DecoderModel {
         inputs: &ModelInputs<'_>,
         kv: &mut [LayerKvCache],
     ) -> Result<ModelOutputs, ModelError> {
+        self.forward_with_adds(inputs, ResidualAdds::default(), kv)
+    }
+}
+
+impl DecoderModel {
+    /// [`StageModel::forward`] (without multimodal features: the caller merged them into
+    /// `inputs.tokens`) with `adds` to the residual stream after the first layers.
+    pub fn forward_with_adds(
+        &self,
+        inputs: &ModelInputs<'_>,
+        adds: ResidualAdds<'_>,
+        kv: &mut [LayerKvCache],
+    ) -> Result<ModelOutputs, ModelError> {
         if let Some(f) = inputs.mm_features.first() {
             return Err(ModelError::Batch(format!(
                 "{} has no {} encoder",
@@ -584,6 +639,13 @@ impl StageModel for DecoderModel {
             TokenInputs::Ids => None,
             TokenInputs::Embeds(e) => Some(e),
         };
-        self.run(inputs.batch, embeds, inputs.positions, inputs.capture, kv)
+        self.run(
+            inputs.batch,
+            embeds,
+            inputs.positions,
+            inputs.capture,
+            adds,
+            kv,
+        )
     }
 }

@@ -5,14 +5,20 @@
 //!   `accept_hidden_layer` layers (what the Talker reads);
 //! - [`talker`]: the projections, the MoE codec decoder with a gated shared expert, the codec
 //!   head and the code predictor of the residual codebooks;
-//! - [`code2wav`]: codes to a 24 kHz waveform.
+//! - [`code2wav`]: codes to a 24 kHz waveform;
+//! - [`audio_encoder`] and [`vision_encoder`]: the Thinker's towers, whose outputs
+//!   [`mm_merge`] writes over the placeholder rows.
 //!
 //! [`config`] reads every id and size from `config.json`.
 
+pub mod audio_encoder;
 pub mod code2wav;
 pub mod config;
+mod encoder_block;
+pub mod mm_merge;
 pub mod talker;
 pub mod thinker;
+pub mod vision_encoder;
 
 use serde_json::Value;
 

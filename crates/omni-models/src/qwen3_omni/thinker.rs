@@ -5,14 +5,30 @@
 //! embedding ([`Capture::Embedding`]) and the residual stream after `accept_hidden_layer`
 //! layers ([`Capture::AfterLayers`]; HF's `hidden_states[accept_hidden_layer]`, no final norm),
 //! plus the token embeddings of the three TTS tokens ([`Thinker::tts_embeddings`]).
+//!
+//! # Multimodal inputs
+//! When the checkpoint has them, the audio tower (`thinker.audio_tower.*`) and the vision tower
+//! (`thinker.visual.*`) are loaded too. A step with [`ModelInputs::mm_features`] embeds the
+//! text, replaces each item's placeholder rows by its encoder output, adds the images' and
+//! videos' deepstack features to the residual stream after the first decoder layers, and runs
+//! the decoder on the M-RoPE positions given. [`StageModel::encode_mm`] and
+//! [`StageModel::forward_encoded`] split this in two, so that a worker encodes an item once and
+//! keeps the [`EncoderOutput`] by `mm_hash` across the chunked-prefill steps of its placeholder.
 
+use serde::Deserialize;
 use serde_json::Value;
 
-use crate::decoder::{DecoderModel, TpContext};
+use crate::decoder::{DecoderModel, ResidualAdds, TpContext};
 use crate::error::ModelError;
-use crate::interface::{Capture, ModelInputs, ModelOutputs, ModelStage, StageModel};
+use crate::interface::{
+    Capture, EncoderOutput, ModelInputs, ModelOutputs, ModelStage, MultiModalFeature,
+    MultiModalKind, StageModel, TokenInputs,
+};
+use crate::qwen3_omni::audio_encoder::{AudioEncoder, AudioEncoderConfig};
 use crate::qwen3_omni::config::OmniConfig;
-use crate::weights::{SubmodelWeights, WeightSource};
+use crate::qwen3_omni::mm_merge::{PlaceholderIds, bf16_values, merge};
+use crate::qwen3_omni::vision_encoder::{VisionEncoder, VisionEncoderConfig};
+use crate::weights::{HostTensor, SubmodelWeights, WeightSource};
 use crate::{KvCacheSpec, LayerKvCache};
 
 /// The Thinker's token embeddings of `<tts_text_bos>`, `<tts_text_eod>` and `<tts_pad>`,
@@ -33,12 +49,26 @@ pub struct Thinker {
     decoder: DecoderModel,
     config: OmniConfig,
     tts: TtsEmbeddings,
+    audio: Option<AudioEncoder>,
+    vision: Option<VisionEncoder>,
+    placeholders: PlaceholderIds,
+}
+
+/// `thinker_config`'s tower configs.
+#[derive(Debug, Deserialize)]
+struct TowerConfigs {
+    audio_config: AudioEncoderConfig,
+    vision_config: VisionEncoderConfig,
 }
 
 impl Thinker {
     /// Loads rank `tp.rank`'s Thinker from a whole Qwen3-Omni checkpoint's weights.
-    pub fn load(config: &Value, ws: &dyn WeightSource, tp: TpContext) -> Result<Self, ModelError> {
-        let config = OmniConfig::from_json(config)?;
+    pub fn load(
+        config_json: &Value,
+        ws: &dyn WeightSource,
+        tp: TpContext,
+    ) -> Result<Self, ModelError> {
+        let config = OmniConfig::from_json(config_json)?;
         let spec = config.thinker_config.text_config.spec(true)?;
         let decoder = DecoderModel::load(spec, &SubmodelWeights::new(ws, "thinker.", &[]), tp)?;
         let ids = &config.ids;
@@ -53,11 +83,92 @@ impl Thinker {
             eos: rows[h..2 * h].to_vec(),
             pad: rows[2 * h..].to_vec(),
         };
+        let towers = config_towers(config_json)?;
+        let audio_ws = SubmodelWeights::new(ws, "thinker.audio_tower.", &[]);
+        let audio = match audio_ws.shape("conv2d1.weight") {
+            Ok(_) => Some(AudioEncoder::load(towers.audio_config, &audio_ws)?),
+            Err(_) => None,
+        };
+        let vision_ws = SubmodelWeights::new(ws, "thinker.visual.", &[]);
+        let vision = match vision_ws.shape("patch_embed.proj.weight") {
+            Ok(_) => Some(VisionEncoder::load(towers.vision_config, &vision_ws)?),
+            Err(_) => None,
+        };
+        let t = &config.thinker_config;
+        let placeholders = PlaceholderIds {
+            image: t.image_token_id,
+            video: t.video_token_id,
+            audio: t.audio_token_id,
+        };
         Ok(Self {
             decoder,
             config,
             tts,
+            audio,
+            vision,
+            placeholders,
         })
+    }
+
+    /// The audio tower, when the checkpoint has one.
+    pub fn audio_encoder(&self) -> Option<&AudioEncoder> {
+        self.audio.as_ref()
+    }
+
+    /// The vision tower, when the checkpoint has one.
+    pub fn vision_encoder(&self) -> Option<&VisionEncoder> {
+        self.vision.as_ref()
+    }
+
+    /// Encodes several items: the images and videos in one vision-tower call, each audio clip
+    /// on its own; one output per feature, in order.
+    pub fn encode_mm_batch(
+        &self,
+        features: &[&MultiModalFeature<'_>],
+    ) -> Result<Vec<EncoderOutput>, ModelError> {
+        let mut out: Vec<Option<EncoderOutput>> = vec![None; features.len()];
+        let mut grids = Vec::new();
+        let mut pixels = Vec::new();
+        let mut visual = Vec::new();
+        for (i, f) in features.iter().enumerate() {
+            let values = bf16_values(f.data)?;
+            match f.kind {
+                MultiModalKind::Audio { num_frames } => {
+                    let tower = self.audio.as_ref().ok_or_else(|| no_tower("audio"))?;
+                    out[i] = Some(EncoderOutput {
+                        embeds: tower.encode(&values, num_frames)?,
+                        deepstack: Vec::new(),
+                    });
+                }
+                MultiModalKind::Image { grid_thw } | MultiModalKind::Video { grid_thw } => {
+                    grids.push(grid_thw);
+                    pixels.extend(values);
+                    visual.push(i);
+                }
+            }
+        }
+        if !visual.is_empty() {
+            let tower = self.vision.as_ref().ok_or_else(|| no_tower("vision"))?;
+            let v = tower.encode(&pixels, &grids)?;
+            let unit = tower.config().merge_unit();
+            let h = v.merged.shape[1];
+            let mut start = 0;
+            for (&i, g) in visual.iter().zip(&grids) {
+                let n = g[0] * g[1] * g[2] / unit;
+                let rows = |t: &HostTensor| HostTensor {
+                    shape: vec![n, h],
+                    data: t.data[start * h..(start + n) * h].to_vec(),
+                };
+                out[i] = Some(EncoderOutput {
+                    embeds: rows(&v.merged),
+                    deepstack: v.deepstack.iter().map(rows).collect(),
+                });
+                start += n;
+            }
+        }
+        out.into_iter()
+            .map(|o| o.ok_or_else(|| ModelError::Batch("an item was not encoded".into())))
+            .collect()
     }
 
     /// Every tensor the Thinker's decoder reads, with its checkpoint name and full shape.
@@ -115,6 +226,65 @@ impl StageModel for Thinker {
         inputs: &ModelInputs<'_>,
         kv: &mut [LayerKvCache],
     ) -> Result<ModelOutputs, ModelError> {
-        StageModel::forward(&self.decoder, inputs, kv)
+        if inputs.mm_features.is_empty() {
+            return StageModel::forward(&self.decoder, inputs, kv);
+        }
+        let features: Vec<&MultiModalFeature<'_>> = inputs.mm_features.iter().collect();
+        let encoded = self.encode_mm_batch(&features)?;
+        let encoded: Vec<&EncoderOutput> = encoded.iter().collect();
+        self.forward_encoded(inputs, &encoded, kv)
     }
+
+    fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, ModelError> {
+        self.encode_mm_batch(&[feature])?
+            .pop()
+            .ok_or_else(|| ModelError::Batch("an item was not encoded".into()))
+    }
+
+    fn forward_encoded(
+        &self,
+        inputs: &ModelInputs<'_>,
+        encoded: &[&EncoderOutput],
+        kv: &mut [LayerKvCache],
+    ) -> Result<ModelOutputs, ModelError> {
+        if inputs.mm_features.is_empty() && encoded.is_empty() {
+            return StageModel::forward(&self.decoder, inputs, kv);
+        }
+        let ids = &inputs.batch.input_ids;
+        let (embeds, check_ids) = match inputs.tokens {
+            TokenInputs::Ids => (self.decoder.embed_ids(ids)?, Some(ids.as_slice())),
+            TokenInputs::Embeds(e) => (e.to_vec(), None),
+        };
+        let h = self.decoder.spec().hidden_size;
+        let m = merge(
+            embeds,
+            h,
+            check_ids,
+            self.placeholders,
+            inputs.mm_features,
+            encoded,
+        )?;
+        let step = ModelInputs {
+            tokens: TokenInputs::Embeds(&m.embeds),
+            mm_features: &[],
+            ..*inputs
+        };
+        let adds = ResidualAdds {
+            rows: &m.visual_rows,
+            after_layer: &m.deepstack,
+        };
+        self.decoder.forward_with_adds(&step, adds, kv)
+    }
+}
+
+/// The tower configs inside `thinker_config`.
+fn config_towers(config: &Value) -> Result<TowerConfigs, ModelError> {
+    let t = config
+        .get("thinker_config")
+        .ok_or_else(|| ModelError::Config("no thinker_config".into()))?;
+    Ok(TowerConfigs::deserialize(t)?)
+}
+
+fn no_tower(which: &str) -> ModelError {
+    ModelError::Batch(format!("this Qwen3-Omni checkpoint has no {which} tower"))
 }
