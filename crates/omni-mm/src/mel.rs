@@ -4,7 +4,11 @@
 //! Steps: periodic Hann window of `n_fft`, centred STFT with reflect padding of `n_fft / 2`, power
 //! spectrum, Slaney-scale / Slaney-normalised mel filters over 0..8000 Hz, `log10(max(mel, 1e-10))`,
 //! the last frame dropped (so `floor(n / hop)` frames), floor at `max - 8`, then `(x + 4) / 4`.
-//! Computed in f64 (transformers' torch path is f32, its numpy path f64); the result is f32.
+//! Computed in f64 (transformers' torch path is f32, its numpy path f64); the result is f32 and
+//! within 2.6e-5 of the torch path on a 160037-sample clip (the torch and numpy paths differ from
+//! each other by the same amount). One clip at a time: when transformers pads a batch to its
+//! longest clip, a shorter clip's last frames see zeros instead of reflect padding; its valid
+//! frames (the mask) are otherwise the same.
 
 use std::sync::Arc;
 

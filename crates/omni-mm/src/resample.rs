@@ -5,11 +5,13 @@
 //! window=("kaiser", 5.0))` scaled to unit DC gain and multiplied by `up`, applied as
 //! `upfirdn` with zero padding outside the clip and the output aligned to the filter centre;
 //! `ceil(n * up / down)` samples come out. Computed in f64, returned as f32: equal to scipy to
-//! f32 rounding (see `tests/audio_resample.rs` for the measured error).
+//! f32 rounding (see `tests/audio_decode.rs` for the measured errors).
 //!
 //! vLLM resamples with `librosa.resample` by default (`res_type="soxr_hq"`, the SoX resampler)
 //! and offers `scipy.signal.resample_poly` as its other method. Both are band-limited; they differ
-//! by the filters' transition bands and phase, measured in the same test.
+//! by the filters' transition bands and phase: on a 2 s two-tone 44.1 kHz clip the two outputs
+//! differ by at most 3.4e-3 (1.8e-3 away from the clip edges), i.e. about -50 dB of full scale.
+//! Against scipy itself the error is 1.5e-7.
 
 /// Modified Bessel function of the first kind, order 0 (power series; converges for the
 /// arguments a Kaiser window with beta 5 needs).

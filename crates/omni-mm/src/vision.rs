@@ -1,6 +1,12 @@
 //! Qwen2-VL / Qwen3-Omni image and video preprocessing (transformers' PIL-backed
 //! `Qwen2VLImageProcessor`): `smart_resize`, PIL bicubic resize, rescale and normalise, the
 //! temporal tiling and the patch permutation to rows of `3 * temporal * patch * patch` values.
+//!
+//! `pixel_values` are bit-identical to the PIL processor's (tests/vision_golden.rs compares the
+//! blake3 of the f32 bytes). transformers' fast (torchvision) image processor, which vLLM gets when
+//! torchvision is installed, differs from it by at most one u8 level (2/255 after normalising) on
+//! 0.04% (1280x720) to 0.3% (20x20) of the values; its torchvision video processor differs from
+//! this per-frame PIL path by at most two levels on 0.12% of the values (3 frames of 1280x720).
 
 use serde_json::Value;
 
