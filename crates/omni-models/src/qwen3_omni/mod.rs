@@ -34,7 +34,8 @@ pub fn thinker_spec_from_json(config: &Value) -> Result<DecoderSpec, ModelError>
 }
 
 /// Every tensor the three stage networks read, with checkpoint names and full shapes (what
-/// `--load-format dummy` generates; the audio and vision towers are not read yet).
+/// `--load-format dummy` generates). The audio and vision towers are not listed: the Thinker
+/// loads them only when the checkpoint has them, so dummy weights give a text-only Thinker.
 pub fn weight_shapes(config: &Value) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
     let mut v = thinker::Thinker::weight_shapes(config)?;
     v.extend(talker::Talker::weight_shapes(config)?);

@@ -15,7 +15,6 @@
 //! [`StageModel::forward_encoded`] split this in two, so that a worker encodes an item once and
 //! keeps the [`EncoderOutput`] by `mm_hash` across the chunked-prefill steps of its placeholder.
 
-use serde::Deserialize;
 use serde_json::Value;
 
 use crate::decoder::{DecoderModel, ResidualAdds, TpContext};
@@ -24,10 +23,10 @@ use crate::interface::{
     Capture, EncoderOutput, ModelInputs, ModelOutputs, ModelStage, MultiModalFeature,
     MultiModalKind, StageModel, TokenInputs,
 };
-use crate::qwen3_omni::audio_encoder::{AudioEncoder, AudioEncoderConfig};
+use crate::qwen3_omni::audio_encoder::AudioEncoder;
 use crate::qwen3_omni::config::OmniConfig;
 use crate::qwen3_omni::mm_merge::{PlaceholderIds, bf16_values, merge};
-use crate::qwen3_omni::vision_encoder::{VisionEncoder, VisionEncoderConfig};
+use crate::qwen3_omni::vision_encoder::VisionEncoder;
 use crate::weights::{HostTensor, SubmodelWeights, WeightSource};
 use crate::{KvCacheSpec, LayerKvCache};
 
@@ -54,13 +53,6 @@ pub struct Thinker {
     placeholders: PlaceholderIds,
 }
 
-/// `thinker_config`'s tower configs.
-#[derive(Debug, Deserialize)]
-struct TowerConfigs {
-    audio_config: AudioEncoderConfig,
-    vision_config: VisionEncoderConfig,
-}
-
 impl Thinker {
     /// Loads rank `tp.rank`'s Thinker from a whole Qwen3-Omni checkpoint's weights.
     pub fn load(
@@ -83,15 +75,20 @@ impl Thinker {
             eos: rows[h..2 * h].to_vec(),
             pad: rows[2 * h..].to_vec(),
         };
-        let towers = config_towers(config_json)?;
         let audio_ws = SubmodelWeights::new(ws, "thinker.audio_tower.", &[]);
         let audio = match audio_ws.shape("conv2d1.weight") {
-            Ok(_) => Some(AudioEncoder::load(towers.audio_config, &audio_ws)?),
+            Ok(_) => Some(AudioEncoder::load(
+                tower_config(config_json, "audio_config")?,
+                &audio_ws,
+            )?),
             Err(_) => None,
         };
         let vision_ws = SubmodelWeights::new(ws, "thinker.visual.", &[]);
         let vision = match vision_ws.shape("patch_embed.proj.weight") {
-            Ok(_) => Some(VisionEncoder::load(towers.vision_config, &vision_ws)?),
+            Ok(_) => Some(VisionEncoder::load(
+                tower_config(config_json, "vision_config")?,
+                &vision_ws,
+            )?),
             Err(_) => None,
         };
         let t = &config.thinker_config;
@@ -221,6 +218,8 @@ impl StageModel for Thinker {
         StageModel::kv_cache_spec(&self.decoder)
     }
 
+    /// A step; multimodal items are encoded here in full, every call (a worker with an encoder
+    /// cache calls [`StageModel::forward_encoded`] instead).
     fn forward(
         &self,
         inputs: &ModelInputs<'_>,
@@ -277,12 +276,16 @@ impl StageModel for Thinker {
     }
 }
 
-/// The tower configs inside `thinker_config`.
-fn config_towers(config: &Value) -> Result<TowerConfigs, ModelError> {
-    let t = config
+/// `thinker_config.{key}` (a tower's config).
+fn tower_config<T: serde::de::DeserializeOwned>(
+    config: &Value,
+    key: &str,
+) -> Result<T, ModelError> {
+    let c = config
         .get("thinker_config")
-        .ok_or_else(|| ModelError::Config("no thinker_config".into()))?;
-    Ok(TowerConfigs::deserialize(t)?)
+        .and_then(|t| t.get(key))
+        .ok_or_else(|| ModelError::Config(format!("no thinker_config.{key}")))?;
+    Ok(T::deserialize(c)?)
 }
 
 fn no_tower(which: &str) -> ModelError {
