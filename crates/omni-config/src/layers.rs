@@ -40,6 +40,30 @@ pub const ENV_FLAGS: &[(&str, &str)] = &[
     ("OMNI_STAGE_PROFILE_INTERVAL_S", "stage-profile-interval-s"),
     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "timeout-keep-alive"),
     ("VLLM_ENABLE_V1_MULTIPROCESSING", "enable-multiprocessing"),
+    ("VLLM_IMAGE_FETCH_TIMEOUT", "image-fetch-timeout"),
+    ("VLLM_AUDIO_FETCH_TIMEOUT", "audio-fetch-timeout"),
+    ("VLLM_VIDEO_FETCH_TIMEOUT", "video-fetch-timeout"),
+    (
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
+        "media-url-allow-redirects",
+    ),
+    (
+        "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB",
+        "max-media-download-size-mb",
+    ),
+    (
+        "VLLM_MEDIA_EGRESS_BLOCK_PRIVATE",
+        "media-egress-block-private",
+    ),
+    ("VLLM_MAX_IMAGE_PIXELS", "max-image-pixels"),
+    (
+        "VLLM_MAX_AUDIO_CLIP_FILESIZE_MB",
+        "max-audio-clip-filesize-mb",
+    ),
+    (
+        "VLLM_MAX_AUDIO_DECODE_DURATION_S",
+        "max-audio-decode-duration-s",
+    ),
 ];
 
 /// `cmd` and all its subcommands with `args_override_self`: a flag given twice takes the last

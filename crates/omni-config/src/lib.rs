@@ -27,6 +27,7 @@ mod deploy;
 mod engine;
 mod frontend;
 mod layers;
+mod media;
 
 pub use deploy::{
     CodecChunking, ConnectorConfig, DEFAULT_PROFILES, DeployConfig, DeployOverrides, DeploySource,
@@ -38,6 +39,7 @@ pub use engine::{
 };
 pub use frontend::FrontendConfig;
 pub use layers::{ENV_FLAGS, layered_argv, layered_argv_with, override_self};
+pub use media::{DEFAULT_MM_LIMIT, MediaConfig, MmLimits, parse_mm_limits};
 
 /// Configuration errors; all problems are reported together.
 #[derive(Debug, thiserror::Error)]
