@@ -2,8 +2,10 @@
 //! `FrontendConfig` and `EngineConfig`),
 //! and [`ConnectionLimits`]: how long and how many connections the listener keeps.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use crate::media::MultimodalModel;
 use crate::omni::OmniServerInfo;
 
 /// HTTP server settings.
@@ -29,6 +31,12 @@ pub struct ServerConfig {
     pub max_n: u32,
     /// Timeouts and the connection bound of the listener ([`crate::serve_on`]).
     pub connections: ConnectionLimits,
+    /// Where media of chat content parts may come from, and how much of it (see
+    /// [`crate::media`]).
+    pub media: omni_config::MediaConfig,
+    /// The model's vision and audio encoders; `None` for a text-only model (then every image
+    /// or audio part is a 400 naming the modality).
+    pub multimodal: Option<Arc<MultimodalModel>>,
 }
 
 impl Default for ServerConfig {
@@ -61,6 +69,8 @@ impl ServerConfig {
             omni: None,
             max_n: 128,
             connections: ConnectionLimits::from(frontend),
+            media: omni_config::MediaConfig::default(),
+            multimodal: None,
         }
     }
 }

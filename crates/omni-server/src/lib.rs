@@ -34,6 +34,7 @@ mod engine;
 mod error;
 mod generate;
 mod logprobs;
+pub mod media;
 mod metrics;
 mod omni;
 mod omni_stream;
@@ -255,11 +256,19 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let req = match parse_body::<openai::ChatCompletionRequest>(&headers, body) {
+    let mut req = match parse_body::<openai::ChatCompletionRequest>(&headers, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match blocking(&state, move |c, t| prepare::prepare_chat(c, t, req)).await {
+    // The cheap checks before any media is fetched.
+    if let Err(e) = prepare::check_chat(&state.config, &req.common, req.messages.len()) {
+        return e.into_response();
+    }
+    let media = match media::load(&state, std::mem::take(&mut req.messages)).await {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    match blocking(&state, move |c, t| prepare::prepare_chat(c, t, req, media)).await {
         Ok(prep) => run(state, prep).await,
         Err(e) => e.into_response(),
     }
@@ -285,11 +294,23 @@ async fn tokenize_handler(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let req = match parse_body::<openai::TokenizeRequest>(&headers, body) {
+    let mut req = match parse_body::<openai::TokenizeRequest>(&headers, body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    match blocking(&state, move |c, t| tokenize::tokenize(c, t, req)).await {
+    let media = match &mut req {
+        openai::TokenizeRequest::Chat(r) => {
+            if let Err(e) = prepare::check_model(&state.config, &r.model) {
+                return e.into_response();
+            }
+            match media::load(&state, std::mem::take(&mut r.messages)).await {
+                Ok(m) => m,
+                Err(e) => return e.into_response(),
+            }
+        }
+        openai::TokenizeRequest::Completion(_) => media::ChatMedia::default(),
+    };
+    match blocking(&state, move |c, t| tokenize::tokenize(c, t, req, media)).await {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
     }

@@ -90,18 +90,31 @@ pub struct CommonParams {
 pub enum MessageContent {
     /// Plain text.
     Text(String),
-    /// Content parts (only `{"type":"text"}` is supported).
+    /// Content parts: text, and media on a model with the towers for it (see
+    /// [`crate::media`]).
     Parts(Vec<ContentPart>),
 }
 
-/// One content part.
+/// One content part. The media fields stay JSON here, so that a malformed one gets a 400
+/// naming its path (`messages[0].content[1].image_url`) from [`crate::media`], not serde's
+/// message.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ContentPart {
-    /// `text`, `image_url`, `input_audio`, ...
+    /// `text`, `image_url`, `input_audio`, `audio_url`, `video_url`, ...
     #[serde(rename = "type")]
     pub kind: String,
     /// The text of a text part.
     pub text: Option<String>,
+    /// `image_url`: `{"url": "data:image/png;base64,..." | "https://...", "detail": "auto"}`.
+    pub image_url: Option<serde_json::Value>,
+    /// `input_audio` (OpenAI): `{"data": "<base64>", "format": "wav" | "mp3" | "flac"}`.
+    pub input_audio: Option<serde_json::Value>,
+    /// `audio_url` (vLLM): `{"url": ...}`.
+    pub audio_url: Option<serde_json::Value>,
+    /// `video_url` (vLLM): `{"url": ...}`.
+    pub video_url: Option<serde_json::Value>,
+    /// vLLM's item id for its media cache.
+    pub uuid: Option<serde_json::Value>,
 }
 
 /// One chat message.

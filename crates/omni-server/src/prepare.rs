@@ -2,16 +2,18 @@
 //! requests (one per prompt and choice) or an [`ApiError`] (400/404). Pure functions of the body,
 //! the config and the tokenizer, so they run on a blocking thread.
 
-use omni_protocol::{SamplingParams, TokenId};
+use std::sync::Arc;
+
+use omni_protocol::{MultiModalPlaceholder, SamplingParams, TokenId};
 use omni_tokenizer::Tokenizer;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::config::ServerConfig;
 use crate::error::ApiError;
+use crate::media::parts::ParsedChat;
+use crate::media::{ChatMedia, MmInput, prompt};
 use crate::omni::{OmniRequest, prepare_omni};
-use crate::openai::{
-    ChatCompletionRequest, ChatMessage, CommonParams, CompletionRequest, MessageContent, PromptSpec,
-};
+use crate::openai::{ChatCompletionRequest, CommonParams, CompletionRequest, PromptSpec};
 
 /// Which endpoint a request came from (decides the response shapes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +33,23 @@ pub struct PreparedPrompt {
     pub params: SamplingParams,
     /// Prompt text to put before the completion (`echo`).
     pub echo: Option<String>,
+    /// The prompt's images and audio clips, decoded and preprocessed, in prompt order, each
+    /// with the offset of its pad tokens in `ids` (see [`MmInput`] for what consumes them).
+    pub mm_inputs: Arc<[MmInput]>,
+}
+
+impl PreparedPrompt {
+    /// The engine protocol's placeholder ranges of [`Self::mm_inputs`].
+    pub fn mm_placeholders(&self) -> Vec<MultiModalPlaceholder> {
+        self.mm_inputs
+            .iter()
+            .map(|i| MultiModalPlaceholder {
+                mm_hash: i.mm_hash(),
+                offset: i.offset,
+                length: i.num_tokens,
+            })
+            .collect()
+    }
 }
 
 /// A validated request.
@@ -218,59 +237,48 @@ fn fit_prompt(
     Ok(params)
 }
 
-/// The messages as the chat template sees them: `{role, content, name?}` with the text parts of a
-/// content list joined by newlines. Any other part type is a 400 naming the message.
-pub(crate) fn chat_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
-    let mut messages_json = Vec::with_capacity(messages.len());
-    for (i, m) in messages.iter().enumerate() {
-        let content = match &m.content {
-            None => Value::Null,
-            Some(MessageContent::Text(t)) => Value::String(t.clone()),
-            Some(MessageContent::Parts(parts)) => {
-                let mut texts = Vec::with_capacity(parts.len());
-                for p in parts {
-                    match (p.kind.as_str(), &p.text) {
-                        ("text", Some(t)) => texts.push(t.as_str()),
-                        ("text", None) => {
-                            return Err(ApiError::bad_param(
-                                format!("messages[{i}].content"),
-                                "a text content part needs a `text` string",
-                            ));
-                        }
-                        (other, _) => {
-                            return Err(ApiError::bad_param(
-                                format!("messages[{i}].content"),
-                                format!("content part type `{other}` is not supported"),
-                            ));
-                        }
-                    }
-                }
-                Value::String(texts.join("\n"))
-            }
-        };
-        let mut msg = json!({ "role": m.role, "content": content });
-        if let Some(name) = &m.name {
-            msg["name"] = Value::String(name.clone());
-        }
-        messages_json.push(msg);
-    }
-    Ok(messages_json)
-}
-
-/// Validates and tokenizes a chat request.
-pub fn prepare_chat(
+/// The messages as the chat template sees them: `{role, content, name?}`, a message's text
+/// parts joined by newlines, its media parts as placeholders (see [`crate::media::prompt`]).
+pub(crate) fn chat_messages(
     config: &ServerConfig,
     tokenizer: &Tokenizer,
-    req: ChatCompletionRequest,
-) -> Result<Prepared, ApiError> {
-    let model = check_model(config, &req.common.model)?;
-    check_common(config, &req.common)?;
-    if req.messages.is_empty() {
+    chat: &ParsedChat,
+) -> Result<Vec<Value>, ApiError> {
+    let format = prompt::content_format(tokenizer.chat_template().map(|t| t.source()));
+    prompt::template_messages(chat, format, config.multimodal.as_deref(), tokenizer)
+}
+
+/// The checks of a chat request that need neither its media nor the tokenizer, made before
+/// any media is fetched: the model name, `n` and `stream_options`, and that there are
+/// messages. The model name to report.
+pub(crate) fn check_chat(
+    config: &ServerConfig,
+    common: &CommonParams,
+    num_messages: usize,
+) -> Result<String, ApiError> {
+    let model = check_model(config, &common.model)?;
+    check_common(config, common)?;
+    if num_messages == 0 {
         return Err(ApiError::bad_param(
             "messages",
             "messages must not be empty",
         ));
     }
+    Ok(model)
+}
+
+/// Validates and tokenizes a chat request.
+///
+/// `media` holds the request's messages (`req.messages` is not read: the handler moved them
+/// into [`crate::media::load`]) and their fetched, preprocessed items, which end up on the
+/// prompt with their placeholders expanded.
+pub(crate) fn prepare_chat(
+    config: &ServerConfig,
+    tokenizer: &Tokenizer,
+    req: ChatCompletionRequest,
+    media: ChatMedia,
+) -> Result<Prepared, ApiError> {
+    let model = check_chat(config, &req.common, media.chat.messages.len())?;
     let mut common = req.common.clone();
     let mut max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let omni = prepare_omni(config.omni.as_ref(), &req, &mut common, &mut max_tokens)?;
@@ -290,10 +298,12 @@ pub fn prepare_chat(
         (true, k) => Some(k.unwrap_or(0)),
         (false, _) => None,
     };
-    let messages = chat_messages(&req.messages)?;
+    let messages = chat_messages(config, tokenizer, &media.chat)?;
     let ids = tokenizer
         .encode_chat(&messages, req.add_generation_prompt.unwrap_or(true))
         .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    let mut mm_inputs = media.inputs;
+    let ids = prompt::expand(ids, &mut mm_inputs, config.multimodal.as_deref())?;
     let defaults = &omni.thinker_defaults;
     let base = base_params(&common, defaults, max_tokens, logprobs, tokenizer)?;
     let mut params = fit_prompt(config, "messages", ids.len(), max_tokens, &base)?;
@@ -310,6 +320,7 @@ pub fn prepare_chat(
             ids,
             params,
             echo: None,
+            mm_inputs: mm_inputs.into(),
         }],
         n: common.n.unwrap_or(1),
         stream: common.stream.unwrap_or(false),
@@ -404,7 +415,12 @@ pub fn prepare_completion(
         .into_iter()
         .map(|(ids, echo)| {
             let params = fit_prompt(config, "prompt", ids.len(), max_tokens, &base)?;
-            Ok(PreparedPrompt { ids, params, echo })
+            Ok(PreparedPrompt {
+                ids,
+                params,
+                echo,
+                mm_inputs: Arc::from([]),
+            })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     Ok(Prepared {

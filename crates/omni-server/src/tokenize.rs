@@ -10,17 +10,21 @@ use omni_tokenizer::Tokenizer;
 
 use crate::config::ServerConfig;
 use crate::error::ApiError;
+use crate::media::{ChatMedia, prompt};
 use crate::openai::{
     DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest, TokenizeCompletionRequest,
     TokenizeRequest, TokenizeResponse,
 };
 use crate::prepare::{chat_messages, check_model};
 
-/// Answers `POST /tokenize`.
-pub fn tokenize(
+/// Answers `POST /tokenize`. For the chat form, `media` holds the messages (the handler moved
+/// them out of the request) and their preprocessed items: each placeholder counts as the
+/// tokens its item takes, as in a chat completion.
+pub(crate) fn tokenize(
     config: &ServerConfig,
     tokenizer: &Tokenizer,
     req: TokenizeRequest,
+    media: ChatMedia,
 ) -> Result<TokenizeResponse, ApiError> {
     let (field, tokens, token_strs) = match req {
         TokenizeRequest::Completion(r) => (
@@ -30,7 +34,7 @@ pub fn tokenize(
         ),
         TokenizeRequest::Chat(r) => (
             "messages",
-            chat_ids(config, tokenizer, &r)?,
+            chat_ids(config, tokenizer, &r, media)?,
             r.return_token_strs,
         ),
     };
@@ -91,9 +95,10 @@ fn chat_ids(
     config: &ServerConfig,
     tokenizer: &Tokenizer,
     r: &TokenizeChatRequest,
+    media: ChatMedia,
 ) -> Result<Vec<u32>, ApiError> {
     check_model(config, &r.model)?;
-    if r.messages.is_empty() {
+    if media.chat.messages.is_empty() {
         return Err(ApiError::bad_param(
             "messages",
             "messages must not be empty",
@@ -107,7 +112,7 @@ fn chat_ids(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
         ));
     }
-    let messages = chat_messages(&r.messages)?;
+    let messages = chat_messages(config, tokenizer, &media.chat)?;
     let mut text = tokenizer
         .apply_chat_template(&messages, add_generation_prompt)
         .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
@@ -115,9 +120,11 @@ fn chat_ids(
         let last = messages.last().and_then(|m| m["content"].as_str());
         text = cut_after_final_message(text, last.unwrap_or(""))?;
     }
-    tokenizer
+    let ids = tokenizer
         .encode(&text, r.add_special_tokens.unwrap_or(false))
-        .map_err(|e| ApiError::bad_param("messages", e.to_string()))
+        .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+    let mut inputs = media.inputs;
+    prompt::expand(ids, &mut inputs, config.multimodal.as_deref())
 }
 
 /// Ends the rendered chat right after the final message's content, dropping what the template

@@ -69,7 +69,11 @@ async fn malformed_and_out_of_range_requests_get_4xx_and_server_keeps_serving() 
         (CHAT, format!(r#"{{"modalities":["audio"],{msgs}}}"#), 400, Some("modalities")),
         (CHAT, format!(r#"{{"modalities":["smell"],{msgs}}}"#), 400, Some("modalities")),
         (CHAT, format!(r#"{{"stream_options":{{"include_usage":true}},{msgs}}}"#), 400, Some("stream_options")),
-        (CHAT, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#.into(), 400, Some("messages[0].content")),
+        // A text-only model: media parts are refused by modality, before any fetch.
+        (CHAT, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://127.0.0.1:9/x.png"}}]}]}"#.into(), 400, Some("messages[0].content[0]")),
+        (CHAT, r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}}]}]}"#.into(), 400, Some("messages[0].content[1]")),
+        (CHAT, r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":"x"}]}]}"#.into(), 400, Some("messages[0].content[0].image_url")),
+        (CHAT, r#"{"messages":[{"role":"user","content":[{"type":"smell"}]}]}"#.into(), 400, Some("messages[0].content")),
         (CHAT, r#"{"messages":[{"role":"user","content":[{"type":"text"}]}]}"#.into(), 400, Some("messages[0].content")),
         (CMPL, r#"{"prompt":""}"#.into(), 400, Some("prompt")),
         (CMPL, r#"{"prompt":[]}"#.into(), 400, Some("prompt")),

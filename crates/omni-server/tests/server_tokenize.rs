@@ -256,7 +256,13 @@ async fn bad_tokenize_and_detokenize_requests_get_openai_errors() {
             "/tokenize",
             r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#.into(),
             400,
-            Some("messages[0].content"),
+            Some("messages[0].content[0].image_url"),
+        ),
+        (
+            "/tokenize",
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}"#.into(),
+            400,
+            Some("messages[0].content[0]"),
         ),
         (
             "/tokenize",

@@ -1,0 +1,182 @@
+//! Multimodal inputs of chat requests: content parts in, decoded and preprocessed items out.
+//!
+//! The path of one request, all before tokenization:
+//! 1. [`parts`]: the messages become text and media segments, in order, each media part with
+//!    its JSON path (`messages[0].content[1].image_url`) for errors;
+//! 2. [`limits`]: every part is checked against the model's towers (a text-only model refuses
+//!    image and audio parts, naming the modality; video is not taken yet) and each modality's
+//!    count against `--limit-mm-per-prompt`, before anything is fetched;
+//! 3. [`fetch`]: the bytes, from a base64 `data:` URL, `input_audio`, an allowed http(s) host
+//!    under the egress guard, or `file://` under `--allowed-local-media-path`;
+//! 4. [`preprocess`]: on a blocking thread, omni-mm decodes (image header checked against
+//!    `--max-image-pixels` before decoding, audio duration capped while decoding) and
+//!    preprocesses (Qwen2-VL pixel patches, Whisper log-mel) into an [`MmInput`];
+//! 5. [`prompt`]: the chat template gets the placeholders (it writes them itself when it walks
+//!    content parts, else they are put before the message's text, as vLLM does), and each
+//!    placeholder's pad token is expanded to the item's token count.
+//!
+//! Every refusal is an OpenAI-shaped 400 (422 where vLLM answers 422) naming the part.
+
+pub(crate) mod data_url;
+mod fetch;
+mod guard;
+mod limits;
+pub(crate) mod parts;
+mod preprocess;
+pub(crate) mod prompt;
+
+use std::sync::Arc;
+
+use futures::{StreamExt, TryStreamExt};
+use serde_json::Value;
+
+use crate::AppState;
+use crate::error::ApiError;
+use crate::openai::ChatMessage;
+use parts::ParsedChat;
+
+pub use preprocess::MultimodalModel;
+
+/// Media parts fetched and preprocessed at once for one request.
+const MEDIA_CONCURRENCY: usize = 4;
+
+pub use omni_mm::Modality;
+
+/// vLLM's name of a modality (`image`, `audio`, `video`), as in `--limit-mm-per-prompt`.
+pub trait ModalityName {
+    /// The name.
+    fn name(self) -> &'static str;
+}
+
+impl ModalityName for Modality {
+    fn name(self) -> &'static str {
+        match self {
+            Modality::Image => "image",
+            Modality::Audio => "audio",
+            Modality::Video => "video",
+        }
+    }
+}
+
+/// One multimodal item of a prompt, decoded and preprocessed: what the model's encoder takes
+/// for it, and where its placeholder tokens sit in the prompt.
+///
+/// The request path carries these on [`crate::prepare::PreparedPrompt::mm_inputs`], in prompt
+/// order. The placeholder range and the content hash already go to the engine as
+/// `EngineCoreRequest::mm_placeholders` (so the prefix cache never shares blocks between
+/// different media behind equal pad tokens); the tensor bytes are for the Thinker's vision and
+/// audio encoders, which receive them once the engine protocol carries them.
+#[derive(Clone, PartialEq)]
+pub struct MmInput {
+    /// Image or audio.
+    pub modality: Modality,
+    /// The processed tensor as bf16, little-endian, row-major: an image's pixel patches
+    /// `[grid_t * grid_h * grid_w, 3 * temporal_patch * patch^2]`, or an audio clip's log-mel
+    /// `[num_mel_bins, num_frames]`.
+    pub data: Vec<u8>,
+    /// The tensor's shape (see `data`).
+    pub shape: [usize; 2],
+    /// An image's patch grid `(t, h, w)`.
+    pub grid_thw: Option<[u32; 3]>,
+    /// An audio clip's mel frames.
+    pub num_frames: Option<u32>,
+    /// Placeholder (pad) tokens the item takes in the prompt.
+    pub num_tokens: u32,
+    /// omni-mm's BLAKE3 of the modality, the shape and the bf16 tensor: equal for equal inputs
+    /// to the encoder, whatever file or URL they came from.
+    pub content_hash: omni_mm::ContentHash,
+    /// Index of the item's first pad token in the prompt (set when the prompt is built).
+    pub offset: u32,
+    /// The client's `uuid` of the item, when it gave one.
+    pub uuid: Option<String>,
+}
+
+impl std::fmt::Debug for MmInput {
+    /// Everything but the tensor's bytes (their count instead).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmInput")
+            .field("modality", &self.modality)
+            .field("data_bytes", &self.data.len())
+            .field("shape", &self.shape)
+            .field("grid_thw", &self.grid_thw)
+            .field("num_frames", &self.num_frames)
+            .field("num_tokens", &self.num_tokens)
+            .field("mm_hash", &self.mm_hash())
+            .field("offset", &self.offset)
+            .field("uuid", &self.uuid)
+            .finish()
+    }
+}
+
+impl MmInput {
+    /// The content hash folded to the engine protocol's `mm_hash` (its first 8 bytes).
+    pub fn mm_hash(&self) -> u64 {
+        self.content_hash.as_u64()
+    }
+}
+
+/// A chat request's messages, parsed, and its media items, preprocessed, in order
+/// (`chat.media[i]` became `inputs[i]`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ChatMedia {
+    /// The messages and their parts.
+    pub chat: ParsedChat,
+    /// One item per media part.
+    pub inputs: Vec<MmInput>,
+}
+
+/// Parses `messages`, checks the media parts against the model and the limits, then fetches
+/// and preprocesses every media part (a few at a time, in order). A request without media
+/// parts returns at once.
+pub(crate) async fn load(
+    state: &Arc<AppState>,
+    messages: Vec<ChatMessage>,
+) -> Result<ChatMedia, ApiError> {
+    let chat = parts::parse_messages(messages)?;
+    if chat.media.is_empty() {
+        return Ok(ChatMedia {
+            chat,
+            inputs: Vec::new(),
+        });
+    }
+    let model = state.config.multimodal.clone();
+    limits::check(&chat.media, model.as_deref(), &state.config.media)?;
+    let Some(model) = model else {
+        return Err(ApiError::internal(
+            "media parts passed the checks of a text-only model",
+        ));
+    };
+    let inputs = futures::stream::iter(chat.media.iter().cloned())
+        .map(|part| {
+            let state = state.clone();
+            let model = model.clone();
+            async move {
+                let media = &state.config.media;
+                let fetched = fetch::fetch(&part.source, part.modality, media)
+                    .await
+                    .map_err(|e| e.into_api(&part.path))?;
+                let limits = preprocess::decode_limits(media);
+                let path = part.path.clone();
+                tokio::task::spawn_blocking(move || {
+                    preprocess::process(&model, &part, fetched, &limits)
+                        .map_err(|e| ApiError::bad_param(&part.path, e))
+                })
+                .await
+                .map_err(|e| ApiError::internal(format!("media task for {path} failed: {e}")))?
+            }
+        })
+        .buffered(MEDIA_CONCURRENCY)
+        .try_collect()
+        .await?;
+    Ok(ChatMedia { chat, inputs })
+}
+
+/// Reads the towers of a model from its `config.json` (Qwen3-Omni keeps them under
+/// `thinker_config`) and its `preprocessor_config.json` when it has one; `None` for a model
+/// without a vision or audio encoder.
+pub fn multimodal_model(
+    config: &Value,
+    preprocessor: Option<&Value>,
+) -> Result<Option<MultimodalModel>, String> {
+    MultimodalModel::from_hf_config(config, preprocessor)
+}
