@@ -266,6 +266,7 @@ async fn a_redirect_to_a_host_not_allowed_is_never_followed() {
     let allowed = Origin::start(move |path| match path {
         "/loop" => http_response("302 Found", &[("Location", "/loop")], b""),
         "/missing" => http_response("404 Not Found", &[], b"no"),
+        "/stall" => Vec::new(),
         "/huge" => {
             b"HTTP/1.1 200 OK\r\nContent-Length: 2097152\r\nConnection: close\r\n\r\nxx".to_vec()
         }
@@ -321,6 +322,24 @@ async fn a_redirect_to_a_host_not_allowed_is_never_followed() {
         "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB=1",
     )
     .await;
+    // An origin that never answers: the fetch ends at the image timeout.
+    let mut slow = cfg.clone();
+    slow.media.image_fetch_timeout = 1;
+    let app_slow = omni_server::router(slow, engine.clone(), mm_tokenizer(true));
+    let t0 = std::time::Instant::now();
+    refused(
+        &app_slow,
+        &chat(vec![image_part(&at("/stall"))]),
+        400,
+        p,
+        "timed out",
+    )
+    .await;
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(4),
+        "{:?}",
+        t0.elapsed()
+    );
     // Redirects off: the first one is refused.
     cfg.media.media_url_allow_redirects = false;
     let app = omni_server::router(cfg, engine.clone(), mm_tokenizer(true));

@@ -170,7 +170,7 @@ pub(crate) async fn fetch(
     modality: Modality,
     cfg: &MediaConfig,
 ) -> Result<Fetched, FetchError> {
-    let cap = byte_cap(modality, cfg);
+    let cap = byte_cap(cfg);
     let fetched = match source {
         MediaSource::InputAudio { format, data } => {
             let url = format!("data:audio/{format};base64,{data}");
@@ -200,17 +200,10 @@ pub(crate) async fn fetch(
     Ok(fetched)
 }
 
-/// The largest file of `modality` taken: the download cap, and for audio the clip cap.
-fn byte_cap(modality: Modality, cfg: &MediaConfig) -> Option<u64> {
-    let download = (cfg.max_media_download_size_mb > 0)
-        .then(|| cfg.max_media_download_size_mb.saturating_mul(MIB));
-    match modality {
-        Modality::Audio => {
-            let clip = cfg.max_audio_clip_filesize_mb.saturating_mul(MIB);
-            Some(download.map_or(clip, |d| d.min(clip)))
-        }
-        _ => download,
-    }
+/// The largest download taken (`--max-media-download-size-mb`; 0: none). An audio clip's own
+/// cap (`--max-audio-clip-filesize-mb`) is omni-mm's, checked before decoding.
+fn byte_cap(cfg: &MediaConfig) -> Option<u64> {
+    (cfg.max_media_download_size_mb > 0).then(|| cfg.max_media_download_size_mb.saturating_mul(MIB))
 }
 
 /// A declared type must be of the part's modality; none, or `application/octet-stream`, leaves

@@ -274,8 +274,8 @@ pub fn http_response(status: &str, headers: &[(&str, &str)], body: &[u8]) -> Vec
     out
 }
 
-/// An HTTP origin on 127.0.0.1 answering each request with `route(path)`, counting the
-/// connections it accepts.
+/// An HTTP origin on 127.0.0.1 answering each request with `route(path)` (an empty answer:
+/// it holds the connection 10 s and sends nothing), counting the connections it accepts.
 pub struct Origin {
     addr: SocketAddr,
     hits: Arc<AtomicUsize>,
@@ -307,7 +307,12 @@ impl Origin {
                     }
                     let head = String::from_utf8_lossy(&buf[..n]);
                     let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
-                    let _ = sock.write_all(&route(&path)).await;
+                    let response = route(&path);
+                    if response.is_empty() {
+                        // A stalled origin: holds the connection, answers nothing.
+                        tokio::time::sleep(Duration::from_secs(10)).await;
+                    }
+                    let _ = sock.write_all(&response).await;
                     let _ = sock.shutdown().await;
                 });
             }
