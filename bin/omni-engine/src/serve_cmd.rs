@@ -53,6 +53,10 @@ pub struct Args {
     /// Omni models: the stage pipeline and its deploy profile.
     #[command(flatten)]
     pub omni: omni_config::OmniArgs,
+    /// Multimodal inputs: media fetching and limits (boxed: it is large, and `serve` is one
+    /// variant of the command enum).
+    #[command(flatten)]
+    pub media: Box<omni_config::MediaConfig>,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -82,7 +86,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             model.display()
         );
     }
-    let config = server_config(&args, given.as_deref());
+    let mut config = server_config(&args, given.as_deref());
+    config.media = (*args.media).clone();
+    if let Some(dir) = &config.media.allowed_local_media_path {
+        anyhow::ensure!(
+            dir.is_dir(),
+            "--allowed-local-media-path {} is not a directory",
+            dir.display()
+        );
+    }
+    config.multimodal = multimodal_model(&model)?.map(Arc::new);
+    if let Some(mm) = &config.multimodal {
+        tracing::info!(
+            image = mm.image.is_some(),
+            audio = mm.audio.is_some(),
+            "the model takes media in chat content parts"
+        );
+    }
     tracing::info!(
         config_file = ?args.config,
         served_model_name = ?config.served_model_names,
@@ -95,7 +115,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     let t_load = Instant::now();
-    let mut config = config;
     // On the main thread, which lives as long as the engine: workers and stages die with the
     // thread that spawned them (PR_SET_PDEATHSIG).
     let (core, cache): (Arc<dyn EngineCoreClient>, CacheInfo) = if args.omni.omni {
@@ -143,6 +162,28 @@ fn server_config(args: &Args, given: Option<&Path>) -> ServerConfig {
         args.server.served_model_name.clone()
     };
     ServerConfig::new(&args.server, names, args.engine.model.max_model_len)
+}
+
+/// The vision and audio towers of a Hugging Face model directory (from its `config.json` and
+/// `preprocessor_config.json`); `None` for a GGUF file or a text-only model.
+fn multimodal_model(model: &Path) -> anyhow::Result<Option<omni_server::media::MultimodalModel>> {
+    let read = |name: &str| -> anyhow::Result<Option<serde_json::Value>> {
+        let path = model.join(name);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        Ok(Some(value))
+    };
+    let Some(config) = read("config.json")? else {
+        return Ok(None);
+    };
+    let preprocessor = read("preprocessor_config.json")?;
+    omni_server::media::multimodal_model(&config, preprocessor.as_ref())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))
 }
 
 /// `--chat-template`: a file's contents, or the argument itself when it is a template.
