@@ -127,6 +127,9 @@ pub fn parse_mm_limits(s: &str) -> Result<MmLimits, String> {
         .ok_or("expected a JSON object such as {\"image\": 2}")?;
     let mut out = BTreeMap::new();
     for (k, v) in obj {
+        if !["image", "audio", "video"].contains(&k.as_str()) {
+            return Err(format!("`{k}`: the modalities are image, audio and video"));
+        }
         let n = v
             .as_u64()
             .or_else(|| v.get("count").and_then(|c| c.as_u64()))
@@ -157,5 +160,6 @@ mod tests {
         assert_eq!(l.0["video"], 0);
         assert!(parse_mm_limits("[1]").is_err());
         assert!(parse_mm_limits(r#"{"image": -1}"#).is_err());
+        assert!(parse_mm_limits(r#"{"imag": 1}"#).is_err());
     }
 }

@@ -8,6 +8,10 @@
 //! is one [`ApiError`] rendered as OpenAI's error JSON. The listener ([`serve_on`]) closes idle
 //! and half-sent connections and bounds how many are open ([`ConnectionLimits`]).
 //!
+//! Chat content parts may carry images and audio on a model with the encoders for them
+//! ([`media`]: base64 data URLs, allowed http(s) hosts under an egress guard, `file://` under
+//! an allowed directory; limits checked before fetching; omni-mm decodes and preprocesses).
+//!
 //! An omni model (text + speech; [`ServerConfig::omni`] set, see [`OmniServerInfo`]) takes
 //! vLLM-Omni's chat fields (`modalities`, `audio.format`, `speaker` / `voice`,
 //! `sampling_params_list`), sends them to the engine as `EngineCoreRequest::omni`, and answers

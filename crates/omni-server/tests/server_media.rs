@@ -136,6 +136,22 @@ async fn hostile_inline_media_gets_a_400_naming_the_part() {
         "base64",
     )
     .await;
+    // Images whose tokens alone overflow a 200-token context: 4 images of 64 (256 x 256).
+    let small_ctx = ServerConfig {
+        max_model_len: 200,
+        ..mm_config()
+    };
+    let app_small = omni_server::router(small_ctx, engine.clone(), mm_tokenizer(true));
+    let big = format!("data:image/png;base64,{}", b64(&png(256, 256)));
+    let many = chat((0..4).map(|_| image_part(&big)).collect());
+    refused(
+        &app_small,
+        &many,
+        400,
+        "messages",
+        "at least 256 tokens (at messages[0].content[3]",
+    )
+    .await;
     no_requests(&engine);
 }
 

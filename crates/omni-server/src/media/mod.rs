@@ -146,7 +146,7 @@ pub(crate) async fn load(
             "media parts passed the checks of a text-only model",
         ));
     };
-    let inputs = futures::stream::iter(chat.media.iter().cloned())
+    let mut items = futures::stream::iter(chat.media.iter().cloned())
         .map(|part| {
             let state = state.clone();
             let model = model.clone();
@@ -165,9 +165,27 @@ pub(crate) async fn load(
                 .map_err(|e| ApiError::internal(format!("media task for {path} failed: {e}")))?
             }
         })
-        .buffered(MEDIA_CONCURRENCY)
-        .try_collect()
-        .await?;
+        .buffered(MEDIA_CONCURRENCY);
+    // The items' tokens alone must fit the context: stop at the first item past it, so a
+    // prompt of many large images never holds more than a context's worth of tensors.
+    let mut inputs: Vec<MmInput> = Vec::with_capacity(chat.media.len());
+    let mut tokens = 0u64;
+    while let Some(item) = items.try_next().await? {
+        tokens += u64::from(item.num_tokens);
+        if tokens >= u64::from(state.config.max_model_len) {
+            return Err(ApiError::bad_param(
+                "messages",
+                format!(
+                    "This model's maximum context length is {} tokens; the media of this \
+                     prompt take at least {tokens} tokens (at {}).",
+                    state.config.max_model_len,
+                    chat.media[inputs.len()].path
+                ),
+            ));
+        }
+        inputs.push(item);
+    }
+    drop(items);
     Ok(ChatMedia { chat, inputs })
 }
 
