@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use omni_server::{ServerConfig, Tokenizer};
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The placeholder tokens' ids in [`mm_tokenizer`] (after 3 specials and 256 bytes).
@@ -329,4 +329,53 @@ impl Origin {
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
+}
+
+/// The chat endpoint.
+pub const CHAT: &str = "/v1/chat/completions";
+
+/// The router over [`mm_tokenizer`] with a parts-walking template.
+pub fn app(engine: Arc<super::common::FakeEngine>, config: ServerConfig) -> axum::Router {
+    omni_server::router(config, engine, mm_tokenizer(true))
+}
+
+/// A one-message chat body of `parts`.
+pub fn chat(parts: Vec<Value>) -> String {
+    json!({"messages": [{"role": "user", "content": parts}], "max_tokens": 2}).to_string()
+}
+
+/// An `image_url` part.
+pub fn image_part(url: &str) -> Value {
+    json!({"type": "image_url", "image_url": {"url": url}})
+}
+
+/// An `input_audio` part of `bytes`.
+pub fn audio_part(format: &str, bytes: &[u8]) -> Value {
+    json!({"type": "input_audio", "input_audio": {"data": b64(bytes), "format": format}})
+}
+
+/// Posts `body`, expects `status` with OpenAI's error shape naming `param` and a message
+/// holding `needle`, then checks that the server still answers.
+pub async fn refused(app: &axum::Router, body: &str, status: u16, param: &str, needle: &str) {
+    let (got, v, text) = super::common::call(app, "POST", CHAT, Some(body), &[]).await;
+    let ctx = &body[..body.len().min(160)];
+    assert_eq!(got, status, "{ctx}: {text}");
+    let e = &v["error"];
+    assert_eq!(e["param"], param, "{ctx}: {v}");
+    assert_eq!(e["type"], "invalid_request_error", "{ctx}: {v}");
+    let message = e["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(needle),
+        "{ctx}: {message:?} lacks {needle:?}"
+    );
+    let (ok, _, _) = super::common::call(app, "GET", "/health", None, &[]).await;
+    assert_eq!(ok, 200, "still serving after {ctx}");
+}
+
+/// Asserts the engine got no request.
+pub fn no_requests(engine: &super::common::FakeEngine) {
+    assert!(
+        engine.requests.lock().unwrap().is_empty(),
+        "nothing reaches the engine"
+    );
 }
