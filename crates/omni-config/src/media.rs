@@ -143,7 +143,34 @@ pub fn parse_mm_limits(s: &str) -> Result<MmLimits, String> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use clap::FromArgMatches;
+
     use super::*;
+
+    #[test]
+    fn vllms_env_vars_set_the_flags_under_the_command_line() {
+        let cmd = MediaConfig::augment_args(clap::Command::new("serve"));
+        let env = [
+            ("VLLM_MEDIA_EGRESS_BLOCK_PRIVATE", "0"),
+            ("VLLM_IMAGE_FETCH_TIMEOUT", "7"),
+            ("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "false"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let argv: Vec<String> = ["serve", "--image-fetch-timeout", "9"]
+            .map(String::from)
+            .to_vec();
+        let argv = crate::layered_argv(argv, &cmd, env).unwrap();
+        let m = crate::override_self(cmd)
+            .try_get_matches_from(argv)
+            .unwrap();
+        let c = MediaConfig::from_arg_matches(&m).unwrap();
+        assert!(!c.media_egress_block_private && !c.media_url_allow_redirects);
+        assert_eq!(c.image_fetch_timeout, 9, "the command line wins");
+        let bad = [("VLLM_MAX_IMAGE_PIXELS".to_string(), "lots".to_string())];
+        let cmd = MediaConfig::augment_args(clap::Command::new("serve"));
+        let e = crate::layered_argv(vec!["serve".into()], &cmd, bad).unwrap_err();
+        assert!(e.to_string().contains("VLLM_MAX_IMAGE_PIXELS"), "{e}");
+    }
 
     #[test]
     fn defaults_are_vllms_and_limits_parse_both_forms() {
