@@ -30,8 +30,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 
 use omni_protocol::{
-    EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineDeadError,
-    FinishReason, RequestId, SchedulerStats, StageInput, StageKind, StageOutputs, StageSpec,
+    CodecChunk, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+    EngineDeadError, FinishReason, RequestId, SchedulerStats, StageInput, StageKind, StageOutputs,
+    StageSpec, ThinkerToTalker,
 };
 
 use crate::engine_core_client::{EngineCoreClient, Frontend, RequestError, RequestStream};
@@ -86,6 +87,14 @@ struct Shared {
     stats: Mutex<Vec<Vec<SchedulerStats>>>,
     /// Bytes sent Thinker -> Talker and Talker -> Code2Wav (headers' tensors and codes).
     connector_bytes: [AtomicU64; 2],
+}
+
+/// `ids` without repeats, in first-seen order.
+fn dedup(ids: Vec<RequestId>) -> Vec<RequestId> {
+    let mut seen = std::collections::HashSet::new();
+    ids.into_iter()
+        .filter(|id| seen.insert(id.clone()))
+        .collect()
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -209,21 +218,17 @@ impl Shared {
         }
     }
 
-    fn on_thinker(&self, mut outs: StageOutputs, buffers: Vec<Vec<u8>>) {
-        self.stage_failures(StageKind::Thinker, &mut outs);
-        for mut chunk in std::mem::take(&mut outs.thinker_chunks) {
+    /// Forwards a Thinker message's chunks to their Talker replicas: per replica, in order, as
+    /// few packed messages as stay within a ring slot (one per Thinker step as a rule).
+    fn forward_thinker_chunks(&self, chunks: Vec<ThinkerToTalker>, buffers: &[Vec<u8>]) {
+        let mut groups: Vec<(usize, Vec<ThinkerToTalker>)> = Vec::new();
+        for chunk in chunks {
             let Some(route) = self.route(&chunk.request_id) else {
                 continue;
             };
-            let Some(talker) = self.stage(StageKind::Talker, route.replicas[1]) else {
-                continue;
-            };
-            let picked = omni_protocol::rebase_buffers(&mut chunk);
-            let bufs: Vec<&[u8]> = picked
-                .iter()
-                .filter_map(|&i| buffers.get(i).map(Vec::as_slice))
-                .collect();
-            if bufs.len() != picked.len() {
+            let mut own = Vec::new();
+            omni_protocol::rebase_buffers(&mut chunk.clone(), &mut own);
+            if own.iter().any(|&i| i >= buffers.len()) {
                 self.fail(
                     &chunk.request_id,
                     EngineDeadError::EngineCore {
@@ -232,14 +237,37 @@ impl Shared {
                 );
                 continue;
             }
-            let id = chunk.request_id.clone();
-            let bytes: usize = bufs.iter().map(|b| b.len()).sum();
-            // A statistic: no ordering with anything else.
-            self.connector_bytes[0].fetch_add(bytes as u64, Ordering::Relaxed);
-            if let Err(e) = talker.send(&StageInput::Thinker(Box::new(chunk)), &bufs) {
-                self.fail(&id, e);
+            let replica = route.replicas[1];
+            match groups.iter_mut().find(|(r, _)| *r == replica) {
+                Some((_, g)) => g.push(chunk),
+                None => groups.push((replica, vec![chunk])),
             }
         }
+        let size = |i: usize| buffers.get(i).map_or(0, Vec::len);
+        for (replica, chunks) in groups {
+            let Some(talker) = self.stage(StageKind::Talker, replica) else {
+                continue;
+            };
+            for (pack, picked) in
+                omni_protocol::pack_thinker_chunks(chunks, size, omni_protocol::STAGE_PACK_BYTES)
+            {
+                let bufs: Vec<&[u8]> = picked.iter().map(|&i| buffers[i].as_slice()).collect();
+                let bytes: usize = bufs.iter().map(|b| b.len()).sum();
+                // A statistic: no ordering with anything else.
+                self.connector_bytes[0].fetch_add(bytes as u64, Ordering::Relaxed);
+                let ids: Vec<RequestId> = pack.iter().map(|c| c.request_id.clone()).collect();
+                if let Err(e) = talker.send(&StageInput::Thinker(pack), &bufs) {
+                    for id in dedup(ids) {
+                        self.fail(&id, e.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_thinker(&self, mut outs: StageOutputs, buffers: Vec<Vec<u8>>) {
+        self.stage_failures(StageKind::Thinker, &mut outs);
+        self.forward_thinker_chunks(std::mem::take(&mut outs.thinker_chunks), &buffers);
         let mut outputs = Vec::with_capacity(outs.outputs.len());
         for mut o in std::mem::take(&mut outs.outputs) {
             let Some(route) = self.route(&o.request_id) else {
@@ -267,20 +295,32 @@ impl Shared {
         });
     }
 
+    /// Forwards a Talker step's codec windows, one message per Code2Wav replica.
     fn on_talker(&self, mut outs: StageOutputs) {
         self.stage_failures(StageKind::Talker, &mut outs);
+        let mut groups: Vec<(usize, Vec<CodecChunk>)> = Vec::new();
         for chunk in std::mem::take(&mut outs.codec_chunks) {
             let Some(route) = self.route(&chunk.request_id) else {
                 continue;
             };
-            let Some(c2w) = self.stage(StageKind::Code2Wav, route.replicas[2]) else {
+            let bytes = chunk.codes.len() * std::mem::size_of::<u32>();
+            // A statistic: no ordering with anything else.
+            self.connector_bytes[1].fetch_add(bytes as u64, Ordering::Relaxed);
+            let replica = route.replicas[2];
+            match groups.iter_mut().find(|(r, _)| *r == replica) {
+                Some((_, g)) => g.push(chunk),
+                None => groups.push((replica, vec![chunk])),
+            }
+        }
+        for (replica, windows) in groups {
+            let Some(c2w) = self.stage(StageKind::Code2Wav, replica) else {
                 continue;
             };
-            let id = chunk.request_id.clone();
-            let bytes = chunk.codes.len() * std::mem::size_of::<u32>();
-            self.connector_bytes[1].fetch_add(bytes as u64, Ordering::Relaxed);
-            if let Err(e) = c2w.send(&StageInput::Codec(chunk), &[]) {
-                self.fail(&id, e);
+            let ids: Vec<RequestId> = windows.iter().map(|c| c.request_id.clone()).collect();
+            if let Err(e) = c2w.send(&StageInput::Codec(windows), &[]) {
+                for id in dedup(ids) {
+                    self.fail(&id, e.clone());
+                }
             }
         }
     }

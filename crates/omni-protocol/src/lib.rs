@@ -62,9 +62,9 @@ pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use stage::{
-    CodecChunk, CodecWindowing, PipelineStats, StageInput, StageKind, StageOutputs,
-    StagePayloadError, StageSpec, ThinkerChunk, ThinkerStates, ThinkerStatesView, ThinkerToTalker,
-    rebase_buffers,
+    CodecChunk, CodecWindowing, PipelineStats, STAGE_PACK_BYTES, StageInput, StageKind,
+    StageOutputs, StagePayloadError, StageSpec, ThinkerChunk, ThinkerStates, ThinkerStatesView,
+    ThinkerToTalker, pack_thinker_chunks, rebase_buffers,
 };
 pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};
 pub use worker::{
@@ -74,7 +74,7 @@ pub use worker::{
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

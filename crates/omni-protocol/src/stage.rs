@@ -239,10 +239,11 @@ pub enum StageInput {
     /// A new request: the Thinker starts it; the Talker registers it (voice, sampling) and
     /// starts it once the Thinker's first chunk arrived.
     Add(Box<EngineCoreRequest>),
-    /// Thinker states for a Talker request; tensors are this message's buffers.
-    Thinker(Box<ThinkerToTalker>),
-    /// A Code2Wav window.
-    Codec(CodecChunk),
+    /// Thinker states for Talker requests (a step's chunks packed together); tensors are this
+    /// message's buffers.
+    Thinker(Vec<ThinkerToTalker>),
+    /// Code2Wav windows (a Talker step's, packed together).
+    Codec(Vec<CodecChunk>),
     /// Stop these requests and free what they hold.
     Abort(Vec<RequestId>),
     /// Finish the step in flight, then exit.
@@ -288,10 +289,14 @@ pub struct PipelineStats {
     pub connector_bytes: Vec<(u32, u32, u64)>,
 }
 
-/// Renumbers the chunk's tensors `0..k` in order of appearance; returns the old buffer index
-/// of each new one.
-pub fn rebase_buffers(chunk: &mut ThinkerToTalker) -> Vec<usize> {
-    let mut picked = Vec::new();
+/// Buffer bytes one stage message should stay within when chunks are packed together: half
+/// of the stage queues' 16 MiB ring slot, so a packed message takes the shared-memory path
+/// (a single chunk larger than this still goes alone, over the overflow path if it must).
+pub const STAGE_PACK_BYTES: usize = 8 << 20;
+
+/// Renumbers the chunk's tensors to follow the `picked` ones, in order of appearance, and
+/// appends the old buffer index of each to `picked`.
+pub fn rebase_buffers(chunk: &mut ThinkerToTalker, picked: &mut Vec<usize>) {
     let mut take = |t: &mut TensorRef| {
         picked.push(t.buffer_index as usize);
         t.buffer_index = (picked.len() - 1) as u32;
@@ -305,7 +310,54 @@ pub fn rebase_buffers(chunk: &mut ThinkerToTalker) -> Vec<usize> {
         ThinkerChunk::Decode { embed, .. } => take(embed),
         ThinkerChunk::End => {}
     }
-    picked
+}
+
+/// Thinker chunks packed into messages of at most `budget` buffer bytes each (a chunk over the
+/// budget goes alone), in order: each pack's chunks index its own buffers `0..k`, and the
+/// `Vec<usize>` lists the old index of each (`size(old)` is that buffer's length). One message
+/// per step instead of one per request keeps a 64-request step from waiting on 64 ring slots.
+pub fn pack_thinker_chunks(
+    chunks: Vec<ThinkerToTalker>,
+    size: impl Fn(usize) -> usize,
+    budget: usize,
+) -> Vec<(Vec<ThinkerToTalker>, Vec<usize>)> {
+    let mut packs: Vec<(Vec<ThinkerToTalker>, Vec<usize>)> = Vec::new();
+    let mut bytes = 0;
+    for mut chunk in chunks {
+        let mut own = Vec::new();
+        rebase_buffers(&mut chunk, &mut own);
+        let n: usize = own.iter().map(|&i| size(i)).sum();
+        let start_new = match packs.last() {
+            None => true,
+            Some((c, _)) => !c.is_empty() && bytes + n > budget,
+        };
+        if start_new {
+            packs.push((Vec::new(), Vec::new()));
+            bytes = 0;
+        }
+        if let Some((c, picked)) = packs.last_mut() {
+            let base = picked.len() as u32;
+            shift_buffers(&mut chunk, base);
+            picked.extend(own);
+            c.push(chunk);
+        }
+        bytes += n;
+    }
+    packs
+}
+
+/// Adds `base` to every buffer index of the chunk.
+fn shift_buffers(chunk: &mut ThinkerToTalker, base: u32) {
+    let shift = |t: &mut TensorRef| t.buffer_index += base;
+    match &mut chunk.chunk {
+        ThinkerChunk::Prefill(s) | ThinkerChunk::Full(s) => {
+            shift(&mut s.embed);
+            shift(&mut s.hidden);
+            shift(&mut s.tts);
+        }
+        ThinkerChunk::Decode { embed, .. } => shift(embed),
+        ThinkerChunk::End => {}
+    }
 }
 
 #[cfg(test)]
@@ -372,5 +424,71 @@ mod tests {
             chunk: ThinkerChunk::End,
         };
         assert_eq!(round_trip(&end), end);
+    }
+
+    fn decode(id: &str, buffer_index: u32) -> ThinkerToTalker {
+        ThinkerToTalker {
+            request_id: id.into(),
+            chunk_id: 1,
+            chunk: ThinkerChunk::Decode {
+                token: 7,
+                embed: tensor("thinker.embed", &[1, 8], buffer_index),
+            },
+        }
+    }
+
+    fn indices(c: &ThinkerToTalker) -> Vec<u32> {
+        match &c.chunk {
+            ThinkerChunk::Prefill(s) | ThinkerChunk::Full(s) => {
+                vec![
+                    s.embed.buffer_index,
+                    s.hidden.buffer_index,
+                    s.tts.buffer_index,
+                ]
+            }
+            ThinkerChunk::Decode { embed, .. } => vec![embed.buffer_index],
+            ThinkerChunk::End => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn packs_keep_order_and_index_their_own_buffers() {
+        // Buffers of the step: a prefill's three (100 bytes each), then two decodes' (10).
+        let mut prefill = ThinkerToTalker {
+            request_id: "p".into(),
+            chunk_id: 0,
+            chunk: ThinkerChunk::Prefill(states(5)),
+        };
+        if let ThinkerChunk::Prefill(st) = &mut prefill.chunk {
+            (
+                st.embed.buffer_index,
+                st.hidden.buffer_index,
+                st.tts.buffer_index,
+            ) = (2, 3, 4);
+        }
+        let end = ThinkerToTalker {
+            request_id: "e".into(),
+            chunk_id: 2,
+            chunk: ThinkerChunk::End,
+        };
+        let chunks = vec![decode("a", 0), prefill, end, decode("b", 1)];
+        let size = |i: usize| if i >= 2 { 100 } else { 10 };
+        // Everything fits: one pack, indices 0.. in order of appearance.
+        let one = pack_thinker_chunks(chunks.clone(), size, 1000);
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].1, [0, 2, 3, 4, 1]);
+        let got: Vec<Vec<u32>> = one[0].0.iter().map(indices).collect();
+        assert_eq!(got, [vec![0], vec![1, 2, 3], vec![], vec![4]]);
+        // A budget under the prefill's 300 bytes: it goes alone, the rest packs around it.
+        let split = pack_thinker_chunks(chunks, size, 50);
+        let ids: Vec<Vec<&str>> = split
+            .iter()
+            .map(|(c, _)| c.iter().map(|m| m.request_id.as_str()).collect())
+            .collect();
+        assert_eq!(ids, [vec!["a"], vec!["p"], vec!["e", "b"]]);
+        let picked: Vec<&[usize]> = split.iter().map(|(_, p)| p.as_slice()).collect();
+        assert_eq!(picked, [&[0][..], &[2, 3, 4], &[1]]);
+        let got: Vec<Vec<u32>> = split[1].0.iter().chain(&split[2].0).map(indices).collect();
+        assert_eq!(got, [vec![0, 1, 2], vec![], vec![0]]);
     }
 }

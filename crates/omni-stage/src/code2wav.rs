@@ -50,23 +50,26 @@ impl Code2WavStage {
 impl Stage for Code2WavStage {
     fn input(&mut self, input: StageInput, _buffers: &[&[u8]], out: &mut StageOutputs) {
         match input {
-            StageInput::Codec(c) => {
+            StageInput::Codec(windows) => {
                 let groups = self.model.num_quantizers();
-                if c.codes.len() != groups * c.num_frames as usize || c.left_context > c.num_frames
-                {
-                    out.failed.push((
-                        c.request_id.clone(),
-                        format!(
-                            "codec window {} of {} codes for {} frames of {groups} codebooks \
-                             ({} of context)",
-                            c.chunk_id,
-                            c.codes.len(),
-                            c.num_frames,
-                            c.left_context
-                        ),
-                    ));
-                } else {
-                    self.queue.push_back(c);
+                for c in windows {
+                    if c.codes.len() != groups * c.num_frames as usize
+                        || c.left_context > c.num_frames
+                    {
+                        out.failed.push((
+                            c.request_id.clone(),
+                            format!(
+                                "codec window {} of {} codes for {} frames of {groups} \
+                                 codebooks ({} of context)",
+                                c.chunk_id,
+                                c.codes.len(),
+                                c.num_frames,
+                                c.left_context
+                            ),
+                        ));
+                    } else {
+                        self.queue.push_back(c);
+                    }
                 }
             }
             StageInput::Abort(ids) => self.queue.retain(|c| !ids.contains(&c.request_id)),

@@ -214,21 +214,25 @@ pub fn run_stage_process() -> Result<(), StageError> {
     }
 }
 
-/// Sends one step's outputs: the Thinker's chunks one message each (with their own buffers, so
-/// a message stays within a ring slot where it can), everything else in one message.
+/// Sends one step's outputs: the Thinker's chunks packed into as few messages as stay within a
+/// ring slot ([`omni_protocol::STAGE_PACK_BYTES`]; one per step unless prefills are large),
+/// everything else in one message after them.
 fn send_outputs(
     q: &mut omni_ipc::MessageQueue,
     mut out: StageOutputs,
     bufs: &[Vec<u8>],
 ) -> Result<(), StageError> {
-    for mut chunk in std::mem::take(&mut out.thinker_chunks) {
-        let picked = omni_protocol::rebase_buffers(&mut chunk);
+    let chunks = std::mem::take(&mut out.thinker_chunks);
+    let size = |i: usize| bufs.get(i).map_or(0, Vec::len);
+    for (thinker_chunks, picked) in
+        omni_protocol::pack_thinker_chunks(chunks, size, omni_protocol::STAGE_PACK_BYTES)
+    {
         let views: Vec<&[u8]> = picked
             .iter()
             .filter_map(|&i| bufs.get(i).map(Vec::as_slice))
             .collect();
         let one = StageOutputs {
-            thinker_chunks: vec![chunk],
+            thinker_chunks,
             ..StageOutputs::default()
         };
         q.enqueue(&one, &views)?;

@@ -289,13 +289,15 @@ impl Stage for TalkerStage {
                     Err(e) => out.failed.push((id, e.to_string())),
                 }
             }
-            StageInput::Thinker(m) => {
-                let id = m.request_id.clone();
-                if let Err(e) = self.thinker_chunk(*m, buffers) {
-                    self.pending.remove(&id);
-                    self.reqs.remove(&id);
-                    self.scheduler.abort_requests([id.as_str()]);
-                    out.failed.push((id, e.to_string()));
+            StageInput::Thinker(chunks) => {
+                for m in chunks {
+                    let id = m.request_id.clone();
+                    if let Err(e) = self.thinker_chunk(m, buffers) {
+                        self.pending.remove(&id);
+                        self.reqs.remove(&id);
+                        self.scheduler.abort_requests([id.as_str()]);
+                        out.failed.push((id, e.to_string()));
+                    }
                 }
             }
             StageInput::Abort(ids) => {
