@@ -82,6 +82,13 @@ async fn a_redirect_to_a_host_not_allowed_is_never_followed() {
         "/loop" => http_response("302 Found", &[("Location", "/loop")], b""),
         "/missing" => http_response("404 Not Found", &[], b"no"),
         "/stall" => Vec::new(),
+        "/tofile" => http_response("302 Found", &[("Location", "file:///etc/passwd")], b""),
+        "/stream" => {
+            // No Content-Length: 1.5 MiB until the connection closes.
+            let mut r = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n".to_vec();
+            r.resize(r.len() + (3 << 19), b'x');
+            r
+        }
         "/huge" => {
             b"HTTP/1.1 200 OK\r\nContent-Length: 2097152\r\nConnection: close\r\n\r\nxx".to_vec()
         }
@@ -137,6 +144,12 @@ async fn a_redirect_to_a_host_not_allowed_is_never_followed() {
         "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB=1",
     )
     .await;
+    // No Content-Length: counted while streaming.
+    let stream = chat(vec![image_part(&at("/stream"))]);
+    refused(&app, &stream, 422, p, "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB=1").await;
+    // A redirect off http(s).
+    let to_file = chat(vec![image_part(&at("/tofile"))]);
+    refused(&app, &to_file, 400, p, "must stay on http(s)").await;
     // An origin that never answers: the fetch ends at the image timeout.
     let mut slow = cfg.clone();
     slow.media.image_fetch_timeout = 1;

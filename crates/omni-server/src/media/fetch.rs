@@ -97,6 +97,9 @@ pub(crate) enum FetchError {
     /// A redirect while redirects are off.
     #[error("the media URL redirects, and redirects are off (VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)")]
     RedirectRefused,
+    /// A redirect to another scheme than http(s).
+    #[error("a media URL's redirect must stay on http(s), not `{0}:`")]
+    RedirectScheme(String),
     /// More than [`MAX_REDIRECTS`] hops.
     #[error("the media URL redirected more than {MAX_REDIRECTS} times")]
     TooManyRedirects,
@@ -315,6 +318,9 @@ async fn from_http(url: &str, cfg: &MediaConfig, cap: Option<u64>) -> Result<Fet
                 .and_then(|v| v.to_str().ok())
                 .ok_or(FetchError::OriginStatus(status.as_u16()))?;
             url = url.join(location).map_err(|_| FetchError::InvalidUrl)?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(FetchError::RedirectScheme(url.scheme().to_string()));
+            }
             continue;
         }
         if !status.is_success() {
