@@ -57,6 +57,18 @@ async fn http_media_needs_an_allowed_domain_and_a_public_address() {
         "allowed domains",
     )
     .await;
+    // https in a build without TLS: a clear 400, nothing contacted.
+    if cfg!(not(feature = "https")) {
+        let tls = format!("https://127.0.0.1:{}/cat.png", origin.port());
+        refused(
+            &app,
+            &chat(vec![image_part(&tls)]),
+            400,
+            p,
+            "`https` feature",
+        )
+        .await;
+    }
     // 1000 images: refused on the count, before any fetch.
     cfg.media.media_egress_block_private = false;
     let app = omni_server::router(cfg, engine.clone(), mm_tokenizer(true));
