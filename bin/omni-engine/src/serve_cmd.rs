@@ -182,7 +182,7 @@ fn multimodal_model(model: &Path) -> anyhow::Result<Option<omni_server::media::M
         return Ok(None);
     };
     let preprocessor = read("preprocessor_config.json")?;
-    omni_server::media::multimodal_model(&config, preprocessor.as_ref())
+    omni_server::media::MultimodalModel::from_hf_config(&config, preprocessor.as_ref())
         .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))
 }
 

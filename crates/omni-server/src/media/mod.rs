@@ -28,7 +28,6 @@ pub(crate) mod prompt;
 use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt};
-use serde_json::Value;
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -43,7 +42,7 @@ const MEDIA_CONCURRENCY: usize = 4;
 pub use omni_mm::Modality;
 
 /// vLLM's name of a modality (`image`, `audio`, `video`), as in `--limit-mm-per-prompt`.
-pub trait ModalityName {
+pub(crate) trait ModalityName {
     /// The name.
     fn name(self) -> &'static str;
 }
@@ -187,14 +186,4 @@ pub(crate) async fn load(
     }
     drop(items);
     Ok(ChatMedia { chat, inputs })
-}
-
-/// Reads the towers of a model from its `config.json` (Qwen3-Omni keeps them under
-/// `thinker_config`) and its `preprocessor_config.json` when it has one; `None` for a model
-/// without a vision or audio encoder.
-pub fn multimodal_model(
-    config: &Value,
-    preprocessor: Option<&Value>,
-) -> Result<Option<MultimodalModel>, String> {
-    MultimodalModel::from_hf_config(config, preprocessor)
 }

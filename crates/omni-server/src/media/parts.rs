@@ -46,6 +46,17 @@ pub(crate) enum Segment {
     Media(usize),
 }
 
+/// A message's `content`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Content {
+    /// `null` (an assistant message with tool calls).
+    Null,
+    /// A plain string.
+    Text(String),
+    /// A list of parts.
+    Parts(Vec<Segment>),
+}
+
 /// A message as the chat template will see it.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ParsedMessage {
@@ -53,9 +64,8 @@ pub(crate) struct ParsedMessage {
     pub role: String,
     /// The optional participant name.
     pub name: Option<String>,
-    /// `None`: `content` was null; `Some(Ok(text))`: a plain string; `Some(Err(segments))`:
-    /// a list of parts.
-    pub content: Option<Result<String, Vec<Segment>>>,
+    /// The content.
+    pub content: Content,
 }
 
 /// The messages of a chat request and their media parts, in order.
@@ -83,8 +93,8 @@ pub(crate) fn parse_messages(messages: Vec<ChatMessage>) -> Result<ParsedChat, A
     let mut out = ParsedChat::default();
     for (i, m) in messages.into_iter().enumerate() {
         let content = match m.content {
-            None => None,
-            Some(MessageContent::Text(t)) => Some(Ok(t)),
+            None => Content::Null,
+            Some(MessageContent::Text(t)) => Content::Text(t),
             Some(MessageContent::Parts(parts)) => {
                 let mut segments = Vec::with_capacity(parts.len());
                 for (j, p) in parts.into_iter().enumerate() {
@@ -96,7 +106,7 @@ pub(crate) fn parse_messages(messages: Vec<ChatMessage>) -> Result<ParsedChat, A
                         }
                     }
                 }
-                Some(Err(segments))
+                Content::Parts(segments)
             }
         };
         out.messages.push(ParsedMessage {
@@ -280,11 +290,11 @@ mod tests {
         );
         assert_eq!(
             chat.messages[1].content,
-            Some(Err(vec![
+            Content::Parts(vec![
                 Segment::Text("what is".into()),
                 Segment::Media(0),
                 Segment::Media(1)
-            ]))
+            ])
         );
     }
 

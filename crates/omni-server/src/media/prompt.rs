@@ -13,7 +13,7 @@ use omni_mm::MmItem;
 use omni_tokenizer::Tokenizer;
 use serde_json::{Value, json};
 
-use super::parts::{ParsedChat, Segment};
+use super::parts::{Content, ParsedChat, Segment};
 use super::{MmInput, Modality, ModalityName, MultimodalModel};
 use crate::error::ApiError;
 
@@ -78,9 +78,9 @@ pub(crate) fn template_messages(
     let mut out = Vec::with_capacity(chat.messages.len());
     for m in &chat.messages {
         let content = match &m.content {
-            None => Value::Null,
-            Some(Ok(text)) => Value::String(text.clone()),
-            Some(Err(segments)) => content_of(chat, segments, format, model, tokenizer)?,
+            Content::Null => Value::Null,
+            Content::Text(text) => Value::String(text.clone()),
+            Content::Parts(segments) => content_of(chat, segments, format, model, tokenizer)?,
         };
         let mut msg = json!({ "role": m.role, "content": content });
         if let Some(name) = &m.name {

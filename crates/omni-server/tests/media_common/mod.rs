@@ -119,7 +119,7 @@ pub fn mm_config() -> ServerConfig {
         "audio_start_token_id": AUDIO_START, "audio_end_token_id": AUDIO_END,
         "video_token_id": 151_656,
     }});
-    let model = omni_server::media::multimodal_model(&config, None)
+    let model = omni_server::media::MultimodalModel::from_hf_config(&config, None)
         .unwrap()
         .unwrap();
     ServerConfig {
