@@ -102,6 +102,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             audio = mm.audio.is_some(),
             "the model takes media in chat content parts"
         );
+        tracing::warn!(
+            "media parts are fetched and preprocessed, but the engine request does not carry \
+             the encoder inputs yet: the model sees their placeholder tokens only"
+        );
     }
     tracing::info!(
         config_file = ?args.config,
