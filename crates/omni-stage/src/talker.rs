@@ -79,6 +79,10 @@ pub struct TalkerStage {
     windowing: CodecWindowing,
     async_chunk: bool,
     seed: u64,
+    /// Fed-back Thinker rows (`[thinker_hidden]` each) not yet through `text_projection`:
+    /// projected together before the next step or the next non-decode chunk (one GEMM over
+    /// a step's rows instead of one GEMV, with the whole weight read, per row).
+    unprojected: Vec<(RequestId, Vec<f32>)>,
 }
 
 impl TalkerStage {
@@ -95,7 +99,53 @@ impl TalkerStage {
             windowing: spec.windowing,
             async_chunk: spec.async_chunk,
             seed: spec.seed,
+            unprojected: Vec::new(),
         })
+    }
+
+    /// Projects the waiting fed-back rows in one call and appends each to its request's
+    /// trailing text, in arrival order. A failure fails the requests whose rows it held.
+    fn project_fed_back(&mut self, out: &mut StageOutputs) {
+        if self.unprojected.is_empty() {
+            return;
+        }
+        let waiting = std::mem::take(&mut self.unprojected);
+        let rows: Vec<f32> = waiting
+            .iter()
+            .flat_map(|(_, r)| r.iter().copied())
+            .collect();
+        let projected = self.talker.prompts().project_text(&rows);
+        let h = self.talker.config().talker_config.text_config.hidden_size;
+        match projected {
+            Ok(text) if text.len() == waiting.len() * h => {
+                for ((id, _), row) in waiting.iter().zip(text.chunks_exact(h)) {
+                    if let Some(r) = self.reqs.get_mut(id) {
+                        r.prompt.trailing_text.extend_from_slice(row);
+                    }
+                }
+            }
+            other => {
+                let why = match other {
+                    Err(e) => e.to_string(),
+                    Ok(t) => format!("{} projected values for {} rows", t.len(), waiting.len()),
+                };
+                let mut ids: Vec<RequestId> = waiting.into_iter().map(|(id, _)| id).collect();
+                ids.sort();
+                ids.dedup();
+                for id in ids {
+                    self.drop_request(&id);
+                    out.failed.push((id, format!("text projection: {why}")));
+                }
+            }
+        }
+    }
+
+    /// Forgets a request everywhere (its scheduler entry too).
+    fn drop_request(&mut self, id: &RequestId) {
+        self.pending.remove(id);
+        self.reqs.remove(id);
+        self.unprojected.retain(|(r, _)| r != id);
+        self.scheduler.abort_requests([id.as_str()]);
     }
 
     fn chunker(&self) -> CodecChunker {
@@ -196,10 +246,14 @@ impl TalkerStage {
             ThinkerChunk::Full(s) => self.start(&id, &s, buffers, true),
             ThinkerChunk::Decode { embed, .. } => {
                 let row = read_f32(&embed, buffers)?;
-                let text = self.talker.prompts().project_text(&row)?;
-                if let Some(r) = self.reqs.get_mut(&id) {
-                    r.prompt.trailing_text.extend_from_slice(&text);
+                let th = self.talker.config().talker_config.thinker_hidden_size;
+                if row.len() != th {
+                    return Err(StageError::Input(format!(
+                        "a fed-back Thinker row of {} values, not {th}",
+                        row.len()
+                    )));
                 }
+                self.unprojected.push((id, row));
                 Ok(())
             }
             ThinkerChunk::End => {
@@ -291,21 +345,20 @@ impl Stage for TalkerStage {
             }
             StageInput::Thinker(chunks) => {
                 for m in chunks {
+                    // Rows fed back earlier come before a request's prompt or end.
+                    if !matches!(m.chunk, ThinkerChunk::Decode { .. }) {
+                        self.project_fed_back(out);
+                    }
                     let id = m.request_id.clone();
                     if let Err(e) = self.thinker_chunk(m, buffers) {
-                        self.pending.remove(&id);
-                        self.reqs.remove(&id);
-                        self.scheduler.abort_requests([id.as_str()]);
+                        self.drop_request(&id);
                         out.failed.push((id, e.to_string()));
                     }
                 }
             }
             StageInput::Abort(ids) => {
-                self.scheduler
-                    .abort_requests(ids.iter().map(String::as_str));
                 for id in &ids {
-                    self.pending.remove(id);
-                    self.reqs.remove(id);
+                    self.drop_request(id);
                 }
             }
             StageInput::Codec(_) | StageInput::Shutdown => {}
@@ -322,6 +375,7 @@ impl Stage for TalkerStage {
 
     fn step(&mut self, clock: &mut StepClock) -> Result<StepResult, StageError> {
         let mut out = StageOutputs::default();
+        self.project_fed_back(&mut out);
         self.gate();
         let so = self.scheduler.schedule();
         self.update_states(&so);
