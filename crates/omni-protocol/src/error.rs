@@ -23,6 +23,14 @@ pub enum AddRequestError {
         /// Configured limit.
         max_model_len: usize,
     },
+    /// A multimodal item does not match the prompt or its tensor bytes.
+    #[error("request {request_id:?}: {reason}")]
+    InvalidMultiModal {
+        /// The request.
+        request_id: RequestId,
+        /// What is wrong.
+        reason: String,
+    },
     /// A sampling parameter is out of range.
     #[error(transparent)]
     InvalidSamplingParams(#[from] SamplingParamsError),

@@ -43,6 +43,7 @@
 
 mod error;
 pub mod handshake;
+mod mm;
 mod omni;
 mod output;
 mod request;
@@ -58,7 +59,8 @@ pub use handshake::{
 };
 pub use omni::{AudioOutput, Modality, OmniParams};
 pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, StopReason};
-pub use request::{EngineCoreInput, EngineCoreRequest, MultiModalPlaceholder};
+pub use mm::{MmKind, MultiModalFeatureSpec, TensorBuffers};
+pub use request::{EngineCoreInput, EngineCoreRequest};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use stage::{
@@ -74,7 +76,7 @@ pub use worker::{
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

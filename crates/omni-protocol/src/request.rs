@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{OmniParams, RequestId, SamplingParams, TensorRef, TokenId};
+use crate::{MultiModalFeatureSpec, OmniParams, RequestId, SamplingParams, TensorBuffers, TokenId};
 
 /// One tokenized request, as the engine core receives it (vLLM's `EngineCoreRequest`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -17,28 +17,20 @@ pub struct EngineCoreRequest {
     pub eos_token_id: Option<TokenId>,
     /// When the API process received the request, seconds since the Unix epoch.
     pub arrival_time: f64,
-    /// Multimodal inputs carried as out-of-band buffers of the same message.
-    pub tensors: Vec<TensorRef>,
-    /// Where each multimodal item sits in the prompt and its content hash (vLLM's
-    /// `PlaceholderRange` + `mm_hash`): the hash enters the prefix-cache hash of every block the
-    /// item's placeholder tokens touch, so equal token ids with different media never share
-    /// KV blocks.
-    pub mm_placeholders: Vec<MultiModalPlaceholder>,
+    /// The prompt's multimodal items, sorted by placeholder offset: placeholder range, content
+    /// hash (which enters the prefix-cache hash of every block the placeholder touches, so equal
+    /// token ids with different media never share KV blocks), kind, and a [`crate::TensorRef`]
+    /// into [`Self::mm_buffers`].
+    pub mm_features: Vec<MultiModalFeatureSpec>,
+    /// The bytes behind `mm_features`' tensors. Not part of the serde header: over a
+    /// `MessageQueue` they are the `Add` message's out-of-band buffers, and the receiver puts
+    /// them back here.
+    #[serde(skip)]
+    pub mm_buffers: TensorBuffers,
     /// The omni part (output modalities, voice, later stages' sampling); `None` for a text
     /// request.
     #[serde(default)]
     pub omni: Option<OmniParams>,
-}
-
-/// One multimodal item's placeholder range in the prompt, with its content hash.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MultiModalPlaceholder {
-    /// Content hash of the item (the encoder cache key).
-    pub mm_hash: u64,
-    /// First placeholder token, as an index into the prompt.
-    pub offset: u32,
-    /// Placeholder tokens.
-    pub length: u32,
 }
 
 impl EngineCoreRequest {
@@ -59,8 +51,8 @@ impl EngineCoreRequest {
             sampling_params,
             eos_token_id,
             arrival_time,
-            tensors: Vec::new(),
-            mm_placeholders: Vec::new(),
+            mm_features: Vec::new(),
+            mm_buffers: TensorBuffers::new(),
             omni: None,
         }
     }

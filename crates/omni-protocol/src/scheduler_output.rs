@@ -15,6 +15,12 @@
 //!   for that request.
 //! - The scheduler only lists a block as a prefix-cache hit after the step that computed it has
 //!   returned, so a worker may compute the requests of one batch in any order.
+//! - Multimodal items arrive once, with [`NewRequestData::mm_features`] (their tensors are this
+//!   message's buffers); the worker keeps their bytes for the request's life. Before computing,
+//!   it drops the encoder outputs named in [`SchedulerOutput::free_encoder_mm_hashes`], then runs
+//!   the encoder of every item in [`SchedulerOutput::scheduled_encoder_inputs`] into its encoder
+//!   cache (keyed by content hash). Every item whose placeholder overlaps a request's scheduled
+//!   positions is then in that cache: its rows replace the placeholder tokens' embeddings.
 //! - A batch may be empty (`total_num_scheduled_tokens == 0`), sent only to deliver
 //!   `finished_req_ids`; the worker answers with an empty [`crate::ModelRunnerOutput`].
 
@@ -23,7 +29,8 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    BlockId, RequestId, SamplingParams, TensorBufferError, TensorRef, TensorView, TokenId,
+    BlockId, MultiModalFeatureSpec, RequestId, SamplingParams, TensorBufferError, TensorBuffers,
+    TensorRef, TensorView, TokenId,
 };
 
 /// A request the workers have not seen before (first scheduling).
@@ -41,8 +48,10 @@ pub struct NewRequestData {
     pub block_ids: Vec<BlockId>,
     /// Tokens whose KV is already cached (prefix-cache hit); computation starts here.
     pub num_computed_tokens: u32,
-    /// Multimodal inputs, as out-of-band buffers of this message.
-    pub tensors: Vec<TensorRef>,
+    /// The prompt's multimodal items, sent once, here: each one's tensor names an out-of-band
+    /// buffer of this message (in place in the ring slot on a worker). The worker keeps the
+    /// bytes for the request's life (a preempted request may need them encoded again).
+    pub mm_features: Vec<MultiModalFeatureSpec>,
 }
 
 /// A request the workers already know (vLLM keeps these as parallel lists; one struct per request
@@ -80,10 +89,21 @@ pub struct SchedulerOutput {
     /// Requests preempted this step: their blocks are gone; keep their tokens, they come back as
     /// `resumed_from_preemption`.
     pub preempted_req_ids: Vec<RequestId>,
-    /// Multimodal encoder outputs the workers may free (by content hash).
-    pub free_encoder_mm_hashes: Vec<String>,
+    /// Items whose encoder runs this step: per request, indices into its `mm_features` (vLLM's
+    /// `scheduled_encoder_inputs`). An item is encoded in the step its placeholder starts to
+    /// be computed; a content hash already in the encoder cache, or scheduled earlier in the
+    /// same step by another request, is not listed again.
+    pub scheduled_encoder_inputs: HashMap<RequestId, Vec<u32>>,
+    /// Encoder-cache entries (content hashes) no running request needs any more: the workers
+    /// drop them before this step's encoders run.
+    pub free_encoder_mm_hashes: Vec<u64>,
     /// Hidden states or other per-step tensors, as out-of-band buffers of this message.
     pub tensors: Vec<TensorRef>,
+    /// The bytes of this message's out-of-band buffers, as the engine core assembled them (the
+    /// new requests' item tensors). Not part of the serde header: the executor sends them as the
+    /// broadcast's buffers, and a worker reads them from its `buffers` argument instead.
+    #[serde(skip)]
+    pub buffers: TensorBuffers,
 }
 
 impl SchedulerOutput {
@@ -100,7 +120,7 @@ impl SchedulerOutput {
     ) -> Result<Vec<TensorView<'a>>, TensorBufferError> {
         self.scheduled_new_reqs
             .iter()
-            .flat_map(|r| &r.tensors)
+            .flat_map(|r| r.mm_features.iter().map(|f| &f.tensor))
             .chain(&self.tensors)
             .map(|t| t.view(buffers))
             .collect()

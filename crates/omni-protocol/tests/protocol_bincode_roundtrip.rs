@@ -7,8 +7,9 @@ use std::collections::HashMap;
 use omni_protocol::{
     AddRequestError, CachedRequestData, DType, EngineCoreInput, EngineCoreOutput,
     EngineCoreOutputs, EngineCoreRequest, EngineDeadError, FinishReason, LoadFormat, LoadModelSpec,
-    Logprob, ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput, SchedulerStats,
-    StopReason, TensorRef, TokenLogprobs, WorkerCommand, WorkerResponse,
+    Logprob, MmKind, ModelRunnerOutput, MultiModalFeatureSpec, NewRequestData, SamplingParams,
+    SchedulerOutput, SchedulerStats, StopReason, TensorRef, TokenLogprobs, WorkerCommand,
+    WorkerResponse,
 };
 use serde::{Serialize, de::DeserializeOwned};
 
@@ -49,6 +50,24 @@ fn tensor(index: u32) -> TensorRef {
     }
 }
 
+fn feature(index: u32) -> MultiModalFeatureSpec {
+    MultiModalFeatureSpec {
+        mm_hash: 0xfeed_beef,
+        offset: 1,
+        length: 3,
+        kind: MmKind::Image {
+            grid_thw: [1, 2, 6],
+        },
+        tensor: TensorRef {
+            name: "pixel_values".into(),
+            request_id: None,
+            dtype: DType::Bf16,
+            shape: vec![12, 1536],
+            buffer_index: index,
+        },
+    }
+}
+
 fn scheduler_output() -> SchedulerOutput {
     SchedulerOutput {
         scheduled_new_reqs: vec![NewRequestData {
@@ -58,7 +77,7 @@ fn scheduler_output() -> SchedulerOutput {
             eos_token_id: Some(2),
             block_ids: vec![0, 3],
             num_computed_tokens: 0,
-            tensors: vec![tensor(1)],
+            mm_features: vec![feature(1)],
         }],
         scheduled_cached_reqs: vec![CachedRequestData {
             req_id: "req-0".into(),
@@ -71,8 +90,10 @@ fn scheduler_output() -> SchedulerOutput {
         total_num_scheduled_tokens: 6,
         finished_req_ids: vec!["req-9".into()],
         preempted_req_ids: vec!["req-8".into()],
-        free_encoder_mm_hashes: vec!["abc".into()],
+        scheduled_encoder_inputs: HashMap::from([("req-1".into(), vec![0])]),
+        free_encoder_mm_hashes: vec![0xabc],
         tensors: vec![tensor(2)],
+        ..Default::default()
     }
 }
 
@@ -86,9 +107,22 @@ fn sampling_params_roundtrip_with_every_field_set() {
 fn engine_core_inputs_roundtrip() {
     let mut req =
         EngineCoreRequest::new("req-1", vec![10, 20, 30], full_sampling_params(), Some(2));
-    req.tensors.push(tensor(1));
+    req.mm_features.push(feature(0));
+    req.mm_features.push(MultiModalFeatureSpec {
+        kind: MmKind::Audio { num_frames: 537 },
+        ..feature(1)
+    });
     roundtrip(&req);
-    roundtrip(&EngineCoreInput::Add(Box::new(req)));
+    roundtrip(&EngineCoreInput::Add(Box::new(req.clone())));
+    // The buffers stay out of the header.
+    req.mm_buffers.push(vec![0u8; 100_000].into());
+    let config = bincode::config::standard();
+    let bytes = bincode::serde::encode_to_vec(&req, config).unwrap();
+    assert!(bytes.len() < 1000, "{} header bytes", bytes.len());
+    let (back, _): (EngineCoreRequest, usize) =
+        bincode::serde::decode_from_slice(&bytes, config).unwrap();
+    assert_eq!(back.mm_features, req.mm_features);
+    assert!(back.mm_buffers.is_empty());
     roundtrip(&EngineCoreInput::Abort(vec!["a".into(), "b".into()]));
     roundtrip(&EngineCoreInput::Shutdown);
 }
