@@ -259,12 +259,15 @@ impl Code2WavNet for CudaCode2WavNet {
 
 /// The Talker and its code predictor on one GPU (omni-models' `CudaTalker`): each step the
 /// host uploads the input embeddings, reads the codec logits back, chooses layer 0 and hands
-/// the codes down for the code predictor's frame graph; prompts are built on the host.
+/// the codes down for the code predictor's frame graph; prompts are assembled on the host
+/// from projections run on the device.
 #[derive(Debug)]
 pub struct CudaTalkerNet {
     talker: omni_models::cuda_talker::CudaTalker,
     prompts: omni_models::qwen3_omni::talker::PromptBuilder,
     config: OmniConfig,
+    text_projection: crate::cuda_mlp::DeviceResizeMlp,
+    hidden_projection: crate::cuda_mlp::DeviceResizeMlp,
 }
 
 impl CudaTalkerNet {
@@ -303,11 +306,22 @@ impl CudaTalkerNet {
         } else if !spec.enforce_eager {
             talker.capture_graphs(&decode_graph_sizes(limits.max_seqs))?;
         }
+        use omni_models::qwen3_omni::talker::Projection;
+        let text_projection = crate::cuda_mlp::DeviceResizeMlp::upload(
+            cx.clone(),
+            prompts.projection(Projection::Text),
+        )?;
+        let hidden_projection = crate::cuda_mlp::DeviceResizeMlp::upload(
+            cx.clone(),
+            prompts.projection(Projection::Hidden),
+        )?;
         Ok((
             Self {
                 talker,
                 prompts,
                 config: omni,
+                text_projection,
+                hidden_projection,
             },
             blocks as u32,
         ))
@@ -325,6 +339,32 @@ impl TalkerNet for CudaTalkerNet {
 
     fn prompts(&self) -> &omni_models::qwen3_omni::talker::PromptBuilder {
         &self.prompts
+    }
+
+    fn project(
+        &mut self,
+        which: omni_models::qwen3_omni::talker::Projection,
+        x: &[f32],
+    ) -> Result<Vec<f32>, ModelError> {
+        use omni_models::qwen3_omni::talker::Projection;
+        match which {
+            Projection::Text => self.text_projection.forward(x),
+            Projection::Hidden => self.hidden_projection.forward(x),
+        }
+    }
+
+    fn build_prompt(
+        &mut self,
+        ex: &omni_models::qwen3_omni::talker::ThinkerExports<'_>,
+        speaker: u32,
+    ) -> Result<omni_models::qwen3_omni::talker::TalkerPrompt, ModelError> {
+        use omni_models::qwen3_omni::talker::Projection;
+        let (text, hidden) = (&self.text_projection, &self.hidden_projection);
+        self.prompts
+            .build_with(ex, speaker, &mut |which, x| match which {
+                Projection::Text => text.forward(x),
+                Projection::Hidden => hidden.forward(x),
+            })
     }
 
     fn forward(&mut self, batch: &ForwardBatch, embeds: &[f32]) -> Result<Vec<f32>, ModelError> {

@@ -12,6 +12,8 @@
 pub mod code2wav;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_mlp;
 pub mod nets;
 mod process;
 pub mod profile;

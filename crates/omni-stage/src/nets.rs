@@ -153,6 +153,23 @@ pub trait TalkerNet: Send + std::fmt::Debug {
     fn hidden_size(&self) -> usize;
     /// Builds prompts (on the host).
     fn prompts(&self) -> &omni_models::qwen3_omni::talker::PromptBuilder;
+    /// Runs a projection of Thinker states (`[rows, thinker_hidden]`): on the host unless the
+    /// network has a device copy.
+    fn project(
+        &mut self,
+        which: omni_models::qwen3_omni::talker::Projection,
+        x: &[f32],
+    ) -> Result<Vec<f32>, ModelError> {
+        self.prompts().projection(which).forward(x)
+    }
+    /// Builds a request's prompt, its projections through [`TalkerNet::project`].
+    fn build_prompt(
+        &mut self,
+        ex: &omni_models::qwen3_omni::talker::ThinkerExports<'_>,
+        speaker: u32,
+    ) -> Result<omni_models::qwen3_omni::talker::TalkerPrompt, ModelError> {
+        self.prompts().build(ex, speaker)
+    }
     /// One Talker step over input embeddings `[tokens, hidden]`: the codec logits of the
     /// batch's output rows, `[rows, vocab]`.
     fn forward(&mut self, batch: &ForwardBatch, embeds: &[f32]) -> Result<Vec<f32>, ModelError>;

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 
 use omni_core::connector::CodecChunker;
 use omni_core::{Scheduler, SchedulerConfig};
+use omni_models::qwen3_omni::talker::Projection;
 use omni_models::qwen3_omni::talker::prompt::{TalkerPrompt, ThinkerExports};
 use omni_models::qwen3_omni::talker::sampling::{
     argmax, repetition_penalty, suppress_control_codes, talker_uniform, top_k_top_p,
@@ -114,7 +115,7 @@ impl TalkerStage {
             .iter()
             .flat_map(|(_, r)| r.iter().copied())
             .collect();
-        let projected = self.talker.prompts().project_text(&rows);
+        let projected = self.talker.project(Projection::Text, &rows);
         let h = self.talker.config().talker_config.text_config.hidden_size;
         match projected {
             Ok(text) if text.len() == waiting.len() * h => {
@@ -193,7 +194,7 @@ impl TalkerStage {
             hidden: &hidden,
             tts: &tts,
         };
-        let mut prompt = self.talker.prompts().build(&ex, p.speaker)?;
+        let mut prompt = self.talker.build_prompt(&ex, p.speaker)?;
         let h = prompt.hidden;
         // The trailing text ends with tts_eos: kept aside until the Thinker ends.
         let cut = prompt.trailing_text.len().saturating_sub(h);

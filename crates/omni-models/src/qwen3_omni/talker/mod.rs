@@ -29,7 +29,7 @@ use crate::weights::{SubmodelWeights, WeightSource};
 use crate::{KvCacheSpec, LayerKvCache};
 
 pub use code_predictor::CodePredictor;
-pub use prompt::{PromptBuilder, TalkerPrompt, ThinkerExports};
+pub use prompt::{Projection, PromptBuilder, TalkerPrompt, ThinkerExports};
 
 /// The Talker decoder's names as a single-model loader asks for them.
 pub(crate) const TALKER_RENAMES: &[(&str, &str)] = &[
@@ -74,6 +74,20 @@ impl ResizeMlp {
             (format!("{name}.linear_fc2.weight"), vec![out, mid]),
             (format!("{name}.linear_fc2.bias"), vec![out]),
         ]
+    }
+
+    /// The two layers as `(weight [out, in] row-major, bias [out], out, in)`: fc1, then fc2
+    /// (what a device copy of the projection uploads).
+    pub fn layers(&self) -> [(&[f32], &[f32], usize, usize); 2] {
+        fn part(l: &Linear) -> (&[f32], &[f32], usize, usize) {
+            (
+                l.w.as_slice(),
+                l.bias.as_deref().unwrap_or(&[]),
+                l.out,
+                l.inp,
+            )
+        }
+        [part(&self.fc1), part(&self.fc2)]
     }
 
     /// Projects `[rows, in]` to `[rows, out]`.

@@ -81,6 +81,19 @@ impl Talker {
     }
 }
 
+/// Which of the Talker's two input projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Projection {
+    /// `text_projection`: layer-0 Thinker states (text positions, fed-back tokens, TTS tokens).
+    Text,
+    /// `hidden_projection`: accept-layer Thinker states at multimodal positions.
+    Hidden,
+}
+
+/// Runs a projection of `[rows, thinker_hidden]` (the builder's own on the host, or a
+/// device copy of it).
+pub type Project<'a> = dyn FnMut(Projection, &[f32]) -> Result<Vec<f32>, ModelError> + 'a;
+
 /// Reads `codec_embedding` rows of codec ids, `[ids, hidden]`.
 pub type CodecRows<'a> = dyn Fn(&[u32]) -> Result<Vec<f32>, ModelError> + 'a;
 
@@ -155,6 +168,14 @@ impl PromptBuilder {
         self.hidden_projection.forward(x)
     }
 
+    /// The projection `which` itself (its weights, for a device copy).
+    pub fn projection(&self, which: Projection) -> &ResizeMlp {
+        match which {
+            Projection::Text => &self.text_projection,
+            Projection::Hidden => &self.hidden_projection,
+        }
+    }
+
     /// The `codec_embedding` rows of `ids` (each one the builder holds).
     fn embed_codec(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
         let mut out = Vec::with_capacity(ids.len() * self.hidden);
@@ -167,8 +188,21 @@ impl PromptBuilder {
         Ok(out)
     }
 
-    /// Builds the Talker's prefill and trailing text for `speaker` (a codec id).
+    /// Builds the Talker's prefill and trailing text for `speaker` (a codec id), projecting on
+    /// the host.
     pub fn build(&self, ex: &ThinkerExports<'_>, speaker: u32) -> Result<TalkerPrompt, ModelError> {
+        self.build_with(ex, speaker, &mut |which, x| {
+            self.projection(which).forward(x)
+        })
+    }
+
+    /// [`PromptBuilder::build`] with the projections run by `project`.
+    pub fn build_with(
+        &self,
+        ex: &ThinkerExports<'_>,
+        speaker: u32,
+        project: &mut Project<'_>,
+    ) -> Result<TalkerPrompt, ModelError> {
         let c = &self.config;
         let (ids, t) = (&c.ids, &c.talker_config);
         let th = t.thinker_hidden_size;
@@ -225,16 +259,17 @@ impl PromptBuilder {
                 block.extend(row(src, user_rows[j]));
                 j += 1;
             }
-            let projected = if kind {
-                self.project_hidden(&block)?
+            let which = if kind {
+                Projection::Hidden
             } else {
-                self.project_text(&block)?
+                Projection::Text
             };
+            let projected = project(which, &block)?;
             prefill.extend(projected);
             i = j;
         }
         let a_rows: Vec<f32> = ex.embed[assistant_start * th..].to_vec();
-        let a = self.project_text(&a_rows)?;
+        let a = project(Projection::Text, &a_rows)?;
         let a_len = a.len() / h;
         let a_row = |k: usize| -> Vec<f32> {
             if k < a_len {
@@ -243,7 +278,8 @@ impl PromptBuilder {
                 vec![0.0; h]
             }
         };
-        let tts = self.project_text(&[ex.tts.bos.as_slice(), &ex.tts.eos, &ex.tts.pad].concat())?;
+        let tts_rows = [ex.tts.bos.as_slice(), &ex.tts.eos, &ex.tts.pad].concat();
+        let tts = project(Projection::Text, &tts_rows)?;
         let (tts_bos, tts_eos, tts_pad) = (&tts[..h], &tts[h..2 * h], &tts[2 * h..]);
         let codec = self.embed_codec(&[
             t.codec_nothink_id,
