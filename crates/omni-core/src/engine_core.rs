@@ -41,12 +41,15 @@ impl<E: Executor> EngineCore<E> {
             return Ok(Vec::new());
         }
         let scheduler_output = self.scheduler.schedule();
-        if scheduler_output.is_empty() && scheduler_output.finished_req_ids.is_empty() {
+        if scheduler_output.is_empty()
+            && scheduler_output.finished_req_ids.is_empty()
+            && scheduler_output.free_encoder_mm_hashes.is_empty()
+        {
             return Ok(Vec::new());
         }
-        // No request carries tensor bytes yet (multimodal inputs are a later step), so the
-        // batch has no out-of-band buffers.
-        let model_output = self.executor.execute_model(&scheduler_output, &[])?;
+        // The new requests' multimodal tensors, broadcast once as the message's buffers.
+        let buffers = scheduler_output.buffers.as_slices();
+        let model_output = self.executor.execute_model(&scheduler_output, &buffers)?;
         Ok(self
             .scheduler
             .update_from_output(&scheduler_output, &model_output))

@@ -23,7 +23,7 @@ use omni_ipc::{
 };
 use omni_protocol::{
     Device, EngineCoreHandshake, EngineCoreInput, EngineCoreOutputs, EngineCoreReady,
-    EngineCoreStartup, PROTOCOL_VERSION,
+    EngineCoreStartup, PROTOCOL_VERSION, TensorBuffers,
 };
 
 use crate::engine_core::EngineCore;
@@ -214,6 +214,11 @@ impl QueueInputs {
     fn recv(&mut self, timeout: Duration) -> Received {
         match self.0.dequeue(Some(timeout)) {
             Ok(msg) => match msg.header::<EngineCoreInput>() {
+                Ok(EngineCoreInput::Add(mut req)) => {
+                    // The tensors of its items: the message's out-of-band buffers.
+                    req.mm_buffers = TensorBuffers::from(msg.into_buffers());
+                    Received::Input(EngineCoreInput::Add(req))
+                }
                 Ok(input) => Received::Input(input),
                 Err(e) => {
                     tracing::error!("undecodable input from the client: {e}");

@@ -95,11 +95,11 @@ impl KvCacheManager {
             let span = i * self.block_size..(i + 1) * self.block_size;
             // The content hashes of the items whose placeholders overlap this block.
             let keys: Vec<u64> = req
-                .mm_placeholders
+                .mm_features
                 .iter()
                 .filter(|p| {
-                    let (start, end) = (p.offset as usize, (p.offset + p.length) as usize);
-                    start < span.end && span.start < end
+                    let r = p.range();
+                    r.start < span.end && span.start < r.end
                 })
                 .map(|p| p.mm_hash)
                 .collect();
@@ -286,10 +286,18 @@ mod tests {
     fn with_image(id: &str, tokens: Vec<u32>, mm_hash: u64) -> Request {
         let mut r = EngineCoreRequest::new(id, tokens, SamplingParams::default(), None);
         // Placeholder tokens 6..10: the second and third blocks of 4.
-        r.mm_placeholders = vec![omni_protocol::MultiModalPlaceholder {
+        r.mm_features = vec![omni_protocol::MultiModalFeatureSpec {
             mm_hash,
             offset: 6,
             length: 4,
+            kind: omni_protocol::MmKind::Audio { num_frames: 40 },
+            tensor: omni_protocol::TensorRef {
+                name: "input_features".into(),
+                request_id: None,
+                dtype: omni_protocol::DType::Bf16,
+                shape: vec![128, 40],
+                buffer_index: 0,
+            },
         }];
         Request::new(r, 0)
     }

@@ -11,6 +11,8 @@
 //! - [`BlockPool`]: KV blocks with reference counts, an LRU free queue and the prefix-cache map.
 //! - [`KvCacheManager`]: per-request block tables, prefix caching by chained block hash.
 //! - [`Scheduler`]: continuous batching with chunked prefill and preemption by recompute.
+//! - [`EncoderCacheManager`]: which multimodal items the workers encode in a step and keep
+//!   in their encoder caches (budget in embeddings, one encode per content hash).
 //! - [`EngineCore`]: `add_request`, `abort`, `step`.
 //! - [`connector`]: what flows between omni stages ([`connector::CodecChunker`]: Talker frames
 //!   into Code2Wav windows).
@@ -53,6 +55,7 @@
 mod block_pool;
 mod config;
 pub mod connector;
+mod encoder_cache_manager;
 mod engine_core;
 mod engine_core_client;
 mod engine_core_proc;
@@ -69,6 +72,7 @@ pub use block_pool::{
     BlockAllocError, BlockHash, BlockPool, hash_block_tokens, hash_block_tokens_with_keys,
 };
 pub use config::{SchedulerConfig, SchedulerConfigError};
+pub use encoder_cache_manager::{EncoderCacheManager, EncoderPlan};
 pub use engine_core::EngineCore;
 pub use engine_core_client::{EngineCoreClient, RequestError, RequestOutput, RequestStream};
 pub use engine_core_proc::{ENGINE_CORE_PROCESS_NAME, EngineCoreProc, EngineCoreProcError};

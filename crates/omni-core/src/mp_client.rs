@@ -391,7 +391,13 @@ fn write_inputs(
         let last = matches!(msg, EngineCoreInput::Shutdown);
         // A dead reader fails the enqueue at once when the ring is full (else the message
         // lands in a ring nobody reads): never a hang on a dead engine core.
-        if let Err(e) = input.enqueue(&msg, &[]) {
+        // A request's multimodal tensors go as the message's out-of-band buffers, copied once
+        // into the ring slot (or sent from these slices on the overflow path).
+        let buffers = match &msg {
+            EngineCoreInput::Add(req) => req.mm_buffers.as_slices(),
+            _ => Vec::new(),
+        };
+        if let Err(e) = input.enqueue(&msg, &buffers) {
             if !last && frontend.health().is_ok() {
                 tracing::warn!("engine core input queue: {e}");
             }

@@ -1,8 +1,8 @@
 //! A request as the scheduler tracks it (vLLM's `Request`).
 
 use omni_protocol::{
-    EngineCoreRequest, FinishReason, MultiModalPlaceholder, RequestId, SamplingParams, StopReason,
-    TensorRef, TokenId,
+    EngineCoreRequest, FinishReason, MultiModalFeatureSpec, RequestId, SamplingParams, StopReason,
+    TensorBuffers, TokenId,
 };
 
 use crate::block_pool::BlockHash;
@@ -38,10 +38,12 @@ pub struct Request {
     pub eos_token_id: Option<TokenId>,
     /// Arrival, seconds since the Unix epoch.
     pub arrival_time: f64,
-    /// Multimodal inputs (sent to the workers with the first scheduling).
-    pub tensors: Vec<TensorRef>,
-    /// Where the multimodal items sit in the prompt, with their content hashes.
-    pub mm_placeholders: Vec<MultiModalPlaceholder>,
+    /// The prompt's multimodal items (placeholder range, content hash, kind, tensor), sorted
+    /// by offset.
+    pub mm_features: Vec<MultiModalFeatureSpec>,
+    /// Their tensors' bytes until the first scheduling sends them to the workers (then empty:
+    /// the workers keep them).
+    pub mm_buffers: TensorBuffers,
     /// Lifecycle state.
     pub status: RequestStatus,
     /// Tokens whose KV is in the cache (or scheduled to be, once the current step returns).
@@ -75,8 +77,8 @@ impl Request {
             sampling_params: req.sampling_params,
             eos_token_id: req.eos_token_id,
             arrival_time: req.arrival_time,
-            tensors: req.tensors,
-            mm_placeholders: req.mm_placeholders,
+            mm_features: req.mm_features,
+            mm_buffers: req.mm_buffers,
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
             num_cached_tokens: 0,
@@ -174,6 +176,39 @@ impl Request {
         }
         None
     }
+}
+
+/// Checks a request's multimodal items at admission: each one's placeholder inside the prompt
+/// and its tensor matching its buffer, sorted by offset without overlap, none longer than the
+/// encoder cache (`cache_size` embeddings) could ever hold.
+pub(crate) fn check_mm_features(
+    req: &EngineCoreRequest,
+    cache_size: usize,
+) -> Result<(), omni_protocol::AddRequestError> {
+    let bad = |reason: String| omni_protocol::AddRequestError::InvalidMultiModal {
+        request_id: req.request_id.clone(),
+        reason,
+    };
+    let mut end = 0;
+    for f in &req.mm_features {
+        f.check(req.prompt_token_ids.len(), &req.mm_buffers)
+            .map_err(bad)?;
+        let r = f.range();
+        if r.start < end {
+            return Err(bad(format!(
+                "items overlap or are out of order at token {}",
+                r.start
+            )));
+        }
+        if r.len() > cache_size {
+            return Err(bad(format!(
+                "an item of {} embeddings exceeds the encoder cache of {cache_size}",
+                r.len()
+            )));
+        }
+        end = r.end;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

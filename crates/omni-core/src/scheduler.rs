@@ -13,6 +13,7 @@ use omni_protocol::{
 };
 
 use crate::config::{SchedulerConfig, SchedulerConfigError};
+use crate::encoder_cache_manager::EncoderCacheManager;
 use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager};
 use crate::request::{Request, RequestStatus};
 
@@ -30,6 +31,7 @@ pub use omni_protocol::AddRequestError;
 pub struct Scheduler {
     config: SchedulerConfig,
     kv: KvCacheManager,
+    encoder: EncoderCacheManager,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -51,7 +53,11 @@ impl Scheduler {
             config.block_size,
             config.enable_prefix_caching,
         );
+        // vLLM's max(max_num_batched_tokens, max_tokens_per_mm_item), with max_model_len as
+        // the bound on an item (see `encoder_cache_manager`).
+        let encoder_budget = config.max_num_batched_tokens.max(config.max_model_len);
         Ok(Self {
+            encoder: EncoderCacheManager::new(encoder_budget, encoder_budget),
             config,
             kv,
             requests: HashMap::new(),
@@ -72,6 +78,17 @@ impl Scheduler {
     /// The KV cache manager (block tables, prefix-cache counters).
     pub fn kv_cache_manager(&self) -> &KvCacheManager {
         &self.kv
+    }
+
+    /// The encoder-cache bookkeeping.
+    pub fn encoder_cache_manager(&self) -> &EncoderCacheManager {
+        &self.encoder
+    }
+
+    /// Replaces the encoder cache's capacity and per-step compute budget (embeddings); for
+    /// tests and tuning, before any request is added.
+    pub fn set_encoder_budget(&mut self, cache_size: usize, compute_budget: usize) {
+        self.encoder = EncoderCacheManager::new(cache_size, compute_budget);
     }
 
     /// A live request.
@@ -126,6 +143,7 @@ impl Scheduler {
             });
         }
         req.sampling_params.validate()?;
+        crate::request::check_mm_features(&req, self.encoder.cache_size())?;
         let request = Request::new(req, self.next_seq_no);
         self.next_seq_no += 1;
         self.waiting.push_back(request.request_id.clone());
@@ -159,6 +177,7 @@ impl Scheduler {
                 self.waiting.retain(|w| w != id);
                 self.running.retain(|r| r != id);
                 self.kv.free(id);
+                self.encoder.release_all(id);
                 self.finished_req_ids.push(id.to_owned());
                 aborted.push(id.to_owned());
             }
@@ -176,6 +195,7 @@ impl Scheduler {
             if let Some(mut req) = self.requests.remove(&id) {
                 self.blocked.remove(&id);
                 self.kv.free(&id);
+                self.encoder.release_all(&id);
                 self.finished_req_ids.push(id.clone());
                 outputs.push(EngineCoreOutput {
                     request_id: id,
@@ -218,6 +238,7 @@ impl Scheduler {
     fn preempt(&mut self, running_index: usize) -> RequestId {
         let id = self.running.remove(running_index);
         self.kv.free(&id);
+        self.encoder.release_all(&id);
         if let Some(req) = self.requests.get_mut(&id) {
             req.status = RequestStatus::Preempted;
             req.num_computed_tokens = 0;
@@ -232,6 +253,7 @@ impl Scheduler {
     /// if the step will succeed.
     pub fn schedule(&mut self) -> SchedulerOutput {
         let mut budget = self.config.max_num_batched_tokens;
+        let mut encoder_budget = self.encoder.compute_budget();
         let mut out = SchedulerOutput::default();
         let mut scheduled: Vec<(RequestId, usize)> = Vec::new();
         let now = unix_now();
@@ -247,6 +269,14 @@ impl Scheduler {
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
             if num_new == 0 || self.blocked.contains(&id) {
                 i += 1;
+                continue;
+            }
+            let plan = self
+                .encoder
+                .plan(req, req.num_computed_tokens, num_new, encoder_budget);
+            let num_new = plan.num_new;
+            if num_new == 0 {
+                i += 1; // its next item does not fit this step
                 continue;
             }
             let new_blocks = loop {
@@ -272,6 +302,11 @@ impl Scheduler {
             let Some(req) = self.requests.get(&id) else {
                 break;
             };
+            encoder_budget -= plan.embeds;
+            let encode = self.encoder.commit(&id, &plan);
+            if !encode.is_empty() {
+                out.scheduled_encoder_inputs.insert(id.clone(), encode);
+            }
             let start = req.num_computed_tokens;
             out.scheduled_cached_reqs.push(CachedRequestData {
                 req_id: id.clone(),
@@ -302,10 +337,24 @@ impl Scheduler {
             if !self.config.enable_chunked_prefill && remaining > budget {
                 break;
             }
-            let num_new = remaining.min(budget);
+            let plan = self.encoder.plan(
+                req,
+                computed.num_tokens,
+                remaining.min(budget),
+                encoder_budget,
+            );
+            let num_new = plan.num_new;
+            if num_new == 0 {
+                break; // its first item does not fit this step
+            }
             let Some(new_blocks) = self.kv.allocate_slots(req, num_new, &computed) else {
                 break;
             };
+            encoder_budget -= plan.embeds;
+            let encode = self.encoder.commit(&id, &plan);
+            if !encode.is_empty() {
+                out.scheduled_encoder_inputs.insert(id.clone(), encode);
+            }
             self.waiting.pop_front();
             self.running.push(id.clone());
             let resumed = req.status == RequestStatus::Preempted;
@@ -323,6 +372,19 @@ impl Scheduler {
                 });
             } else {
                 req.num_cached_tokens = computed.num_tokens;
+                // The items' tensors go once, as buffers of this step's message.
+                let buffers = std::mem::take(&mut req.mm_buffers);
+                let mm_features = req
+                    .mm_features
+                    .iter()
+                    .map(|f| {
+                        let mut f = f.clone();
+                        if let Some(b) = buffers.get(f.tensor.buffer_index as usize) {
+                            f.tensor.buffer_index = out.buffers.push(b.clone());
+                        }
+                        f
+                    })
+                    .collect();
                 out.scheduled_new_reqs.push(NewRequestData {
                     req_id: id.clone(),
                     prompt_token_ids: req.prompt_token_ids().to_vec(),
@@ -330,7 +392,7 @@ impl Scheduler {
                     eos_token_id: req.eos_token_id,
                     block_ids: new_blocks,
                     num_computed_tokens: start as u32,
-                    tensors: req.tensors.clone(),
+                    mm_features,
                 });
             }
             scheduled.push((id, num_new));
@@ -346,6 +408,7 @@ impl Scheduler {
             out.num_scheduled_tokens.insert(id, n as u32);
         }
         out.finished_req_ids = std::mem::take(&mut self.finished_req_ids);
+        out.free_encoder_mm_hashes = self.encoder.take_freed();
         out
     }
 
@@ -384,6 +447,7 @@ impl Scheduler {
                 continue;
             }
             self.kv.cache_blocks(req);
+            self.encoder.release_computed(req);
             if !req.is_caught_up() {
                 continue; // a partial prefill chunk samples nothing
             }
@@ -433,6 +497,7 @@ impl Scheduler {
             self.blocked.remove(&id);
             self.running.retain(|r| *r != id);
             self.kv.free(&id);
+            self.encoder.release_all(&id);
             self.finished_req_ids.push(id);
         }
         outputs

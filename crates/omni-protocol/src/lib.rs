@@ -57,9 +57,9 @@ pub use error::{AddRequestError, EngineDeadError};
 pub use handshake::{
     EngineCoreHandshake, EngineCoreReady, EngineCoreStartup, WorkerHandshake, WorkerHello,
 };
+pub use mm::{MmKind, MultiModalFeatureSpec, TensorBuffers};
 pub use omni::{AudioOutput, Modality, OmniParams};
 pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, StopReason};
-pub use mm::{MmKind, MultiModalFeatureSpec, TensorBuffers};
 pub use request::{EngineCoreInput, EngineCoreRequest};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};

@@ -203,10 +203,24 @@ mod tests {
         let mut b = TensorBuffers::new();
         assert_eq!(b.push(Bytes::from(vec![0u8; 16])), 0);
         assert!(spec(2, 1, vec![4, 2]).check(10, &b).is_ok());
-        assert!(spec(9, 2, vec![4, 2]).check(10, &b).unwrap_err().contains("outside"));
+        assert!(
+            spec(9, 2, vec![4, 2])
+                .check(10, &b)
+                .unwrap_err()
+                .contains("outside")
+        );
         assert!(spec(2, 0, vec![4, 2]).check(10, &b).is_err());
-        assert!(spec(2, 1, vec![4, 3]).check(10, &b).unwrap_err().contains("16 bytes"));
-        assert!(spec(2, 1, vec![4, 2]).check(10, &TensorBuffers::new()).is_err());
+        assert!(
+            spec(2, 1, vec![4, 3])
+                .check(10, &b)
+                .unwrap_err()
+                .contains("16 bytes")
+        );
+        assert!(
+            spec(2, 1, vec![4, 2])
+                .check(10, &TensorBuffers::new())
+                .is_err()
+        );
         assert_eq!(format!("{b:?}"), "[16]");
     }
 }

@@ -80,7 +80,11 @@ impl Default for LoadModelSpec {
 }
 
 /// A command broadcast from the engine core to every worker.
+///
+/// Not boxed: a worker decodes one per step and matches it at once, and the executor sends
+/// [`WorkerCommandRef`] (a reference) instead of building one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[allow(clippy::large_enum_variant)]
 pub enum WorkerCommand {
     /// Load weights; answered with [`WorkerResponse::ModelLoaded`].
     LoadModel(LoadModelSpec),
