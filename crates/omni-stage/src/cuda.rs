@@ -315,6 +315,17 @@ impl CudaTalkerNet {
             cx.clone(),
             prompts.projection(Projection::Hidden),
         )?;
+        let rel = [
+            (&text_projection, Projection::Text),
+            (&hidden_projection, Projection::Hidden),
+        ]
+        .into_iter()
+        .map(|(d, w)| d.check_against(prompts.projection(w), 5e-2))
+        .try_fold(0f32, |m, r| r.map(|r| m.max(r)))?;
+        tracing::info!(
+            rel_err = rel,
+            "Talker projections on the device, checked against the host"
+        );
         Ok((
             Self {
                 talker,

@@ -71,6 +71,28 @@ impl DeviceResizeMlp {
         })
     }
 
+    /// Checks the copy against `mlp` on the host over a few fixed rows: the largest
+    /// difference relative to the largest host value, an error past `tolerance` (a layout
+    /// mistake, not bf16 rounding, which stays near 1e-2).
+    pub(crate) fn check_against(&self, mlp: &ResizeMlp, tolerance: f32) -> Result<f32, ModelError> {
+        let x: Vec<f32> = (0..4 * self.inp)
+            .map(|i| ((i as f32) * 0.37).sin())
+            .collect();
+        let (host, dev) = (mlp.forward(&x)?, self.forward(&x)?);
+        let scale = host.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+        let diff = host
+            .iter()
+            .zip(&dev)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let rel = diff / scale;
+        if rel.is_nan() || rel > tolerance || host.len() != dev.len() {
+            return Err(ModelError::Device(format!(
+                "the device projection differs from the host's by {rel} (relative)"
+            )));
+        }
+        Ok(rel)
+    }
+
     /// Projects `[rows, inp]` to `[rows, out]` (synchronizes: the result comes back).
     pub(crate) fn forward(&self, x: &[f32]) -> Result<Vec<f32>, ModelError> {
         let (inp, mid, out) = (self.inp, self.mid, self.out);
