@@ -219,6 +219,18 @@ pub trait StageModel: Send + Sync + std::fmt::Debug {
         )))
     }
 
+    /// The M-RoPE positions of a whole prompt whose multimodal items are `items` (in prompt
+    /// order), and the decode delta: decode position `p` has `p + delta` in all three rows
+    /// (transformers' `get_rope_index`, vLLM's `get_mrope_input_positions`). `None`: this
+    /// network takes 1-D positions.
+    fn mrope_positions(
+        &self,
+        _ids: &[u32],
+        _items: &[MultiModalKind],
+    ) -> Result<Option<(MropePositions, i64)>, ModelError> {
+        Ok(None)
+    }
+
     /// [`StageModel::forward`] with the encoder outputs of `inputs.mm_features` given, one per
     /// feature in the same order (their rows are not recomputed).
     fn forward_encoded(

@@ -227,6 +227,49 @@ pub fn load_model_dir_with_progress(
     }
 }
 
+/// Builds rank `tp.rank`'s network of `stage` from a HF directory (safetensors, or dummy
+/// weights of the config), calling `on_load(tensors read, tensors in all)` after each tensor
+/// read. What an engine worker runs when the model takes more than token ids: Qwen3-Omni's
+/// [`ModelStage::Thinker`] with the encoder towers its checkpoint has, served text out (vLLM's
+/// thinker-only Qwen3-Omni).
+pub fn load_stage_model_dir_with_progress(
+    dir: &Path,
+    stage: ModelStage,
+    format: LoadFormat,
+    tp: TpContext,
+    on_load: LoadProgressFn<'_>,
+) -> Result<Box<dyn StageModel>, ModelError> {
+    let config = read_config(dir)?;
+    let load = |ws: &dyn WeightSource| {
+        // Only the stage's own tensors count (a whole omni checkpoint holds all three).
+        let prefix = match stage {
+            ModelStage::Thinker => "thinker.",
+            ModelStage::Talker => "talker.",
+            ModelStage::Code2Wav => "code2wav.",
+            ModelStage::CausalLm => "",
+        };
+        let total = ws
+            .tensor_names()
+            .iter()
+            .filter(|n| n.starts_with(prefix))
+            .count();
+        let ws = ProgressWeights::new(ws, total, on_load);
+        build_stage_model(&config, stage, &ws, tp)
+    };
+    match format {
+        LoadFormat::Safetensors => load(&SafetensorsDir::open(dir)?),
+        LoadFormat::Dummy { seed } => load(&dummy_weights(&config, seed)?),
+    }
+}
+
+/// Whether a worker serving `config` as a text-output engine runs it as a [`StageModel`] of
+/// this stage rather than as a [`CausalLm`]: Qwen3-Omni's Thinker (M-RoPE positions and the
+/// encoder towers); `None` for a text LLM.
+pub fn engine_stage(config: &Value) -> Option<ModelStage> {
+    let arch = architecture(config).ok()?;
+    (arch.name == qwen3_omni::config::ARCHITECTURE).then_some(ModelStage::Thinker)
+}
+
 /// The KV cache rank `tp_rank` of `tp_size` needs for this config (no weights read).
 pub fn kv_cache_spec(
     config: &Value,

@@ -414,3 +414,19 @@ fn misplaced_placeholders_are_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("holds token"), "{err}");
 }
+
+#[test]
+fn mrope_positions_of_each_request_match_transformers() {
+    let thinker = load_thinker();
+    let r = reference_json(FIXTURE);
+    let it = items(&r);
+    for (i, req) in r["requests"].as_array().unwrap().iter().enumerate() {
+        let kinds: Vec<MultiModalKind> = features(req, &it, 0).iter().map(|f| f.kind).collect();
+        let (rows, delta) = thinker
+            .mrope_positions(&request_ids(req), &kinds)
+            .unwrap()
+            .unwrap();
+        assert_eq!(rows.rows, request_positions(req), "request {i}");
+        assert_eq!(delta, req["rope_delta"].as_i64().unwrap(), "request {i}");
+    }
+}

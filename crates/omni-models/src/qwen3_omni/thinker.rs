@@ -20,8 +20,8 @@ use serde_json::Value;
 use crate::decoder::{DecoderModel, ResidualAdds, TpContext};
 use crate::error::ModelError;
 use crate::interface::{
-    Capture, EncoderOutput, ModelInputs, ModelOutputs, ModelStage, MultiModalFeature,
-    MultiModalKind, StageModel, TokenInputs,
+    Capture, EncoderOutput, ModelInputs, ModelOutputs, ModelStage, MropePositions,
+    MultiModalFeature, MultiModalKind, StageModel, TokenInputs,
 };
 use crate::qwen3_omni::audio_encoder::AudioEncoder;
 use crate::qwen3_omni::config::OmniConfig;
@@ -51,6 +51,8 @@ pub struct Thinker {
     audio: Option<AudioEncoder>,
     vision: Option<VisionEncoder>,
     placeholders: PlaceholderIds,
+    /// The prompt's special ids and merge size, for M-RoPE positions.
+    prompt: omni_mm::MmPromptConfig,
 }
 
 impl Thinker {
@@ -97,6 +99,8 @@ impl Thinker {
             video: t.video_token_id,
             audio: t.audio_token_id,
         };
+        let prompt = omni_mm::MmPromptConfig::from_thinker_config(config_json)
+            .map_err(|e| ModelError::Config(e.to_string()))?;
         Ok(Self {
             decoder,
             config,
@@ -104,6 +108,7 @@ impl Thinker {
             audio,
             vision,
             placeholders,
+            prompt,
         })
     }
 
@@ -232,6 +237,33 @@ impl StageModel for Thinker {
         let encoded = self.encode_mm_batch(&features)?;
         let encoded: Vec<&EncoderOutput> = encoded.iter().collect();
         self.forward_encoded(inputs, &encoded, kv)
+    }
+
+    fn mrope_positions(
+        &self,
+        ids: &[u32],
+        items: &[MultiModalKind],
+    ) -> Result<Option<(MropePositions, i64)>, ModelError> {
+        let items: Vec<omni_mm::MmItem> = items
+            .iter()
+            .map(|k| match *k {
+                MultiModalKind::Image { grid_thw } => Ok(omni_mm::MmItem::Image {
+                    grid_thw: grid_thw.map(|d| d as u32),
+                }),
+                MultiModalKind::Audio { num_frames } => Ok(omni_mm::MmItem::Audio { num_frames }),
+                MultiModalKind::Video { .. } => Err(ModelError::Batch(
+                    "video items are not supported yet (no seconds per grid)".into(),
+                )),
+            })
+            .collect::<Result<_, _>>()?;
+        let (rows, delta) = omni_mm::mrope_positions(ids, &items, &self.prompt)
+            .map_err(|e| ModelError::Batch(format!("M-RoPE positions: {e}")))?;
+        Ok(Some((
+            MropePositions {
+                rows: [rows.t, rows.h, rows.w],
+            },
+            delta,
+        )))
     }
 
     fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, ModelError> {
