@@ -26,6 +26,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda_model;
 pub mod load_progress;
+mod mm_inputs;
 pub mod model_runner;
 pub mod process;
 pub mod sampler;
@@ -34,7 +35,7 @@ pub mod step_model;
 pub mod worker;
 
 pub use load_progress::LoadProgress;
-pub use model_runner::ModelRunner;
+pub use model_runner::{EncoderStats, ModelRunner};
 pub use process::{WorkerProcessError, run_worker_process};
 pub use shm_all_reduce::{ShmAllReduce, ShmAllReduceError};
 pub use step_model::{CpuStepModel, DeviceSample, StepModel};

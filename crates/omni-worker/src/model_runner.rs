@@ -3,15 +3,21 @@
 //! [`StepModel`] backend. Sampling runs on the device when the backend has a sampler and every
 //! sampled request only needs temperature / top-k / top-p / min-p; otherwise (penalties,
 //! logprobs, `min_tokens` still pending) the logits come to the host and the CPU sampler runs.
+//!
+//! Multimodal requests ([`crate::mm_inputs`]): each step first drops the encoder outputs the
+//! scheduler freed, then runs the encoder of every scheduled item into the encoder cache, then
+//! gives the model the features whose placeholders overlap the step's positions, with M-RoPE
+//! positions for the whole batch when any request has them.
 
 use std::collections::HashMap;
 
-use omni_models::{ForwardBatch, SeqChunk};
+use omni_models::{EncoderOutput, ForwardBatch, MropePositions, MultiModalKind, SeqChunk};
 use omni_protocol::{
-    BlockId, ModelRunnerOutput, RequestId, SamplingParams, SchedulerOutput, TokenId,
+    BlockId, ModelRunnerOutput, RequestId, SamplingParams, SchedulerOutput, TensorView, TokenId,
 };
 
 use crate::WorkerError;
+use crate::mm_inputs::{EncoderCache, RequestMm};
 use crate::sampler::{SampledToken, Sampler, SamplingSeq};
 use crate::step_model::{DeviceSample, StepModel};
 
@@ -27,6 +33,17 @@ struct CachedRequestState {
     /// Seed of the request's device sampling stream: its own, or one derived once from the
     /// worker seed and the prompt (the same on every rank).
     sampling_seed: u64,
+    /// Its multimodal items and M-RoPE positions.
+    mm: RequestMm,
+}
+
+/// What a worker's encoders have done (a test hook, and the worker's logs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EncoderStats {
+    /// Items encoded since start-up (one encoder call each).
+    pub items_encoded: u64,
+    /// Encoder outputs held now.
+    pub cached: usize,
 }
 
 /// A loaded model with its KV cache and the requests it is serving.
@@ -38,6 +55,7 @@ pub struct ModelRunner {
     num_blocks: usize,
     requests: HashMap<RequestId, CachedRequestState>,
     sampler: Sampler,
+    encoder_cache: EncoderCache,
 }
 
 impl ModelRunner {
@@ -51,6 +69,7 @@ impl ModelRunner {
             num_blocks: 0,
             requests: HashMap::new(),
             sampler: Sampler::new(Some(seed)),
+            encoder_cache: EncoderCache::default(),
         }
     }
 
@@ -82,6 +101,14 @@ impl ModelRunner {
         Ok(())
     }
 
+    /// Items encoded so far and outputs held.
+    pub fn encoder_stats(&self) -> EncoderStats {
+        EncoderStats {
+            items_encoded: self.encoder_cache.num_encoded(),
+            cached: self.encoder_cache.len(),
+        }
+    }
+
     /// Live requests (tests and health output).
     pub fn num_requests(&self) -> usize {
         self.requests.len()
@@ -92,8 +119,8 @@ impl ModelRunner {
     ///
     /// `buffers` are the message's out-of-band buffers (in place in the ring slot in a worker
     /// process); every [`omni_protocol::TensorRef`] of the batch is checked against them and
-    /// viewed in place (size, element alignment). The decoders take token ids only, so no view
-    /// reaches a model yet; a model interface with input embeddings is where they go next.
+    /// viewed in place (size, element alignment); a new request's item tensors are copied out
+    /// once and kept for its life.
     pub fn execute_model(
         &mut self,
         so: &SchedulerOutput,
@@ -104,11 +131,13 @@ impl ModelRunner {
                 "ExecuteModel before InitCache".to_string(),
             ));
         }
-        let _tensors = so.tensor_views(buffers)?;
-        self.update_states(so)?;
+        let views = so.tensor_views(buffers)?;
+        self.encoder_cache.free(&so.free_encoder_mm_hashes);
+        self.update_states(so, &views)?;
         if so.is_empty() {
             return Ok(ModelRunnerOutput::default());
         }
+        self.run_encoders(so)?;
 
         // Batch order: new requests, then cached ones (the scheduler's order).
         let scheduled: Vec<(&RequestId, usize)> = so
@@ -126,6 +155,9 @@ impl ModelRunner {
         let mut samples = Vec::with_capacity(req_ids.len());
         let mut rows = Vec::new();
         let mut row = 0usize;
+        let mut features = Vec::new();
+        let mut mrope: [Vec<i64>; 3] = Default::default();
+        let mut any_mrope = false;
         for &(id, start) in &scheduled {
             let state = self
                 .requests
@@ -140,6 +172,9 @@ impl ModelRunner {
                 )));
             }
             let samples_now = n > 0 && end == state.tokens.len();
+            features.extend(state.mm.step_features(start, end, row));
+            state.mm.push_positions(start, end, &mut mrope);
+            any_mrope |= state.mm.mrope.is_some();
             row += n;
             if samples_now {
                 rows.push(row - 1);
@@ -154,7 +189,17 @@ impl ModelRunner {
         let mut batch = ForwardBatch::from_chunks(&chunks, self.block_size)?;
         let num_sampled = rows.len();
         batch.logits_indices = Some(rows);
-        self.model.forward(&batch)?;
+        if features.is_empty() && !any_mrope {
+            self.model.forward(&batch)?;
+        } else {
+            let encoded: Vec<&EncoderOutput> = features
+                .iter()
+                .map(|f| self.encoder_cache.get(f.mm_hash))
+                .collect::<Result<_, _>>()?;
+            let positions = any_mrope.then_some(MropePositions { rows: mrope });
+            self.model
+                .forward_mm(&batch, positions.as_ref(), &features, &encoded)?;
+        }
         let sampled = if num_sampled == 0 {
             Vec::new()
         } else {
@@ -226,9 +271,42 @@ impl ModelRunner {
         Ok(self.sampler.sample(&logits, vocab, &seqs)?)
     }
 
-    /// Drops finished requests, forgets preempted requests' blocks, learns new requests and
-    /// applies cached requests' new tokens and blocks.
-    fn update_states(&mut self, so: &SchedulerOutput) -> Result<(), WorkerError> {
+    /// Runs the encoder of every item the scheduler listed for this step into the cache.
+    fn run_encoders(&mut self, so: &SchedulerOutput) -> Result<(), WorkerError> {
+        for (id, inputs) in &so.scheduled_encoder_inputs {
+            let state = self
+                .requests
+                .get(id)
+                .ok_or_else(|| WorkerError::UnknownRequest(id.clone()))?;
+            for &i in inputs {
+                let item = state.mm.items.get(i as usize).ok_or_else(|| {
+                    WorkerError::Batch(format!("request {id} has no multimodal item {i}"))
+                })?;
+                let t = std::time::Instant::now();
+                let out = self.model.encode_mm(&item.feature())?;
+                tracing::debug!(
+                    request = %id,
+                    item = i,
+                    modality = item.kind.modality(),
+                    mm_hash = %format_args!("{:016x}", item.mm_hash),
+                    rows = out.embeds.shape.first().copied().unwrap_or(0),
+                    elapsed = ?t.elapsed(),
+                    "encoded a multimodal item"
+                );
+                self.encoder_cache.insert(item.mm_hash, out);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops finished requests, forgets preempted requests' blocks, learns new requests (with
+    /// their items, copied out of `views`, the batch's tensors) and applies cached requests'
+    /// new tokens and blocks.
+    fn update_states(
+        &mut self,
+        so: &SchedulerOutput,
+        views: &[TensorView<'_>],
+    ) -> Result<(), WorkerError> {
         for id in &so.finished_req_ids {
             self.requests.remove(id);
         }
@@ -237,8 +315,16 @@ impl ModelRunner {
                 state.block_ids.clear();
             }
         }
+        let mut at = 0;
         for new in &so.scheduled_new_reqs {
             self.check_blocks(&new.req_id, &new.block_ids)?;
+            let n = new.mm_features.len();
+            let mut mm = RequestMm::from_new(new, views.get(at..at + n).unwrap_or_default());
+            at += n;
+            if !mm.items.is_empty() {
+                let kinds: Vec<MultiModalKind> = mm.items.iter().map(|it| it.kind).collect();
+                mm.mrope = self.model.mrope_positions(&new.prompt_token_ids, &kinds)?;
+            }
             self.requests.insert(
                 new.req_id.clone(),
                 CachedRequestState {
@@ -251,6 +337,7 @@ impl ModelRunner {
                         .sampling_params
                         .seed
                         .unwrap_or_else(|| prompt_seed(self.seed, &new.prompt_token_ids)),
+                    mm,
                 },
             );
         }

@@ -158,10 +158,14 @@ impl Worker {
         let step_model: Box<dyn StepModel> = match spec.device {
             Device::Cpu => {
                 let tp = TpContext::new(self.rank as usize, world, self.cpu_all_reduce()?);
-                let model = load_model_with_progress(spec, tp, &|done, total| {
-                    progress.on_load(done, total)
-                })?;
-                Box::new(CpuStepModel::new(model, mem_available_bytes()))
+                let on_load = |done, total| progress.on_load(done, total);
+                match load_stage_model(spec, tp.clone(), &on_load)? {
+                    Some(m) => Box::new(m),
+                    None => {
+                        let model = load_model_with_progress(spec, tp, &on_load)?;
+                        Box::new(CpuStepModel::new(model, mem_available_bytes()))
+                    }
+                }
             }
             Device::Cuda => self.load_cuda(spec, world, &progress)?,
         };
@@ -275,6 +279,36 @@ pub fn load_model_with_progress(
         }
     };
     Ok(model)
+}
+
+/// A model directory whose architecture runs as a stage network in an engine worker
+/// ([`registry::engine_stage`]: Qwen3-Omni's Thinker with the encoder towers its checkpoint
+/// has, text out), loaded as one; `None` for every other model (a text LLM, a GGUF file).
+fn load_stage_model(
+    spec: &LoadModelSpec,
+    tp: TpContext,
+    on_load: LoadProgressFn<'_>,
+) -> Result<Option<CpuStepModel>, WorkerError> {
+    let dir = Path::new(&spec.model);
+    let format = match spec.load_format {
+        LoadFormat::Auto | LoadFormat::Safetensors => RegistryFormat::Safetensors,
+        LoadFormat::Dummy => RegistryFormat::Dummy { seed: spec.seed },
+        LoadFormat::Gguf => return Ok(None),
+    };
+    if !dir.is_dir() {
+        return Ok(None);
+    }
+    let config = registry::read_config(dir)?;
+    let Some(stage) = registry::engine_stage(&config) else {
+        return Ok(None);
+    };
+    let vocab = registry::decoder_spec(&config)?.vocab_size;
+    let model = registry::load_stage_model_dir_with_progress(dir, stage, format, tp, on_load)?;
+    Ok(Some(CpuStepModel::from_stage_model(
+        model,
+        vocab,
+        mem_available_bytes(),
+    )?))
 }
 
 /// `MemAvailable` of `/proc/meminfo` in bytes (0 when unreadable): what the CPU KV cache may use.
