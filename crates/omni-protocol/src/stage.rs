@@ -297,18 +297,20 @@ pub const STAGE_PACK_BYTES: usize = 8 << 20;
 /// Renumbers the chunk's tensors to follow the `picked` ones, in order of appearance, and
 /// appends the old buffer index of each to `picked`.
 pub fn rebase_buffers(chunk: &mut ThinkerToTalker, picked: &mut Vec<usize>) {
-    let mut take = |t: &mut TensorRef| {
+    for t in tensors_mut(chunk) {
         picked.push(t.buffer_index as usize);
         t.buffer_index = (picked.len() - 1) as u32;
-    };
+    }
+}
+
+/// The chunk's tensors, in order.
+fn tensors_mut(chunk: &mut ThinkerToTalker) -> Vec<&mut TensorRef> {
     match &mut chunk.chunk {
         ThinkerChunk::Prefill(s) | ThinkerChunk::Full(s) => {
-            take(&mut s.embed);
-            take(&mut s.hidden);
-            take(&mut s.tts);
+            vec![&mut s.embed, &mut s.hidden, &mut s.tts]
         }
-        ThinkerChunk::Decode { embed, .. } => take(embed),
-        ThinkerChunk::End => {}
+        ThinkerChunk::Decode { embed, .. } => vec![embed],
+        ThinkerChunk::End => Vec::new(),
     }
 }
 
@@ -337,27 +339,15 @@ pub fn pack_thinker_chunks(
         }
         if let Some((c, picked)) = packs.last_mut() {
             let base = picked.len() as u32;
-            shift_buffers(&mut chunk, base);
+            tensors_mut(&mut chunk)
+                .into_iter()
+                .for_each(|t| t.buffer_index += base);
             picked.extend(own);
             c.push(chunk);
         }
         bytes += n;
     }
     packs
-}
-
-/// Adds `base` to every buffer index of the chunk.
-fn shift_buffers(chunk: &mut ThinkerToTalker, base: u32) {
-    let shift = |t: &mut TensorRef| t.buffer_index += base;
-    match &mut chunk.chunk {
-        ThinkerChunk::Prefill(s) | ThinkerChunk::Full(s) => {
-            shift(&mut s.embed);
-            shift(&mut s.hidden);
-            shift(&mut s.tts);
-        }
-        ThinkerChunk::Decode { embed, .. } => shift(embed),
-        ThinkerChunk::End => {}
-    }
 }
 
 #[cfg(test)]
