@@ -122,7 +122,7 @@ impl Generation {
                 let mut req =
                     EngineCoreRequest::new(request_id.clone(), prompt.ids.clone(), params, eos);
                 req.omni = prep.omni.as_ref().map(|o| o.params.clone());
-                req.mm_placeholders = prompt.mm_placeholders();
+                prompt.attach_mm_inputs(&mut req);
                 let rx = state.engine.add_request(req)?;
                 guard.live.push(request_id.clone());
                 state.metrics.observe_prompt(prompt.ids.len());

@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use omni_protocol::{MultiModalPlaceholder, SamplingParams, TokenId};
+use omni_protocol::{
+    DType, EngineCoreRequest, MmKind, MultiModalFeatureSpec, SamplingParams, TensorRef, TokenId,
+};
 use omni_tokenizer::Tokenizer;
 use serde_json::Value;
 
@@ -39,16 +41,32 @@ pub struct PreparedPrompt {
 }
 
 impl PreparedPrompt {
-    /// The engine protocol's placeholder ranges of [`Self::mm_inputs`].
-    pub fn mm_placeholders(&self) -> Vec<MultiModalPlaceholder> {
-        self.mm_inputs
-            .iter()
-            .map(|i| MultiModalPlaceholder {
+    /// Puts [`Self::mm_inputs`] on an engine request: one `MultiModalFeatureSpec` per item
+    /// (placeholder range, content hash, kind, a `TensorRef` to its bf16 tensor) and the tensors
+    /// as the request's out-of-band buffers (shared with this prompt, not copied: `n` choices of
+    /// one prompt send the same bytes).
+    pub fn attach_mm_inputs(&self, req: &mut EngineCoreRequest) {
+        for i in self.mm_inputs.iter() {
+            let kind = match (i.grid_thw, i.num_frames) {
+                (Some(grid_thw), _) => MmKind::Image { grid_thw },
+                (None, Some(num_frames)) => MmKind::Audio { num_frames },
+                (None, None) => continue, // video: refused before it gets here
+            };
+            let buffer_index = req.mm_buffers.push(i.data.clone());
+            req.mm_features.push(MultiModalFeatureSpec {
                 mm_hash: i.mm_hash(),
                 offset: i.offset,
                 length: i.num_tokens,
-            })
-            .collect()
+                kind,
+                tensor: TensorRef {
+                    name: kind.modality().into(),
+                    request_id: Some(req.request_id.clone()),
+                    dtype: DType::Bf16,
+                    shape: i.shape.map(|d| d as u64).to_vec(),
+                    buffer_index,
+                },
+            });
+        }
     }
 }
 

@@ -224,11 +224,24 @@ async fn a_png_and_a_wav_reach_the_engine_with_expanded_placeholders() {
             [4, 13, 6, 4],
             "in part order (parts template: {parts_template})"
         );
-        let ph = &req.mm_placeholders;
+        let ph = &req.mm_features;
         assert_eq!(ph.len(), 4);
         for (r, p) in got.iter().zip(ph) {
             assert_eq!((r.1, r.2), (p.offset, p.length));
+            // The tensor rides the request: its buffer has the bytes its shape makes.
+            let b = req.mm_buffers.get(p.tensor.buffer_index as usize).unwrap();
+            assert_eq!(b.len() as u64, p.tensor.num_bytes());
         }
+        assert!(matches!(
+            ph[0].kind,
+            omni_protocol::MmKind::Image {
+                grid_thw: [1, 4, 4]
+            }
+        ));
+        assert!(matches!(
+            ph[1].kind,
+            omni_protocol::MmKind::Audio { num_frames: 100 }
+        ));
         assert_eq!(
             ph[0].mm_hash, ph[3].mm_hash,
             "the same image, the same hash"

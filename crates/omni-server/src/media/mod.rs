@@ -61,18 +61,18 @@ impl ModalityName for Modality {
 /// for it, and where its placeholder tokens sit in the prompt.
 ///
 /// The request path carries these on [`crate::prepare::PreparedPrompt::mm_inputs`], in prompt
-/// order. The placeholder range and the content hash already go to the engine as
-/// `EngineCoreRequest::mm_placeholders` (so the prefix cache never shares blocks between
-/// different media behind equal pad tokens); the tensor bytes are for the Thinker's vision and
-/// audio encoders, which receive them once the engine protocol carries them.
+/// order, and sends them as the engine request's `mm_features` (placeholder range, content
+/// hash, kind) with the tensors as its out-of-band buffers: the hash keeps the prefix cache from
+/// sharing blocks between different media behind equal pad tokens, the bytes reach the
+/// Thinker's vision and audio encoders in every worker.
 #[derive(Clone, PartialEq)]
 pub struct MmInput {
     /// Image or audio.
     pub modality: Modality,
     /// The processed tensor as bf16, little-endian, row-major: an image's pixel patches
     /// `[grid_t * grid_h * grid_w, 3 * temporal_patch * patch^2]`, or an audio clip's log-mel
-    /// `[num_mel_bins, num_frames]`.
-    pub data: Vec<u8>,
+    /// `[num_mel_bins, num_frames]`. Shared (reference-counted) with the engine requests.
+    pub data: bytes::Bytes,
     /// The tensor's shape (see `data`).
     pub shape: [usize; 2],
     /// An image's patch grid `(t, h, w)`.

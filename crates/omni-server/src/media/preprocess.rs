@@ -183,7 +183,7 @@ pub(crate) fn process(
     let content_hash = omni_mm::content_hash(modality, &dims, TensorData::Bytes(&data));
     Ok(MmInput {
         modality,
-        data,
+        data: data.into(),
         shape,
         grid_thw,
         num_frames,

@@ -196,7 +196,7 @@ mod tests {
     fn item(modality: Modality, num_tokens: u32) -> MmInput {
         MmInput {
             modality,
-            data: Vec::new(),
+            data: Default::default(),
             shape: [0, 0],
             // 4 x 2 patches merge 2 x 2 into 2 tokens; 100 mel frames are 13 tokens.
             grid_thw: (modality == Modality::Image).then_some([1, 4, 2]),
