@@ -1,0 +1,60 @@
+//! Images and audio through the real multi-process engine (`omni_launch::launch`: CPU worker
+//! processes joined by the broadcast queue): every rank receives each request's tensors once,
+//! in the step that schedules it first, and runs the whole encoder tower (replicated towers).
+//! Greedy tokens equal transformers' for an image, an audio clip, both with text between and a
+//! text-only request in one batch, at `-tp 1` with the engine core in its own process (the
+//! tensors cross the API -> engine-core queue too) and at `-tp 2`.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "engine_common.rs"]
+mod common;
+#[path = "mm_common.rs"]
+mod mm_common;
+
+use mm_common::{MmFixture, mm_fixture};
+use omni_config::{DeviceKind, EngineConfig};
+
+fn config(tp: u32, own_process: bool, max_num_batched_tokens: usize) -> EngineConfig {
+    let mut c = EngineConfig::default();
+    c.model.model = Some(mm_fixture());
+    c.model.max_model_len = 256;
+    c.cache.block_size = 4;
+    c.cache.kv_cache_memory = Some(16 << 20);
+    c.parallel.tensor_parallel_size = tp;
+    c.parallel.enable_multiprocessing = own_process;
+    c.scheduler.max_num_batched_tokens = max_num_batched_tokens;
+    c.device.device = DeviceKind::Cpu;
+    c
+}
+
+/// All four fixture requests at once; each one's tokens must be transformers'.
+fn check(c: &EngineConfig, what: &str) {
+    let fx = MmFixture::load();
+    let started = omni_launch::launch(c, &common::engine_bin()).unwrap();
+    let mut streams = Vec::new();
+    for i in 0..fx.requests.len() {
+        let (req, want) = fx.request(i, &format!("r{i}"));
+        streams.push((started.engine.add_request(req).unwrap(), want));
+    }
+    for (i, (mut s, want)) in streams.into_iter().enumerate() {
+        let mut got = Vec::new();
+        while let Some(out) = s.blocking_next() {
+            got.extend(out.unwrap().new_token_ids);
+        }
+        assert_eq!(got, want, "{what}: request {i}");
+    }
+    started.engine.shutdown();
+}
+
+#[test]
+fn tp1_with_the_engine_core_in_its_own_process_gives_the_transformers_tokens() {
+    check(&config(1, true, 512), "tp 1, engine-core process");
+}
+
+#[test]
+fn tp2_gives_the_tokens_of_tp1() {
+    check(&config(2, false, 512), "tp 2");
+    // Chunked across the items too (8 tokens a step).
+    check(&config(2, false, 8), "tp 2, chunked prefill");
+}
