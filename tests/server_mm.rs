@@ -1,0 +1,242 @@
+//! A PNG and a WAV in a chat request reach Qwen3-Omni's encoders through the real server
+//! (`omni-engine serve DIR` on the tiny `qwen3-omni-mm` Thinker, no `--omni`): decoded and
+//! preprocessed in the API process, sent as the request's tensors, broadcast to the CPU worker,
+//! encoded there. The answer depends on the pixels (two gradients of one size, so the same
+//! prompt ids, give different tokens; the same image twice gives the same tokens), and the
+//! prompt counts the items' placeholder tokens.
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "server_common.rs"]
+mod common;
+#[path = "mm_common.rs"]
+mod mm_common;
+
+use std::path::{Path, PathBuf};
+
+use common::Server;
+use serde_json::{Value, json};
+
+/// The ids of the placeholder and chat tokens in the fixture's config.
+const SPECIALS: [(u64, &str); 8] = [
+    (151644, "<|im_start|>"),
+    (151645, "<|im_end|>"),
+    (151652, "<|vision_start|>"),
+    (151653, "<|vision_end|>"),
+    (151655, "<|image_pad|>"),
+    (151669, "<|audio_start|>"),
+    (151670, "<|audio_end|>"),
+    (151675, "<|audio_pad|>"),
+];
+
+/// A template that walks content parts: `w<id>` words for text, Qwen's placeholders for media.
+const TEMPLATE: &str = "{% for m in messages %}<|im_start|>w872 w198 {% for c in m['content'] %}\
+    {% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>\
+    {% elif c['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>\
+    {% elif c['type'] == 'text' %} {{ c['text'] }} {% endif %}{% endfor %}<|im_end|> w198 \
+    {% endfor %}<|im_start|>w77091 w198";
+
+/// The fixture linked into a temporary directory with a word-level tokenizer over its ids.
+struct ModelDir(PathBuf);
+
+impl ModelDir {
+    fn new() -> Self {
+        let src = mm_common::mm_fixture();
+        let dir = std::env::temp_dir().join(format!("omni-mm-serve-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::os::unix::fs::symlink(src.join(f), dir.join(f)).unwrap();
+        }
+        let words: serde_json::Map<String, Value> = (0..152_064u64)
+            .map(|i| match SPECIALS.iter().find(|(s, _)| *s == i) {
+                Some((_, text)) => (text.to_string(), json!(i)),
+                None => (format!("w{i}"), json!(i)),
+            })
+            .collect();
+        let added: Vec<Value> = SPECIALS
+            .iter()
+            .map(|(id, text)| {
+                json!({"id": id, "content": text, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        let tok = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
+        });
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+        let cfg = json!({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        Self(dir)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ModelDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::new();
+    for c in bytes.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for k in 0..4 {
+            if k <= c.len() {
+                s.push(A[(n >> (18 - 6 * k) & 63) as usize] as char);
+            } else {
+                s.push('=');
+            }
+        }
+    }
+    s
+}
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &b in data {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 == 1 {
+                (c >> 1) ^ 0xEDB8_8320
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+/// An RGB PNG (stored zlib blocks) whose pixels are `f(x, y)`.
+fn png(w: u32, h: u32, f: impl Fn(u32, u32) -> [u8; 3]) -> Vec<u8> {
+    let mut raw = Vec::new();
+    for y in 0..h {
+        raw.push(0);
+        for x in 0..w {
+            raw.extend_from_slice(&f(x, y));
+        }
+    }
+    let mut z = vec![0x78, 0x01, 1];
+    z.extend_from_slice(&(raw.len() as u16).to_le_bytes());
+    z.extend_from_slice(&(!(raw.len() as u16)).to_le_bytes());
+    z.extend_from_slice(&raw);
+    let (mut a, mut b) = (1u32, 0u32);
+    for &x in &raw {
+        a = (a + u32::from(x)) % 65_521;
+        b = (b + a) % 65_521;
+    }
+    z.extend_from_slice(&((b << 16) | a).to_be_bytes());
+    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut chunk = |kind: &[u8], data: &[u8]| {
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        let mut body = kind.to_vec();
+        body.extend_from_slice(data);
+        out.extend_from_slice(&body);
+        out.extend_from_slice(&crc32(&body).to_be_bytes());
+    };
+    let mut ihdr = w.to_be_bytes().to_vec();
+    ihdr.extend_from_slice(&h.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    chunk(b"IHDR", &ihdr);
+    chunk(b"IDAT", &z);
+    chunk(b"IEND", &[]);
+    out
+}
+
+/// One second of a 440 Hz tone, 16 kHz mono PCM16 WAV.
+fn wav() -> Vec<u8> {
+    let samples: Vec<i16> = (0..16_000)
+        .map(|i| ((i as f32 * 440.0 * std::f32::consts::TAU / 16_000.0).sin() * 8000.0) as i16)
+        .collect();
+    let data_len = samples.len() as u32 * 2;
+    let mut w = b"RIFF".to_vec();
+    w.extend_from_slice(&(36 + data_len).to_le_bytes());
+    w.extend_from_slice(b"WAVEfmt ");
+    w.extend_from_slice(&16u32.to_le_bytes());
+    w.extend_from_slice(&1u16.to_le_bytes()); // PCM
+    w.extend_from_slice(&1u16.to_le_bytes()); // mono
+    w.extend_from_slice(&16_000u32.to_le_bytes());
+    w.extend_from_slice(&32_000u32.to_le_bytes());
+    w.extend_from_slice(&2u16.to_le_bytes());
+    w.extend_from_slice(&16u16.to_le_bytes());
+    w.extend_from_slice(b"data");
+    w.extend_from_slice(&data_len.to_le_bytes());
+    samples
+        .iter()
+        .for_each(|s| w.extend_from_slice(&s.to_le_bytes()));
+    w
+}
+
+fn image_part(png: &[u8]) -> Value {
+    json!({"type": "image_url",
+        "image_url": {"url": format!("data:image/png;base64,{}", base64(png))}})
+}
+
+async fn chat(server: &Server, parts: Vec<Value>) -> (String, u64) {
+    let body = json!({"model": "mm", "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+        "messages": [{"role": "user", "content": parts}]});
+    let (status, v) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 6);
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    (text, v["usage"]["prompt_tokens"].as_u64().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_png_and_a_wav_reach_the_encoders_and_decide_the_answer() {
+    let dir = ModelDir::new();
+    let server = Server::start(&[
+        dir.path().to_str().unwrap(),
+        "--served-model-name",
+        "mm",
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+    ]);
+    let a = png(64, 96, |x, y| [(x * 4) as u8, (y * 2) as u8, 128]);
+    let b = png(64, 96, |x, y| [255 - (y * 2) as u8, (x * 4) as u8, 0]);
+    let text = json!({"type": "text", "text": "w214 w177"});
+    let (ta, n) = chat(&server, vec![image_part(&a), text.clone()]).await;
+    // 64x96: a 4x6 patch grid, 6 tokens, between its start and end markers.
+    // `<|im_start|>w872 w198`, the two markers, the two words, `<|im_end|> w198`,
+    // `<|im_start|>w77091 w198`.
+    let template_tokens = 3 + 2 + 2 + 2 + 3;
+    assert_eq!(n, template_tokens + 6, "{ta}");
+    let (ta2, _) = chat(&server, vec![image_part(&a), text.clone()]).await;
+    assert_eq!(ta2, ta, "the same image, the same answer");
+    let (tb, _) = chat(&server, vec![image_part(&b), text.clone()]).await;
+    assert_ne!(tb, ta, "the pixels reach the model");
+
+    // Image, text, audio (1 s: 100 mel frames, 13 tokens) in one message.
+    let audio =
+        json!({"type": "input_audio", "input_audio": {"data": base64(&wav()), "format": "wav"}});
+    let (t1, n) = chat(&server, vec![image_part(&a), text.clone(), audio.clone()]).await;
+    assert_eq!(n, template_tokens + 6 + 2 + 13, "{t1}");
+    let silence = {
+        let mut w = wav();
+        let len = w.len();
+        w[44..len].fill(0);
+        w
+    };
+    let quiet =
+        json!({"type": "input_audio", "input_audio": {"data": base64(&silence), "format": "wav"}});
+    let (t2, _) = chat(&server, vec![image_part(&a), text, quiet]).await;
+    assert_ne!(t1, t2, "the audio reaches the model");
+    assert!(!server.log().contains("placeholder tokens only"));
+}
