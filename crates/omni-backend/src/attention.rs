@@ -263,46 +263,7 @@ pub fn paged_attention(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    /// Dense causal attention over one sequence, for comparison.
-    fn dense(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        t: usize,
-        nh: usize,
-        nkv: usize,
-        hd: usize,
-    ) -> Vec<f32> {
-        let mut out = vec![0.0; t * nh * hd];
-        let scale = 1.0 / (hd as f32).sqrt();
-        for h in 0..nh {
-            let g = h / (nh / nkv);
-            for i in 0..t {
-                let mut w: Vec<f32> = (0..=i)
-                    .map(|j| {
-                        (0..hd)
-                            .map(|d| q[(i * nh + h) * hd + d] * k[(j * nkv + g) * hd + d])
-                            .sum::<f32>()
-                            * scale
-                    })
-                    .collect();
-                softmax_inplace(&mut w);
-                for (j, wj) in w.iter().enumerate() {
-                    for d in 0..hd {
-                        out[(i * nh + h) * hd + d] += wj * v[(j * nkv + g) * hd + d];
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    fn data(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 31 + seed * 17) % 23) as f32 - 11.0) / 7.0)
-            .collect()
-    }
+    use crate::test_util::{NaiveHeads, data, max_diff, naive_attention};
 
     #[test]
     fn chunked_prefill_and_decode_match_dense_causal_attention() {
@@ -310,7 +271,9 @@ mod tests {
         let q = data(t * nh * hd, 1);
         let k = data(t * nkv * hd, 2);
         let v = data(t * nkv * hd, 3);
-        let want = dense(&q, &k, &v, t, nh, nkv, hd);
+        // Dense causal attention over the whole sequence.
+        let heads = NaiveHeads { t, nh, nkv, hd };
+        let want = naive_attention(&q, &k, &v, heads, 1.0 / (hd as f32).sqrt(), |i, j| j <= i);
         // Blocks deliberately out of order; positions 0..4 as one chunk, 4..6 as a second, then
         // one decode token.
         let table = vec![5u32, 1, 3];
@@ -343,11 +306,7 @@ mod tests {
             )
             .unwrap();
         }
-        let err = want
-            .iter()
-            .zip(&got)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
+        let err = max_diff(&want, &got);
         assert!(err < 1e-5, "max abs err {err}");
     }
 

@@ -115,6 +115,7 @@ pub fn conv2d(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::test_util::max_diff;
 
     /// Every output element written out from the definition.
     fn naive(x: &[f32], h: usize, w: usize, wt: &[f32], b: &[f32], s: &Conv2dSpec) -> Vec<f32> {
@@ -170,11 +171,7 @@ mod tests {
             let (oh, ow) = conv2d(&x, h, w, &wt, Some(&b), &s, &mut out).unwrap();
             assert_eq!(out.len(), 4 * oh * ow);
             let want = naive(&x, h, w, &wt, &b, &s);
-            let err = out
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let err = max_diff(&out, &want);
             assert!(err < 1e-5, "{h}x{w} {stride:?} {padding:?}: {err}");
         }
     }

@@ -31,10 +31,13 @@ pub mod conv;
 pub mod conv2d;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod dense_attention;
 pub mod gelu_tanh;
 pub mod linalg;
 pub mod ops;
 pub mod rope;
+#[cfg(test)]
+mod test_util;
 pub mod varlen_attention;
 pub mod window_attention;
 

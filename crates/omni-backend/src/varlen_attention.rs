@@ -4,12 +4,10 @@
 //!
 //! Tokens `cu_seqlens[s]..cu_seqlens[s + 1]` form segment `s`; query `i` of a segment sees every
 //! key of that segment and no other. Work is split over (segment, head) on the rayon pool, and
-//! each pair is two products: scores `Q K^T * scale`, a softmax per row, then `P V`.
+//! each pair is two products (`dense_attention`): scores `Q K^T * scale`, a softmax per
+//! row, then `P V`.
 
-use rayon::prelude::*;
-
-use crate::linalg::{MatMut, MatRef, Threads, gemm_strided};
-use crate::ops::softmax_inplace;
+use crate::dense_attention::{DenseInputs, Tile, TokenLayout, attend_tiles};
 use crate::{Error, Result, check_len};
 
 /// The head geometry of [`segment_attention`] (as many key/value heads as query heads).
@@ -24,10 +22,10 @@ pub struct HeadShape {
 /// Attention of `q`, `k`, `v` (`[tokens, num_heads, head_dim]` each) into `out` (like `q`),
 /// within the segments of `cu_seqlens` (`[0, .., tokens]`, non-decreasing), scores scaled by
 /// `scale`.
-pub fn segment_attention<'a>(
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+pub fn segment_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
     cu_seqlens: &[usize],
     heads: HeadShape,
     scale: f32,
@@ -48,63 +46,39 @@ pub fn segment_attention<'a>(
     check_len("segment attention key", k.len(), tokens * row)?;
     check_len("segment attention value", v.len(), tokens * row)?;
     check_len("segment attention out", out.len(), tokens * row)?;
-    let tasks: Vec<(usize, usize, usize)> = cu_seqlens
+    let tiles: Vec<Tile> = cu_seqlens
         .windows(2)
         .filter(|w| w[1] > w[0])
-        .flat_map(|w| (0..num_heads).map(move |h| (w[0], w[1] - w[0], h)))
-        .collect();
-    let results: Vec<Result<Vec<f32>>> = tasks
-        .par_iter()
-        .map(|&(start, len, h)| {
-            let at = start * row + h * head_dim;
-            let strided = |data: &'a [f32]| MatRef {
-                data: &data[at..],
-                rows: len,
-                cols: head_dim,
-                rs: row,
-                cs: 1,
-            };
-            let mut scores = vec![0.0f32; len * len];
-            gemm_strided(
-                MatMut::row_major(&mut scores, len, len),
-                strided(q),
-                strided(k).t(),
-                scale,
-                false,
-                Threads::Single,
-            )?;
-            scores.chunks_exact_mut(len).for_each(softmax_inplace);
-            let mut o = vec![0.0f32; len * head_dim];
-            gemm_strided(
-                MatMut::row_major(&mut o, len, head_dim),
-                MatRef::row_major(&scores, len, len),
-                strided(v),
-                1.0,
-                false,
-                Threads::Single,
-            )?;
-            Ok(o)
+        .flat_map(|w| {
+            (0..num_heads).map(move |head| Tile {
+                head,
+                kv_head: head,
+                q_start: w[0],
+                rows: w[1] - w[0],
+                k_start: w[0],
+                cols: w[1] - w[0],
+            })
         })
         .collect();
-    for (&(start, _, h), res) in tasks.iter().zip(results) {
-        for (r, src) in res?.chunks_exact(head_dim).enumerate() {
-            let dst = (start + r) * row + h * head_dim;
-            out[dst..dst + head_dim].copy_from_slice(src);
-        }
-    }
-    Ok(())
+    let inputs = DenseInputs {
+        q,
+        k,
+        v,
+        layout: TokenLayout {
+            head_dim,
+            q_row: row,
+            kv_row: row,
+        },
+        scale,
+    };
+    attend_tiles(&inputs, &tiles, |_, _, _| {}, out)
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    fn data(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 31 + seed * 17) % 23) as f32 - 11.0) / 7.0)
-            .collect()
-    }
+    use crate::test_util::{NaiveHeads, data, max_diff, naive_attention};
 
     #[test]
     fn each_segment_attends_only_within_itself() {
@@ -130,31 +104,15 @@ mod tests {
             &mut got,
         )
         .unwrap();
-        let mut want = vec![0.0; q.len()];
-        for w in cu.windows(2) {
-            for h in 0..nh {
-                for i in w[0]..w[1] {
-                    let mut p: Vec<f32> = (w[0]..w[1])
-                        .map(|j| {
-                            0.5 * (0..hd)
-                                .map(|d| q[(i * nh + h) * hd + d] * k[(j * nh + h) * hd + d])
-                                .sum::<f32>()
-                        })
-                        .collect();
-                    softmax_inplace(&mut p);
-                    for (jj, pj) in p.iter().enumerate() {
-                        for d in 0..hd {
-                            want[(i * nh + h) * hd + d] += pj * v[((w[0] + jj) * nh + h) * hd + d];
-                        }
-                    }
-                }
-            }
-        }
-        let err = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
+        // Token `i` lies in segment `seg[i]`.
+        let seg: Vec<usize> = cu
+            .windows(2)
+            .enumerate()
+            .flat_map(|(s, w)| std::iter::repeat_n(s, w[1] - w[0]))
+            .collect();
+        let heads = NaiveHeads { t, nh, nkv: nh, hd };
+        let want = naive_attention(&q, &k, &v, heads, 0.5, |i, j| seg[i] == seg[j]);
+        let err = max_diff(&got, &want);
         assert!(err < 1e-5, "{err}");
     }
 

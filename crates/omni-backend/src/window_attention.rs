@@ -7,10 +7,7 @@
 //! block of queries) on the rayon pool; each block multiplies only against the keys its window
 //! reaches, so the cost is `O(len * window)`, not `O(len^2)`.
 
-use rayon::prelude::*;
-
-use crate::linalg::{MatMut, MatRef, Threads, gemm_strided};
-use crate::ops::softmax_inplace;
+use crate::dense_attention::{DenseInputs, Tile, TokenLayout, attend_tiles};
 use crate::{Error, Result, check_len};
 
 /// Queries per task.
@@ -61,118 +58,62 @@ pub fn causal_window_attention(
     let group = nh / nkv;
     let (q_row, kv_row) = (nh * hd, nkv * hd);
     let blocks = t.div_ceil(QUERY_BLOCK);
-    let tasks: Vec<(usize, usize)> = (0..nh)
-        .flat_map(|h| (0..blocks).map(move |b| (h, b)))
-        .collect();
-    let results: Vec<Result<Vec<f32>>> = tasks
-        .par_iter()
-        .map(|&(h, b)| {
-            let g = h / group;
-            let i0 = b * QUERY_BLOCK;
-            let i1 = (i0 + QUERY_BLOCK).min(t);
-            let rows = i1 - i0;
-            // Keys the block's windows reach: (i0 - window, i1).
-            let j0 = (i0 + 1).saturating_sub(window);
-            let cols = i1 - j0;
-            let mut scores = vec![0.0f32; rows * cols];
-            gemm_strided(
-                MatMut::row_major(&mut scores, rows, cols),
-                MatRef {
-                    data: &q[i0 * q_row + h * hd..],
-                    rows,
-                    cols: hd,
-                    rs: q_row,
-                    cs: 1,
-                },
-                MatRef {
-                    data: &k[j0 * kv_row + g * hd..],
-                    rows: cols,
-                    cols: hd,
-                    rs: kv_row,
-                    cs: 1,
+    let tiles: Vec<Tile> = (0..nh)
+        .flat_map(|head| {
+            (0..blocks).map(move |b| {
+                let i0 = b * QUERY_BLOCK;
+                let i1 = (i0 + QUERY_BLOCK).min(t);
+                // Keys the block's windows reach: (i0 - window, i1).
+                let j0 = (i0 + 1).saturating_sub(window);
+                Tile {
+                    head,
+                    kv_head: head / group,
+                    q_start: i0,
+                    rows: i1 - i0,
+                    k_start: j0,
+                    cols: i1 - j0,
                 }
-                .t(),
-                scale,
-                false,
-                Threads::Single,
-            )?;
-            for (r, row) in scores.chunks_exact_mut(cols).enumerate() {
-                let i = i0 + r;
-                let first = (i + 1).saturating_sub(window) - j0;
-                let last = i - j0;
-                row[..first].fill(f32::NEG_INFINITY);
-                row[last + 1..].fill(f32::NEG_INFINITY);
-                softmax_inplace(row);
-            }
-            let mut o = vec![0.0f32; rows * hd];
-            gemm_strided(
-                MatMut::row_major(&mut o, rows, hd),
-                MatRef::row_major(&scores, rows, cols),
-                MatRef {
-                    data: &v[j0 * kv_row + g * hd..],
-                    rows: cols,
-                    cols: hd,
-                    rs: kv_row,
-                    cs: 1,
-                },
-                1.0,
-                false,
-                Threads::Single,
-            )?;
-            Ok(o)
+            })
         })
         .collect();
-    for (&(h, b), res) in tasks.iter().zip(results) {
-        let o = res?;
-        let i0 = b * QUERY_BLOCK;
-        for (r, src) in o.chunks_exact(hd).enumerate() {
-            let dst = (i0 + r) * q_row + h * hd;
-            out[dst..dst + hd].copy_from_slice(src);
-        }
-    }
-    Ok(())
+    let inputs = DenseInputs {
+        q,
+        k,
+        v,
+        layout: TokenLayout {
+            head_dim: hd,
+            q_row,
+            kv_row,
+        },
+        scale,
+    };
+    // Query `i` sees keys `i + 1 - window..=i`, columns relative to the tile's first key.
+    let mask = |tile: &Tile, r: usize, row: &mut [f32]| {
+        let i = tile.q_start + r;
+        let first = (i + 1).saturating_sub(window) - tile.k_start;
+        let last = i - tile.k_start;
+        row[..first].fill(f32::NEG_INFINITY);
+        row[last + 1..].fill(f32::NEG_INFINITY);
+    };
+    attend_tiles(&inputs, &tiles, mask, out)
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    fn data(n: usize, seed: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| (((i * 31 + seed * 17) % 23) as f32 - 11.0) / 7.0)
-            .collect()
-    }
+    use crate::test_util::{NaiveHeads, data, max_diff, naive_attention};
 
     /// Every (query, key) pair written out, masked by the window.
     fn naive(q: &[f32], k: &[f32], v: &[f32], s: &WindowAttentionShape, scale: f32) -> Vec<f32> {
-        let (t, nh, nkv, hd) = (s.seq_len, s.num_heads, s.num_kv_heads, s.head_dim);
+        let heads = NaiveHeads {
+            t: s.seq_len,
+            nh: s.num_heads,
+            nkv: s.num_kv_heads,
+            hd: s.head_dim,
+        };
         let w = s.window.unwrap_or(usize::MAX);
-        let mut out = vec![0.0; t * nh * hd];
-        for h in 0..nh {
-            let g = h / (nh / nkv);
-            for i in 0..t {
-                let mut p: Vec<f32> = (0..t)
-                    .map(|j| {
-                        if j > i || i - j >= w {
-                            f32::NEG_INFINITY
-                        } else {
-                            scale
-                                * (0..hd)
-                                    .map(|d| q[(i * nh + h) * hd + d] * k[(j * nkv + g) * hd + d])
-                                    .sum::<f32>()
-                        }
-                    })
-                    .collect();
-                softmax_inplace(&mut p);
-                for (j, pj) in p.iter().enumerate() {
-                    for d in 0..hd {
-                        out[(i * nh + h) * hd + d] += pj * v[(j * nkv + g) * hd + d];
-                    }
-                }
-            }
-        }
-        out
+        naive_attention(q, k, v, heads, scale, |i, j| j <= i && i - j < w)
     }
 
     #[test]
@@ -197,11 +138,7 @@ mod tests {
             let mut got = vec![0.0; q.len()];
             causal_window_attention(&q, &k, &v, &s, 0.35, &mut got).unwrap();
             let want = naive(&q, &k, &v, &s, 0.35);
-            let err = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f32::max);
+            let err = max_diff(&got, &want);
             assert!(err < 1e-5, "t {t} window {window:?}: {err}");
         }
     }

@@ -324,6 +324,7 @@ pub fn causal_conv1d(
 #[allow(clippy::unwrap_used)]
 pub(crate) mod tests {
     use super::*;
+    use crate::test_util::max_diff;
 
     pub(crate) fn data(n: usize, seed: usize) -> Vec<f32> {
         (0..n)
@@ -360,14 +361,6 @@ pub(crate) mod tests {
             }
         }
         out
-    }
-
-    pub(crate) fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
     }
 
     #[test]

@@ -133,7 +133,8 @@ pub fn causal_conv_transpose1d(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::conv::tests::{data, max_diff};
+    use crate::conv::tests::data;
+    use crate::test_util::max_diff;
 
     /// PyTorch `F.conv_transpose1d` then `[..., left:full - right]`.
     fn naive_transpose(
