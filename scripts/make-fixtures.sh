@@ -2,14 +2,7 @@
 # Create scripts/.venv with CPU-capable torch + transformers and regenerate the omni-models fixtures.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-venv="$here/.venv"
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-fi
-if ! "$venv/bin/python" -c "import torch, transformers, safetensors, tokenizers" 2>/dev/null; then
-    # The CPU-only wheel index is smaller; fall back to PyPI when it cannot be reached.
-    "$venv/bin/pip" install --quiet torch --index-url https://download.pytorch.org/whl/cpu \
-        || "$venv/bin/pip" install --quiet torch
-    "$venv/bin/pip" install --quiet "transformers>=5,<6" safetensors tokenizers
-fi
+# shellcheck source=scripts/venv.sh
+. "$here/venv.sh"
+fixture_venv
 exec "$venv/bin/python" "$here/make_fixtures.py" "$@"

@@ -42,17 +42,11 @@ from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qom
 from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe as qop
 
+from fixture_util import MM_TOKEN_IDS
+
 OUT = Path(__file__).resolve().parent.parent / "crates" / "omni-mm" / "tests" / "fixtures"
 RNG = np.random.default_rng(20261214)
-IDS = dict(
-    image_token_id=151655,
-    video_token_id=151656,
-    audio_token_id=151675,
-    vision_start_token_id=151652,
-    vision_end_token_id=151653,
-    audio_start_token_id=151669,
-    audio_end_token_id=151670,
-)
+IDS = MM_TOKEN_IDS
 IMG_KW = dict(
     patch_size=16,
     temporal_patch_size=2,

@@ -46,17 +46,34 @@ import sys
 import zlib
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+# The token ids are used through this module by make_omni_mm_fixtures.py too.
+from fixture_util import (
+    ASSISTANT,
+    AUDIO,
+    AUDIO_END,
+    AUDIO_START,
+    IM_END,
+    IM_START,
+    IMAGE,
+    NEWLINE,
+    SPECIAL_IDS,
+    SYSTEM,
+    TTS_BOS,
+    TTS_EOS,
+    TTS_PAD,
+    USER,
+    VIDEO,
+    VISION_END,
+    VISION_START,
+    save_bf16_checked,
+)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 OUT = os.path.join(ROOT, "crates", "omni-models", "tests", "fixtures", "qwen3-omni")
 
-# Real Qwen3-Omni-30B-A3B token ids.
-IM_START, IM_END, NEWLINE = 151644, 151645, 198
-SYSTEM, USER, ASSISTANT = 8948, 872, 77091
-TTS_PAD, TTS_BOS, TTS_EOS = 151671, 151672, 151673
-SPECIAL_IDS = [NEWLINE, SYSTEM, USER, ASSISTANT, IM_START, IM_END, TTS_PAD, TTS_BOS, TTS_EOS]
 ACTIVE = sorted(set(range(1024)) | set(SPECIAL_IDS))
 
 ACCEPT_HIDDEN_LAYER = 2
@@ -125,13 +142,13 @@ def make_config() -> Qwen3OmniMoeConfig:
         text_config=thinker_text,
         audio_config=audio,
         vision_config=vision,
-        audio_token_id=151675,
-        image_token_id=151655,
-        video_token_id=151656,
-        audio_start_token_id=151669,
-        audio_end_token_id=151670,
-        vision_start_token_id=151652,
-        vision_end_token_id=151653,
+        audio_token_id=AUDIO,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        audio_start_token_id=AUDIO_START,
+        audio_end_token_id=AUDIO_END,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
         user_token_id=USER,
         position_id_per_seconds=13,
         seconds_per_chunk=2,
@@ -188,11 +205,11 @@ def make_config() -> Qwen3OmniMoeConfig:
         codec_think_eos_id=2157,
         codec_pad_id=2148,
         codec_bos_id=2149,
-        audio_token_id=151675,
-        image_token_id=151655,
-        video_token_id=151656,
-        vision_start_token_id=151652,
-        audio_start_token_id=151669,
+        audio_token_id=AUDIO,
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=VISION_START,
+        audio_start_token_id=AUDIO_START,
         position_id_per_seconds=13,
         seconds_per_chunk=2,
         spatial_merge_size=2,
@@ -610,22 +627,8 @@ def main() -> int:
     model = Qwen3OmniMoeForConditionalGeneration(cfg).eval()
     randomize(model, seed=2024)
 
-    saved = Qwen3OmniMoeForConditionalGeneration(cfg).eval()
-    saved.load_state_dict(model.state_dict())
-    saved = saved.to(torch.bfloat16)
-    saved.config.dtype = torch.bfloat16
-    saved.save_pretrained(OUT)
-    del saved
     # The saved file (hub layout) loads back to exactly the weights the references are computed on.
-    reloaded = Qwen3OmniMoeForConditionalGeneration.from_pretrained(OUT, dtype=torch.float32)
-    want = model.state_dict()
-    got = reloaded.state_dict()
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
-    del reloaded
-    stored = load_file(os.path.join(OUT, "model.safetensors"))
-    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    save_bf16_checked(Qwen3OmniMoeForConditionalGeneration, cfg, model, OUT, set_config_dtype=True)
 
     gen = torch.Generator().manual_seed(1)
     prompts = [chat_prompt(gen, 10), chat_prompt(gen, 9, system_len=5)]

@@ -37,18 +37,26 @@ import sys
 import tempfile
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_omni_fixtures as base  # noqa: E402  (the shared tiny config and initialisation rules)
+from fixture_util import (  # noqa: E402
+    AUDIO,
+    AUDIO_END,
+    AUDIO_START,
+    IMAGE,
+    VIDEO,
+    VISION_END,
+    VISION_START,
+    save_bf16_checked,
+)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 OUT = os.path.join(ROOT, "crates", "omni-models", "tests", "fixtures", "qwen3-omni-mm")
 
-IMAGE, VIDEO, AUDIO = 151655, 151656, 151675
-VISION_START, VISION_END, AUDIO_START, AUDIO_END = 151652, 151653, 151669, 151670
 MM_IDS = [IMAGE, VIDEO, AUDIO, VISION_START, VISION_END, AUDIO_START, AUDIO_END]
 ACTIVE = sorted(set(range(256)) | set(base.SPECIAL_IDS) | set(MM_IDS))
 
@@ -103,16 +111,7 @@ def main() -> int:
     base.randomize(holder, seed=77)
 
     with tempfile.TemporaryDirectory() as tmp:
-        saved = Qwen3OmniMoeThinkerForConditionalGeneration(cfg.thinker_config).eval()
-        saved.load_state_dict(model.state_dict())
-        saved.to(torch.bfloat16).save_pretrained(tmp)
-        stored = load_file(os.path.join(tmp, "model.safetensors"))
-        reloaded = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32)
-        want, got = model.state_dict(), reloaded.state_dict()
-        assert want.keys() == got.keys()
-        for k in want:
-            assert torch.equal(want[k], got[k]), k
-    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+        stored = save_bf16_checked(Qwen3OmniMoeThinkerForConditionalGeneration, cfg.thinker_config, model, tmp)
     save_file({f"thinker.{k}": v.contiguous() for k, v in stored.items()}, os.path.join(OUT, "model.safetensors"),
               metadata={"format": "pt"})
     cfg.dtype = torch.bfloat16
