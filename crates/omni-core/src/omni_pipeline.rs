@@ -145,7 +145,7 @@ impl Shared {
 
     /// Admits a request: picks its replicas, registers it with the Talker (audio), starts it
     /// in the Thinker.
-    fn admit(&self, req: EngineCoreRequest) {
+    fn admit(&self, mut req: EngineCoreRequest) {
         let audio = req.omni.as_ref().is_some_and(|o| o.wants_audio());
         let Some(stages) = self.stages.get() else {
             return;
@@ -167,6 +167,11 @@ impl Shared {
             route
         };
         let id = req.request_id.clone();
+        // The stages run no encoders yet: a Thinker stage sees media as their placeholder
+        // tokens (its prefix cache is off, so the content hashes have nothing to key), and the
+        // items' bytes stay here.
+        req.mm_features.clear();
+        req.mm_buffers = Default::default();
         if audio && let Some(talker) = stages.get(1).and_then(|s| s.get(route.replicas[1])) {
             let mut t = req.clone();
             t.prompt_token_ids.clear();
