@@ -1,7 +1,9 @@
 //! The worker process: [`Worker`] (one tensor-parallel rank's command handler), its
 //! [`ModelRunner`] (per-request state, KV cache, batching, sampling), the host [`sampler`] it
 //! falls back to (vLLM keeps it in `v1/sample/`), and [`ShmAllReduce`] (the tensor-parallel
-//! all-reduce between worker processes over shared memory).
+//! all-reduce between worker processes over shared memory). Multimodal requests keep their
+//! items and the encoder cache in the runner (`mm_inputs`): the scheduler says which items to
+//! encode each step and which outputs to free.
 //!
 //! Layer L3: links the models (L2) and talks to the engine core only over `omni-ipc`: it reads
 //! [`omni_protocol::WorkerCommand`]s from the engine's broadcast queue and writes
