@@ -22,7 +22,7 @@ pub const REPLY: &str = "Hello world. STOP here";
 pub const FAKE_QUEUE_TIME: f64 = 0.4;
 
 /// GPT-2's byte -> printable character table.
-fn byte_chars() -> Vec<char> {
+pub fn byte_chars() -> Vec<char> {
     let mut printable: Vec<u32> = (u32::from('!')..=u32::from('~')).collect();
     printable.extend(u32::from('¡')..=u32::from('¬'));
     printable.extend(u32::from('®')..=u32::from('ÿ'));

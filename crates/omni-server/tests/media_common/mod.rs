@@ -13,6 +13,8 @@ use omni_server::{ServerConfig, Tokenizer};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::common::byte_chars;
+
 /// The placeholder tokens' ids in [`mm_tokenizer`] (after 3 specials and 256 bytes).
 pub const VISION_START: u32 = 259;
 /// `<|image_pad|>`.
@@ -36,24 +38,6 @@ const PARTS_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}
 /// A template that only prints `content` (the server puts the placeholders in the string).
 const STRING_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n\
     {{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-
-fn byte_chars() -> Vec<char> {
-    let mut printable: Vec<u32> = (u32::from('!')..=u32::from('~')).collect();
-    printable.extend(u32::from('¡')..=u32::from('¬'));
-    printable.extend(u32::from('®')..=u32::from('ÿ'));
-    let mut extra = 0;
-    (0..256u32)
-        .map(|b| {
-            let code = if printable.contains(&b) {
-                b
-            } else {
-                extra += 1;
-                255 + extra
-            };
-            char::from_u32(code).unwrap()
-        })
-        .collect()
-}
 
 /// The byte-level tokenizer of `common` plus Qwen's six placeholder tokens (ids
 /// [`VISION_START`]..=[`AUDIO_END`]), with a template that walks content parts
