@@ -339,6 +339,20 @@ impl CudaTalkerNet {
     }
 }
 
+impl CudaTalkerNet {
+    /// The device copy of projection `which`.
+    fn device_projection(
+        &self,
+        which: omni_models::qwen3_omni::talker::Projection,
+    ) -> &crate::cuda_mlp::DeviceResizeMlp {
+        use omni_models::qwen3_omni::talker::Projection;
+        match which {
+            Projection::Text => &self.text_projection,
+            Projection::Hidden => &self.hidden_projection,
+        }
+    }
+}
+
 impl TalkerNet for CudaTalkerNet {
     fn config(&self) -> &OmniConfig {
         &self.config
@@ -357,11 +371,7 @@ impl TalkerNet for CudaTalkerNet {
         which: omni_models::qwen3_omni::talker::Projection,
         x: &[f32],
     ) -> Result<Vec<f32>, ModelError> {
-        use omni_models::qwen3_omni::talker::Projection;
-        match which {
-            Projection::Text => self.text_projection.forward(x),
-            Projection::Hidden => self.hidden_projection.forward(x),
-        }
+        self.device_projection(which).forward(x)
     }
 
     fn build_prompt(
@@ -369,13 +379,10 @@ impl TalkerNet for CudaTalkerNet {
         ex: &omni_models::qwen3_omni::talker::ThinkerExports<'_>,
         speaker: u32,
     ) -> Result<omni_models::qwen3_omni::talker::TalkerPrompt, ModelError> {
-        use omni_models::qwen3_omni::talker::Projection;
-        let (text, hidden) = (&self.text_projection, &self.hidden_projection);
-        self.prompts
-            .build_with(ex, speaker, &mut |which, x| match which {
-                Projection::Text => text.forward(x),
-                Projection::Hidden => hidden.forward(x),
-            })
+        let this = &*self;
+        this.prompts.build_with(ex, speaker, &mut |which, x| {
+            this.device_projection(which).forward(x)
+        })
     }
 
     fn forward(&mut self, batch: &ForwardBatch, embeds: &[f32]) -> Result<Vec<f32>, ModelError> {
