@@ -28,6 +28,10 @@ t=$(cargo test --release -p omni-models --features cuda --test cuda_code2wav --n
 cp "$t" "$STAGE/code2wav-tests"
 t=$(cargo test --release -p omni-engine --test engine_gpu --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/engine-tests"
+t=$(cargo test --release -p omni-models --features cuda --test cuda_thinker_mm --no-run 2>&1 | exe_of)
+cp "$t" "$STAGE/thinker-mm-tests"
+t=$(cargo test --release -p omni-engine --test engine_mm --no-run 2>&1 | exe_of)
+cp "$t" "$STAGE/engine-mm-tests"
 t=$(cargo test --release -p omni-engine --test omni_pipeline --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/omni-pipeline-tests"
 strip --strip-debug "$STAGE"/*

@@ -25,6 +25,9 @@
 #           fixture (one-shot, streaming windows, graphs == eager, batched == alone), then
 #           `omni-engine bench code2wav` (16 x 50-frame windows, 1 x 4, 1 x 50; dummy weights of
 #           the real shapes) with a per-op profile
+#   mm      Qwen3-Omni's Thinker with images and audio on CUDA: the device decoder's multimodal
+#           path (placeholder rows, M-RoPE, deepstack) vs transformers on the tiny fixture, alone
+#           and batched, then the multi-process engine on the CUDA worker (whole and chunked)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -81,6 +84,11 @@ if want tests; then
   step kernels "$BIN/backend-tests" cuda:: --test-threads=1 --nocapture
   step model "$BIN/model-tests" --test-threads=1 --nocapture
   OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" --test-threads=1 --nocapture
+fi
+
+if want mm; then
+  step thinker-mm "$BIN/thinker-mm-tests" --test-threads=1 --nocapture
+  OMNI_ENGINE_BIN=$BIN/omni-engine step engine-mm "$BIN/engine-mm-tests" cuda --test-threads=1 --nocapture
 fi
 
 if want talker; then

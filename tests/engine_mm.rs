@@ -3,7 +3,8 @@
 //! in the step that schedules it first, and runs the whole encoder tower (replicated towers).
 //! Greedy tokens equal transformers' for an image, an audio clip, both with text between and a
 //! text-only request in one batch, at `-tp 1` with the engine core in its own process (the
-//! tensors cross the API -> engine-core queue too) and at `-tp 2`.
+//! tensors cross the API -> engine-core queue too) and at `-tp 2`; on a GPU machine
+//! (`scripts/gpu-check.sh mm`) the same with the CUDA worker (SKIP without `nvidia-smi`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -57,4 +58,25 @@ fn tp2_gives_the_tokens_of_tp1() {
     check(&config(2, false, 512), "tp 2");
     // Chunked across the items too (8 tokens a step).
     check(&config(2, false, 8), "tp 2, chunked prefill");
+}
+
+/// Whether `nvidia-smi` lists a GPU (the CUDA tests SKIP without one).
+fn has_gpu() -> bool {
+    std::process::Command::new("nvidia-smi")
+        .args(["--query-gpu=name", "--format=csv,noheader"])
+        .output()
+        .is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+}
+
+#[test]
+fn cuda_gives_the_transformers_tokens_whole_and_chunked() {
+    if !has_gpu() {
+        println!("SKIP cuda_gives_the_transformers_tokens_whole_and_chunked: no GPU");
+        return;
+    }
+    for (tokens, what) in [(512, "cuda tp 1"), (8, "cuda tp 1, chunked prefill")] {
+        let mut c = config(1, false, tokens);
+        c.device.device = DeviceKind::Cuda;
+        check(&c, what);
+    }
 }

@@ -69,6 +69,7 @@ extern "C" __global__ void qkv_rope_cache_bf16(const unsigned short* __restrict_
         unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
         const long long* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
         const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
+        const unsigned char* __restrict__ mrope_axes, long long pos_stride,
         int lq, int lkv, int hd, float eps) {
     __shared__ float sh[32];
     const int heads = lq + lkv;
@@ -85,9 +86,11 @@ extern "C" __global__ void qkv_rope_cache_bf16(const unsigned short* __restrict_
         float inv = rsqrtf(block_sum(a * a + b * b, sh) / (float)hd + eps);
         if (i < half) { a = a * inv * bf2f(nw[i]); b = b * inv * bf2f(nw[i + half]); }
     }
-    const float p = (float)positions[t];
     float ra = 0.f, rb = 0.f;
     if (i < half) {
+        // M-RoPE: frequency i turns by the temporal, height or width row of the positions.
+        const long long axis = mrope_axes ? (long long)mrope_axes[i] : 0;
+        const float p = (float)positions[axis * pos_stride + t];
         float s, c;
         sincosf(p * inv_freq[i], &s, &c);
         ra = a * c - b * s;
@@ -107,6 +110,15 @@ extern "C" __global__ void qkv_rope_cache_bf16(const unsigned short* __restrict_
     if (i < half) {
         kd[i] = f2bf(ra); kd[i + half] = f2bf(rb);
         vd[i] = vs[i]; vd[i + half] = vs[i + half];
+    }
+}
+
+// dst[rows[r], :] += src[r, :] for r < m (rows distinct): the deepstack residual additions.
+extern "C" __global__ void add_rows_f32(float* __restrict__ dst, const float* __restrict__ src,
+        const int* __restrict__ rows, long long hidden, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / hidden, j = i - r * hidden;
+        dst[(long long)rows[r] * hidden + j] += src[i];
     }
 }
 

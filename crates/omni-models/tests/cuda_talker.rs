@@ -990,6 +990,7 @@ fn code_predictor_kernel_times_at_real_shapes() {
                 slot_mapping: &slots,
                 inv_freq: &inv_freq,
                 qk_norm: Some((&head_norm, &head_norm)),
+                mrope: None,
             },
         )
         .unwrap()

@@ -19,12 +19,13 @@ use omni_backend::cuda::{
     CudaContext, CudaError, DeviceAllReduce, DeviceSamplingParams, NcclAllReduce, NcclComm,
 };
 use omni_ipc::shm::ShmSegment;
-use omni_models::ForwardBatch;
-use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
+use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, MmStep, StepLimits};
 use omni_models::gguf::GgufWeights;
 use omni_models::hf_dir::SafetensorsDir;
+use omni_models::qwen3_omni::thinker_mm::ThinkerMm;
 use omni_models::registry;
 use omni_models::weights::WeightSource;
+use omni_models::{EncoderOutput, ForwardBatch, MropePositions, MultiModalFeature, MultiModalKind};
 use omni_protocol::{LoadFormat, LoadModelSpec};
 
 use crate::WorkerError;
@@ -54,6 +55,8 @@ pub fn decode_graph_sizes(max_num_seqs: usize) -> Vec<usize> {
 #[derive(Debug)]
 pub struct CudaStepModel {
     model: CudaDecoderModel,
+    /// A Qwen3-Omni Thinker's towers and placeholders (its checkpoint read from disk).
+    mm: Option<ThinkerMm>,
     gpu_memory_utilization: f32,
     enforce_eager: bool,
     max_num_seqs: usize,
@@ -158,6 +161,16 @@ pub fn load_cuda_model(
         .stream()
         .alloc_zeros::<i32>(limits.max_seqs)
         .map_err(|e| WorkerError::Model(CudaError::from(e).into()))?;
+    // The towers run on the host for now, from the checkpoint's weights (not under dummy
+    // weights: host towers of the real size would be too slow to serve).
+    let mm = match (
+        spec.load_format,
+        omni_models::qwen3_omni::config::ARCHITECTURE,
+    ) {
+        (LoadFormat::Dummy, _) => None,
+        (_, arch) if dspec.architecture == arch => Some(ThinkerMm::load(&config, ws.as_ref())?),
+        _ => None,
+    };
     let view = registry::causal_lm_weights(&config, ws.as_ref())?;
     let mut model = CudaDecoderModel::load(
         cx, dspec, &view, init, rank, world, all_reduce, limits, on_layer,
@@ -165,6 +178,7 @@ pub fn load_cuda_model(
     model.enable_profiler(u64::from(spec.cuda_profile_steps));
     Ok(CudaStepModel {
         model,
+        mm,
         gpu_memory_utilization: spec.gpu_memory_utilization,
         enforce_eager: spec.enforce_eager,
         max_num_seqs: limits.max_seqs,
@@ -223,6 +237,93 @@ impl StepModel for CudaStepModel {
 
     fn sample_on_device(&mut self, rows: &[DeviceSample]) -> Result<Option<Vec<u32>>, WorkerError> {
         sample_rows(&self.model, &mut self.sampled, rows).map(Some)
+    }
+
+    fn mrope_positions(
+        &self,
+        ids: &[u32],
+        items: &[MultiModalKind],
+    ) -> Result<Option<(MropePositions, i64)>, WorkerError> {
+        match &self.mm {
+            Some(mm) => Ok(Some(mm.mrope_positions(ids, items)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, WorkerError> {
+        let mm = self
+            .mm
+            .as_ref()
+            .ok_or_else(|| self.no_mm(feature.modality))?;
+        Ok(mm.encode(feature)?)
+    }
+
+    fn forward_mm(
+        &mut self,
+        batch: &ForwardBatch,
+        positions: Option<&MropePositions>,
+        features: &[MultiModalFeature<'_>],
+        encoded: &[&EncoderOutput],
+    ) -> Result<usize, WorkerError> {
+        let mm = self.mm.as_ref().ok_or_else(|| self.no_mm("multimodal"))?;
+        let t = batch.input_ids.len();
+        let plan = mm.plan(
+            t,
+            self.model.spec().hidden_size,
+            Some(&batch.input_ids),
+            features,
+            encoded,
+        )?;
+        // Equal rows (text, and every decode step) are 1-D RoPE at the temporal row, which may
+        // be the graph path; distinct rows go to the device as M-RoPE rows.
+        let mut one_d = None;
+        let mut mrope = None;
+        if let Some(p) = positions {
+            let [a, b, c] = &p.rows;
+            if a.len() != t || b.len() != t || c.len() != t {
+                return Err(WorkerError::Batch(format!(
+                    "M-RoPE rows of {} / {} / {} positions for {t} tokens",
+                    a.len(),
+                    b.len(),
+                    c.len()
+                )));
+            }
+            if a == b && b == c {
+                let mut b1 = batch.clone();
+                b1.positions = a
+                    .iter()
+                    .map(|&p| {
+                        usize::try_from(p).map_err(|_| {
+                            WorkerError::Batch(format!("negative M-RoPE position {p}"))
+                        })
+                    })
+                    .collect::<Result<_, _>>()?;
+                one_d = Some(b1);
+            } else {
+                mrope = Some([a.as_slice(), b.as_slice(), c.as_slice()]);
+            }
+        }
+        let step = one_d.as_ref().unwrap_or(batch);
+        if plan.embed_rows.is_empty() && mrope.is_none() {
+            return Ok(self.model.forward(step)?);
+        }
+        let mm_step = MmStep {
+            mrope,
+            embed_rows: &plan.embed_rows,
+            visual_rows: &plan.visual_rows,
+            deepstack: &plan.deepstack,
+        };
+        Ok(self.model.forward_mm(step, &mm_step)?)
+    }
+}
+
+impl CudaStepModel {
+    fn no_mm(&self, what: &str) -> WorkerError {
+        WorkerError::Batch(format!(
+            "{} on CUDA takes no {what} input (no encoder towers loaded: a Qwen3-Omni \
+             checkpoint read from disk has them)",
+            self.model.spec().architecture
+        ))
     }
 }
 

@@ -16,7 +16,9 @@
 //! device data, so they can all be captured in a CUDA graph.
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys};
-use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use half::bf16;
 
 use super::kernels::{BF16_HELPERS, kernel_file};
@@ -30,6 +32,7 @@ const FUSED_ADD_RMSNORM_FN: &str = "fused_add_rmsnorm_f32res";
 const ADD_BIAS_F32_FN: &str = "add_bias_f32";
 const QKV_ROPE_CACHE_FN: &str = "qkv_rope_cache_bf16";
 const EMBEDDING_IDS_FN: &str = "embedding_ids_bf16";
+const ADD_ROWS_F32_FN: &str = "add_rows_f32";
 const ADD_BIAS_FN: &str = "add_bias_bf16";
 const BF16_TO_F32_FN: &str = "bf16_to_f32";
 const FILL_UNIFORM_FN: &str = "fill_uniform_bf16";
@@ -83,6 +86,19 @@ where
     pub inv_freq: &'a F,
     /// Qwen3's per-head RMSNorm weights for queries and keys (`[head_dim]` each), or `None`.
     pub qk_norm: Option<(&'a N, &'a N)>,
+    /// M-RoPE: `positions` holds three rows and frequency `i` turns by row `axes[i]`; `None`:
+    /// one row.
+    pub mrope: Option<MropeAxes<'a>>,
+}
+
+/// The M-RoPE side of a [`QkvBuffers`]: which position row turns each frequency.
+#[derive(Debug, Clone, Copy)]
+pub struct MropeAxes<'a> {
+    /// `[head_dim / 2]`, each 0 (temporal), 1 (height) or 2 (width):
+    /// [`crate::rope::MropeLayout::axes`].
+    pub axes: &'a CudaSlice<u8>,
+    /// Elements from one position row to the next (`>= tokens`).
+    pub row_stride: usize,
 }
 
 impl CudaContext {
@@ -256,7 +272,18 @@ impl CudaContext {
             bufs.q_out.len(),
             tokens * q_heads * head_dim,
         )?;
-        at_least("cuda qkv positions", bufs.positions.len(), tokens)?;
+        match &bufs.mrope {
+            None => at_least("cuda qkv positions", bufs.positions.len(), tokens)?,
+            Some(m) => {
+                crate::check_len("cuda qkv M-RoPE axes", m.axes.len(), head_dim / 2)?;
+                at_least("cuda qkv M-RoPE row stride", m.row_stride, tokens)?;
+                at_least(
+                    "cuda qkv positions",
+                    bufs.positions.len(),
+                    2 * m.row_stride + tokens,
+                )?;
+            }
+        }
         at_least("cuda qkv slot_mapping", bufs.slot_mapping.len(), tokens)?;
         crate::check_len("cuda qkv inv_freq", bufs.inv_freq.len(), head_dim / 2)?;
         crate::check_len("cuda qkv v_cache", bufs.v_cache.len(), bufs.k_cache.len())?;
@@ -291,6 +318,13 @@ impl CudaContext {
             Some((qn, kn)) => (qn.device_ptr(s).0, kn.device_ptr(s).0),
             None => (0u64, 0u64),
         };
+        let (axes, stride) = match &bufs.mrope {
+            Some(m) => (
+                m.axes.device_ptr(s).0,
+                narrow::<i64>("M-RoPE row stride", m.row_stride)?,
+            ),
+            None => (0u64, 0i64),
+        };
         let mut launch = s.launch_builder(&f);
         launch
             .arg(&qkv)
@@ -302,13 +336,17 @@ impl CudaContext {
             .arg(&freq)
             .arg(&qn)
             .arg(&kn)
+            .arg(&axes)
+            .arg(&stride)
             .arg(&lq)
             .arg(&lkv)
             .arg(&hd)
             .arg(&eps);
         // SAFETY: the arguments match `qkv_rope_cache_bf16`'s parameter list; qkv, q_out,
         // positions and slot_mapping hold at least `tokens` rows (checked above); inv_freq holds
-        // head_dim / 2 and the norms head_dim entries (or are null, which the kernel tests). The
+        // head_dim / 2 and the norms head_dim entries (or are null, which the kernel tests);
+        // with M-RoPE the axes hold head_dim / 2 values in 0..3 (from `MropeLayout`) and the
+        // positions three rows of `row_stride >= tokens` (checked above). The
         // caller guarantees every non-negative slot is inside the caches (they are produced by
         // the block manager from block ids validated against the cache size). One block per
         // (token, head), threads >= head_dim / 2 and a multiple of 32, at most 1024.
@@ -342,6 +380,36 @@ impl CudaContext {
         // SAFETY: the arguments match `embedding_ids_bf16(const u16*, const int*, u16*, long
         // long, long long)`; out and ids hold at least n / hidden rows (checked above); ids are
         // `< vocab` by the caller's contract, so every table row read is inside the table.
+        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        Ok(())
+    }
+
+    /// `dst[rows[r], :] += src[r, :]` for `r < m` (`src` `[m, hidden]`; `rows` `[m]` distinct
+    /// row indices of `dst`, each below its row count: the caller validates them on the host).
+    pub fn add_rows_f32(
+        &self,
+        dst: &mut impl DevicePtrMut<f32>,
+        src: &impl DevicePtr<f32>,
+        rows: &impl DevicePtr<i32>,
+        m: usize,
+        hidden: usize,
+    ) -> CudaResult<()> {
+        at_least("cuda add_rows src", src.len(), m * hidden)?;
+        at_least("cuda add_rows rows", rows.len(), m)?;
+        let n = m * hidden;
+        if n == 0 {
+            return Ok(());
+        }
+        let (h, n_i) = (narrow::<i64>("hidden", hidden)?, narrow::<i64>("n", n)?);
+        let f = self.function(layers_source, ADD_ROWS_F32_FN)?;
+        let (d, _g1) = dst.device_ptr_mut(&self.stream);
+        let (sp, _g2) = src.device_ptr(&self.stream);
+        let (r, _g3) = rows.device_ptr(&self.stream);
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&d).arg(&sp).arg(&r).arg(&h).arg(&n_i);
+        // SAFETY: the arguments match `add_rows_f32(float*, const float*, const int*, long long,
+        // long long)`; src holds m rows and rows m indices (checked above); each index is a row
+        // of dst by the caller's contract, and distinct, so no two threads add to one element.
         unsafe { launch.launch(elementwise_cfg(n)) }?;
         Ok(())
     }

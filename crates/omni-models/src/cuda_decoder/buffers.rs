@@ -16,6 +16,7 @@ use crate::decoder::{DecoderSpec, HeadLayout};
 #[derive(Debug)]
 pub(crate) struct StepInputs {
     pub(crate) ids: CudaSlice<i32>,
+    /// `[max_tokens]`, or three such rows for a spec with M-RoPE.
     pub(crate) positions: CudaSlice<i32>,
     pub(crate) slots: CudaSlice<i64>,
     pub(crate) query_start_loc: CudaSlice<i32>,
@@ -119,7 +120,8 @@ impl CudaDecoderModel {
             .unwrap_or(0);
         let inputs = StepInputs {
             ids: s.alloc_zeros(t)?,
-            positions: s.alloc_zeros(t)?,
+            // Three rows (temporal, height, width) `t` apart under M-RoPE.
+            positions: s.alloc_zeros(if spec.mrope.is_some() { 3 * t } else { t })?,
             slots: s.alloc_zeros(t)?,
             query_start_loc: s.alloc_zeros(n + 1)?,
             seq_lens: s.alloc_zeros(n)?,

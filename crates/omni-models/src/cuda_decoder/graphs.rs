@@ -116,6 +116,7 @@ impl CudaDecoderModel {
                 max_seq
             },
             embeds,
+            mrope: false,
         })
     }
 }

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use omni_backend::cuda::{
-    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, MoeShape, QkvBuffers,
-    QkvShape, ResidualUpdate, bf16,
+    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, MoeShape, MropeAxes,
+    QkvBuffers, QkvShape, ResidualUpdate, bf16,
 };
 
 use super::buffers::{Activations, StepInputs};
@@ -20,6 +20,8 @@ struct AttnCore<'a> {
     cx: &'a CudaContext,
     inputs: &'a StepInputs,
     inv_freq: &'a CudaSlice<f32>,
+    /// The step's M-RoPE axes, when its positions hold three rows.
+    mrope: Option<MropeAxes<'a>>,
     shape: &'a AttnShape,
     eps: f32,
 }
@@ -50,6 +52,7 @@ impl AttnCore<'_> {
                 slot_mapping: &self.inputs.slots,
                 inv_freq: self.inv_freq,
                 qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q, k)),
+                mrope: self.mrope,
             },
         )?;
         Ok(())
@@ -144,6 +147,7 @@ impl CudaDecoderModel {
         self.small_batch_gemv
             && self.fused_small_batch
             && one_rank
+            && self.residual_adds.is_none()
             && self.capture.is_none()
             && CudaContext::gemv_norm_fits(t, h)
             && self.layers.iter().all(|l| {
@@ -227,6 +231,13 @@ impl CudaDecoderModel {
                 cx: &cx,
                 inputs: &self.inputs,
                 inv_freq: &self.inv_freq,
+                mrope: match (&self.mrope_axes, st.mrope) {
+                    (Some(axes), true) => Some(MropeAxes {
+                        axes,
+                        row_stride: self.limits.max_tokens.max(1),
+                    }),
+                    _ => None,
+                },
                 shape: &attn_shape,
                 eps,
             };
@@ -364,6 +375,15 @@ impl CudaDecoderModel {
             }
             Self::all_reduce(&self.all_reduce, &mut a.proj, t * h)?;
             mark!("all_reduce");
+            // The deepstack features join the layer's output (every rank holds the whole sum).
+            if let Some(adds) = &self.residual_adds
+                && li < adds.levels
+            {
+                let (m, lv) = (adds.rows_len, adds.rows_len * h);
+                let src = adds.data.slice(li * lv..(li + 1) * lv);
+                cx.add_rows_f32(&mut a.proj, &src, &adds.rows, m, h)?;
+                mark!("deepstack_add");
+            }
         }
         let a = &mut self.act;
         cx.fused_add_rms_norm(
@@ -491,6 +511,13 @@ impl CudaDecoderModel {
                 cx: &cx,
                 inputs: &self.inputs,
                 inv_freq: &self.inv_freq,
+                mrope: match (&self.mrope_axes, st.mrope) {
+                    (Some(axes), true) => Some(MropeAxes {
+                        axes,
+                        row_stride: self.limits.max_tokens.max(1),
+                    }),
+                    _ => None,
+                },
                 shape: &attn_shape,
                 eps,
             };

@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;
 use omni_backend::cuda::{CudaContext, CudaError, DeviceAllReduce, bf16};
-use omni_backend::rope::Rope;
+use omni_backend::rope::{MropeLayout, Rope};
 
 use crate::ModelError;
 use crate::batch::ForwardBatch;
@@ -42,12 +42,14 @@ use crate::weights::WeightSource;
 mod buffers;
 mod graphs;
 mod layers;
+mod mm;
 mod profile;
 mod weights;
 
 use buffers::Activations;
 pub(crate) use buffers::StepInputs;
 use graphs::{DecodeGraph, DecodeRow};
+pub use mm::MmStep;
 use profile::StepProfiler;
 use weights::{DLayer, DummyMaker, Uploader};
 
@@ -107,6 +109,8 @@ pub(crate) struct StepShape {
     pub(crate) max_seq_len: usize,
     /// The step starts from the input-embedding buffer, not from token ids.
     pub(crate) embeds: bool,
+    /// The positions buffer holds three M-RoPE rows for this step.
+    pub(crate) mrope: bool,
 }
 
 /// Where a step's input comes from.
@@ -132,6 +136,10 @@ pub struct CudaDecoderModel {
     norm: CudaSlice<bf16>,
     layers: Vec<DLayer>,
     inv_freq: CudaSlice<f32>,
+    /// `[head_dim / 2]` M-RoPE position row of each frequency, for a spec with M-RoPE.
+    mrope_axes: Option<CudaSlice<u8>>,
+    /// The current step's deepstack additions ([`CudaDecoderModel::forward_mm`]).
+    residual_adds: Option<mm::DeviceResidualAdds>,
     limits: StepLimits,
     inputs: StepInputs,
     act: Activations,
@@ -176,9 +184,6 @@ impl CudaDecoderModel {
         on_layer: &dyn Fn(usize, usize),
     ) -> Result<Self, ModelError> {
         let heads = spec.head_layout(rank, tp_size)?;
-        // M-RoPE with the equal rows of text-only input is 1-D RoPE, which is what this
-        // decoder's positions give; three distinct rows never reach it (no multimodal input
-        // on CUDA yet).
         match (&all_reduce, tp_size) {
             (_, 1) => {}
             (Some(ar), n) if ar.world_size() == n => {}
@@ -240,6 +245,13 @@ impl CudaDecoderModel {
         };
         let rope = Rope::new(spec.head_dim, spec.rope_theta, &spec.rope_scaling)?;
         let inv_freq = cx.stream().clone_htod(rope.inv_freq())?;
+        let mrope_axes = match spec.mrope {
+            Some(m) => {
+                let layout = MropeLayout::new(spec.head_dim, m.section, m.interleaved)?;
+                Some(cx.stream().clone_htod(layout.axes())?)
+            }
+            None => None,
+        };
         let (inputs, act) = Self::alloc_step_buffers(&cx, &spec, &heads, &layers, limits)?;
         let profiler = None;
         cx.synchronize()?;
@@ -262,6 +274,8 @@ impl CudaDecoderModel {
             norm,
             layers,
             inv_freq,
+            mrope_axes,
+            residual_adds: None,
             limits,
             inputs,
             act,
@@ -403,7 +417,7 @@ impl CudaDecoderModel {
                 self.spec.architecture
             )));
         }
-        self.forward_from(batch, StepInput::Ids)
+        self.forward_from(batch, StepInput::Ids, None)
     }
 
     /// [`CudaDecoderModel::forward`] from input embeddings `[tokens, hidden]` (host f32, rounded
@@ -426,13 +440,13 @@ impl CudaDecoderModel {
             .stream()
             .memcpy_htod(&host, &mut self.act.sel_embed.slice_mut(..t * h))
             .map_err(CudaError::from)?;
-        self.forward_from(batch, StepInput::Embeds)
+        self.forward_from(batch, StepInput::Embeds, None)
     }
 
     /// [`CudaDecoderModel::forward`] from the rows already queued into
     /// [`CudaDecoderModel::input_embeds_mut`] (`[tokens, hidden]` bf16, written on the device).
     pub fn forward_device_embeds(&mut self, batch: &ForwardBatch) -> Result<usize, ModelError> {
-        self.forward_from(batch, StepInput::Embeds)
+        self.forward_from(batch, StepInput::Embeds, None)
     }
 
     /// The input-embedding buffer, `[max_tokens, hidden]` bf16: what
@@ -445,6 +459,7 @@ impl CudaDecoderModel {
         &mut self,
         batch: &ForwardBatch,
         input: StepInput,
+        mm: Option<&MmStep<'_>>,
     ) -> Result<usize, ModelError> {
         let embeds = input == StepInput::Embeds;
         if self.kv.is_empty() {
@@ -498,7 +513,7 @@ impl CudaDecoderModel {
                 .query_start_loc
                 .windows(2)
                 .all(|w| w[1] - w[0] == 1);
-        let graph = if self.profiler.is_some() {
+        let graph = if self.profiler.is_some() || mm.is_some() {
             None
         } else if embeds {
             self.embed_graphs.range(t..).next().map(|(&g, _)| g)
@@ -566,14 +581,21 @@ impl CudaDecoderModel {
             .map(|w| w[1] - w[0])
             .max()
             .unwrap_or(0);
-        self.run_kernels(StepShape {
+        let mrope = match mm {
+            Some(mm) => self.upload_mm(mm, t)?,
+            None => false,
+        };
+        let run = self.run_kernels(StepShape {
             tokens: t,
             seqs: n,
             rows: rows.len(),
             max_query_len,
             max_seq_len,
             embeds,
-        })?;
+            mrope,
+        });
+        self.residual_adds = None;
+        run?;
         self.last_rows = rows.len();
         self.last_tokens = t;
         Ok(rows.len())

@@ -280,6 +280,7 @@ impl CudaCodePredictor {
                 max_query_len: if first { 2 } else { 1 },
                 max_seq_len: g + 1,
                 embeds: true,
+                mrope: false,
             })?;
             let head = self.heads.slice((g - 1) * v * h..g * v * h);
             let mut logits = self.logits.slice_mut(..rows * v);

@@ -3,8 +3,11 @@
 //! `get_placeholder_mask`), and the visual rows' deepstack features gathered for the residual
 //! additions after the first decoder layers (`_deepstack_process`).
 //!
-//! Items may be cut by chunked prefill: a feature brings only the placeholder rows of this step
+//! The plan serves the CPU decoder (written over its embeddings) and a device decoder (rows
+//! uploaded over the device's). Items may be cut by chunked prefill: a feature brings only the placeholder rows of this step
 //! and the encoder row of its first one (`item_offset`).
+
+use std::ops::Range;
 
 use half::bf16;
 
@@ -32,28 +35,38 @@ impl PlaceholderIds {
     }
 }
 
-/// A step's merged decoder input.
+/// Where a step's encoder outputs go: the placeholder rows each item's encoder rows replace,
+/// and the visual rows' deepstack features.
 #[derive(Debug, Default)]
-pub(crate) struct Merged {
-    /// `[tokens, hidden]`.
-    pub(crate) embeds: Vec<f32>,
+pub struct MergePlan<'a> {
+    /// Batch rows and the encoder rows (`[range.len(), hidden]`) that replace their embeddings.
+    pub embed_rows: Vec<(Range<usize>, &'a [f32])>,
     /// Batch rows of image and video tokens (those with deepstack features).
-    pub(crate) visual_rows: Vec<usize>,
+    pub visual_rows: Vec<usize>,
     /// Per deepstack level, `[visual_rows.len(), hidden]`.
-    pub(crate) deepstack: Vec<Vec<f32>>,
+    pub deepstack: Vec<Vec<f32>>,
 }
 
-/// Writes each feature's encoder rows over `embeds` (`[tokens, hidden]`). With `input_ids`
-/// given, every placeholder row must hold its kind's placeholder token.
-pub(crate) fn merge(
-    mut embeds: Vec<f32>,
+impl MergePlan<'_> {
+    /// Writes the encoder rows over `embeds` (`[tokens, hidden]`).
+    pub(crate) fn apply(&self, embeds: &mut [f32], hidden: usize) {
+        for (rows, src) in &self.embed_rows {
+            embeds[rows.start * hidden..rows.end * hidden].copy_from_slice(src);
+        }
+    }
+}
+
+/// Checks each feature against its encoder output and the step (`tokens` rows of width
+/// `hidden`) and says where its rows go. With `input_ids` given, every placeholder row must
+/// hold its kind's placeholder token.
+pub fn plan<'a>(
+    tokens: usize,
     hidden: usize,
     input_ids: Option<&[u32]>,
     ids: PlaceholderIds,
     features: &[MultiModalFeature<'_>],
-    encoded: &[&EncoderOutput],
-) -> Result<Merged, ModelError> {
-    let tokens = embeds.len() / hidden.max(1);
+    encoded: &[&'a EncoderOutput],
+) -> Result<MergePlan<'a>, ModelError> {
     if features.len() != encoded.len() {
         return Err(ModelError::Batch(format!(
             "{} multimodal features with {} encoder outputs",
@@ -62,9 +75,9 @@ pub(crate) fn merge(
         )));
     }
     let levels = encoded.iter().map(|e| e.deepstack.len()).max().unwrap_or(0);
-    let mut merged = Merged {
+    let mut merged = MergePlan {
         deepstack: vec![Vec::new(); levels],
-        ..Merged::default()
+        ..MergePlan::default()
     };
     let mut taken = vec![false; tokens];
     for (f, e) in features.iter().zip(encoded) {
@@ -108,7 +121,7 @@ pub(crate) fn merge(
         }
         rows.clone().for_each(|r| taken[r] = true);
         let src = &e.embeds.data[f.item_offset * hidden..(f.item_offset + n) * hidden];
-        embeds[rows.start * hidden..rows.end * hidden].copy_from_slice(src);
+        merged.embed_rows.push((rows.clone(), src));
         if !e.deepstack.is_empty() {
             merged.visual_rows.extend(rows.clone());
             for (dst, d) in merged.deepstack.iter_mut().zip(&e.deepstack) {
@@ -118,7 +131,6 @@ pub(crate) fn merge(
             }
         }
     }
-    merged.embeds = embeds;
     Ok(merged)
 }
 

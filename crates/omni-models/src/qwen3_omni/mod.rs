@@ -14,10 +14,11 @@
 pub mod audio_encoder;
 pub mod code2wav;
 pub mod config;
-mod encoder_block;
+pub(crate) mod encoder_block;
 pub mod mm_merge;
 pub mod talker;
 pub mod thinker;
+pub mod thinker_mm;
 pub mod vision_encoder;
 
 use serde_json::Value;

@@ -25,9 +25,9 @@ use crate::interface::{
 };
 use crate::qwen3_omni::audio_encoder::AudioEncoder;
 use crate::qwen3_omni::config::OmniConfig;
-use crate::qwen3_omni::mm_merge::{PlaceholderIds, bf16_values, merge};
+use crate::qwen3_omni::thinker_mm::ThinkerMm;
 use crate::qwen3_omni::vision_encoder::VisionEncoder;
-use crate::weights::{HostTensor, SubmodelWeights, WeightSource};
+use crate::weights::{SubmodelWeights, WeightSource};
 use crate::{KvCacheSpec, LayerKvCache};
 
 /// The Thinker's token embeddings of `<tts_text_bos>`, `<tts_text_eod>` and `<tts_pad>`,
@@ -48,11 +48,7 @@ pub struct Thinker {
     decoder: DecoderModel,
     config: OmniConfig,
     tts: TtsEmbeddings,
-    audio: Option<AudioEncoder>,
-    vision: Option<VisionEncoder>,
-    placeholders: PlaceholderIds,
-    /// The prompt's special ids and merge size, for M-RoPE positions.
-    prompt: omni_mm::MmPromptConfig,
+    mm: ThinkerMm,
 }
 
 impl Thinker {
@@ -77,100 +73,36 @@ impl Thinker {
             eos: rows[h..2 * h].to_vec(),
             pad: rows[2 * h..].to_vec(),
         };
-        let audio_ws = SubmodelWeights::new(ws, "thinker.audio_tower.", &[]);
-        let audio = match audio_ws.shape("conv2d1.weight") {
-            Ok(_) => Some(AudioEncoder::load(
-                tower_config(config_json, "audio_config")?,
-                &audio_ws,
-            )?),
-            Err(_) => None,
-        };
-        let vision_ws = SubmodelWeights::new(ws, "thinker.visual.", &[]);
-        let vision = match vision_ws.shape("patch_embed.proj.weight") {
-            Ok(_) => Some(VisionEncoder::load(
-                tower_config(config_json, "vision_config")?,
-                &vision_ws,
-            )?),
-            Err(_) => None,
-        };
-        let t = &config.thinker_config;
-        let placeholders = PlaceholderIds {
-            image: t.image_token_id,
-            video: t.video_token_id,
-            audio: t.audio_token_id,
-        };
-        let prompt = omni_mm::MmPromptConfig::from_thinker_config(config_json)
-            .map_err(|e| ModelError::Config(e.to_string()))?;
+        let mm = ThinkerMm::load(config_json, ws)?;
         Ok(Self {
             decoder,
             config,
             tts,
-            audio,
-            vision,
-            placeholders,
-            prompt,
+            mm,
         })
+    }
+
+    /// The towers and placeholders.
+    pub fn mm(&self) -> &ThinkerMm {
+        &self.mm
     }
 
     /// The audio tower, when the checkpoint has one.
     pub fn audio_encoder(&self) -> Option<&AudioEncoder> {
-        self.audio.as_ref()
+        self.mm.audio_encoder()
     }
 
     /// The vision tower, when the checkpoint has one.
     pub fn vision_encoder(&self) -> Option<&VisionEncoder> {
-        self.vision.as_ref()
+        self.mm.vision_encoder()
     }
 
-    /// Encodes several items: the images and videos in one vision-tower call, each audio clip
-    /// on its own; one output per feature, in order.
+    /// Encodes several items ([`ThinkerMm::encode_batch`]).
     pub fn encode_mm_batch(
         &self,
         features: &[&MultiModalFeature<'_>],
     ) -> Result<Vec<EncoderOutput>, ModelError> {
-        let mut out: Vec<Option<EncoderOutput>> = vec![None; features.len()];
-        let mut grids = Vec::new();
-        let mut pixels = Vec::new();
-        let mut visual = Vec::new();
-        for (i, f) in features.iter().enumerate() {
-            let values = bf16_values(f.data)?;
-            match f.kind {
-                MultiModalKind::Audio { num_frames } => {
-                    let tower = self.audio.as_ref().ok_or_else(|| no_tower("audio"))?;
-                    out[i] = Some(EncoderOutput {
-                        embeds: tower.encode(&values, num_frames)?,
-                        deepstack: Vec::new(),
-                    });
-                }
-                MultiModalKind::Image { grid_thw } | MultiModalKind::Video { grid_thw } => {
-                    grids.push(grid_thw);
-                    pixels.extend(values);
-                    visual.push(i);
-                }
-            }
-        }
-        if !visual.is_empty() {
-            let tower = self.vision.as_ref().ok_or_else(|| no_tower("vision"))?;
-            let v = tower.encode(&pixels, &grids)?;
-            let unit = tower.config().merge_unit();
-            let h = v.merged.shape[1];
-            let mut start = 0;
-            for (&i, g) in visual.iter().zip(&grids) {
-                let n = g[0] * g[1] * g[2] / unit;
-                let rows = |t: &HostTensor| HostTensor {
-                    shape: vec![n, h],
-                    data: t.data[start * h..(start + n) * h].to_vec(),
-                };
-                out[i] = Some(EncoderOutput {
-                    embeds: rows(&v.merged),
-                    deepstack: v.deepstack.iter().map(rows).collect(),
-                });
-                start += n;
-            }
-        }
-        out.into_iter()
-            .map(|o| o.ok_or_else(|| ModelError::Batch("an item was not encoded".into())))
-            .collect()
+        self.mm.encode_batch(features)
     }
 
     /// Every tensor the Thinker's decoder reads, with its checkpoint name and full shape.
@@ -244,32 +176,11 @@ impl StageModel for Thinker {
         ids: &[u32],
         items: &[MultiModalKind],
     ) -> Result<Option<(MropePositions, i64)>, ModelError> {
-        let items: Vec<omni_mm::MmItem> = items
-            .iter()
-            .map(|k| match *k {
-                MultiModalKind::Image { grid_thw } => Ok(omni_mm::MmItem::Image {
-                    grid_thw: grid_thw.map(|d| d as u32),
-                }),
-                MultiModalKind::Audio { num_frames } => Ok(omni_mm::MmItem::Audio { num_frames }),
-                MultiModalKind::Video { .. } => Err(ModelError::Batch(
-                    "video items are not supported yet (no seconds per grid)".into(),
-                )),
-            })
-            .collect::<Result<_, _>>()?;
-        let (rows, delta) = omni_mm::mrope_positions(ids, &items, &self.prompt)
-            .map_err(|e| ModelError::Batch(format!("M-RoPE positions: {e}")))?;
-        Ok(Some((
-            MropePositions {
-                rows: [rows.t, rows.h, rows.w],
-            },
-            delta,
-        )))
+        self.mm.mrope_positions(ids, items).map(Some)
     }
 
     fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, ModelError> {
-        self.encode_mm_batch(&[feature])?
-            .pop()
-            .ok_or_else(|| ModelError::Batch("an item was not encoded".into()))
+        self.mm.encode(feature)
     }
 
     fn forward_encoded(
@@ -282,21 +193,17 @@ impl StageModel for Thinker {
             return StageModel::forward(&self.decoder, inputs, kv);
         }
         let ids = &inputs.batch.input_ids;
-        let (embeds, check_ids) = match inputs.tokens {
+        let (mut embeds, check_ids) = match inputs.tokens {
             TokenInputs::Ids => (self.decoder.embed_ids(ids)?, Some(ids.as_slice())),
             TokenInputs::Embeds(e) => (e.to_vec(), None),
         };
         let h = self.decoder.spec().hidden_size;
-        let m = merge(
-            embeds,
-            h,
-            check_ids,
-            self.placeholders,
-            inputs.mm_features,
-            encoded,
-        )?;
+        let m = self
+            .mm
+            .plan(ids.len(), h, check_ids, inputs.mm_features, encoded)?;
+        m.apply(&mut embeds, h);
         let step = ModelInputs {
-            tokens: TokenInputs::Embeds(&m.embeds),
+            tokens: TokenInputs::Embeds(&embeds),
             mm_features: &[],
             ..*inputs
         };
@@ -306,20 +213,4 @@ impl StageModel for Thinker {
         };
         self.decoder.forward_with_adds(&step, adds, kv)
     }
-}
-
-/// `thinker_config.{key}` (a tower's config).
-fn tower_config<T: serde::de::DeserializeOwned>(
-    config: &Value,
-    key: &str,
-) -> Result<T, ModelError> {
-    let c = config
-        .get("thinker_config")
-        .and_then(|t| t.get(key))
-        .ok_or_else(|| ModelError::Config(format!("no thinker_config.{key}")))?;
-    Ok(T::deserialize(c)?)
-}
-
-fn no_tower(which: &str) -> ModelError {
-    ModelError::Batch(format!("this Qwen3-Omni checkpoint has no {which} tower"))
 }
