@@ -26,6 +26,8 @@ t=$(cargo test --release -p omni-models --features cuda --test cuda_thinker --no
 cp "$t" "$STAGE/thinker-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_code2wav --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/code2wav-tests"
+t=$(cargo test --release -p omni-models --features cuda --test cuda_encoders --no-run 2>&1 | exe_of)
+cp "$t" "$STAGE/encoder-tests"
 t=$(cargo test --release -p omni-engine --test engine_gpu --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/engine-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_thinker_mm --no-run 2>&1 | exe_of)

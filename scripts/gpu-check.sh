@@ -28,6 +28,10 @@
 #   mm      Qwen3-Omni's Thinker with images and audio on CUDA: the device decoder's multimodal
 #           path (placeholder rows, M-RoPE, deepstack) vs transformers on the tiny fixture, alone
 #           and batched, then the multi-process engine on the CUDA worker (whole and chunked)
+#   encoders Qwen3-Omni's vision and audio towers: the encoder kernels vs the host ops (and their
+#           CPU emulators), CUDA vs host towers on the tiny fixture (images alone and in one
+#           call, audio clips), then real-shape timings with dummy weights (a 1280x720 image,
+#           a 30 s clip)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -109,6 +113,11 @@ if want code2wav; then
   step code2wav-tests "$BIN/code2wav-tests" --test-threads=1 --nocapture
   step code2wav-bench "$BIN/omni-engine" bench code2wav --model bench/models/qwen3-omni-30b-a3b \
     --load-format dummy --shapes 16x50,1x4,1x50 --profile --json "$LOGS/code2wav.json"
+fi
+
+if want encoders; then
+  step encoder-kernels "$BIN/backend-tests" cuda::encoder --test-threads=1 --nocapture
+  step encoder-tests "$BIN/encoder-tests" --test-threads=1 --nocapture
 fi
 
 if want omni; then

@@ -37,6 +37,8 @@ pub mod cuda_code2wav;
 #[cfg(feature = "cuda")]
 pub mod cuda_decoder;
 #[cfg(feature = "cuda")]
+pub mod cuda_encoders;
+#[cfg(feature = "cuda")]
 pub mod cuda_talker;
 pub mod decoder;
 pub mod dummy;

@@ -12,9 +12,9 @@
 //! The kernels are CUDA C++ files under the crate's `kernels/` folder, embedded with
 //! `include_str!` and compiled at run time by NVRTC for the device's architecture (`kernels.rs`).
 //! Each op family is a module here: `layers` (the fused per-layer kernels), `attention`, `moe`,
-//! `sampling`, `talker` (Qwen3-Omni's Talker and code predictor), `encoder` (Qwen3-Omni's vision and audio
-//! towers), `gemv` (the small-batch GEMV
-//! and the decoder's fused small-batch path); `launch` holds the checks every launcher makes.
+//! `sampling`, `talker` (Qwen3-Omni's Talker and code predictor), `encoder` (Qwen3-Omni's vision
+//! and audio towers), `gemv` (the small-batch GEMV and the decoder's fused small-batch path);
+//! `launch` holds the checks every launcher makes.
 
 mod attention;
 pub mod audio;

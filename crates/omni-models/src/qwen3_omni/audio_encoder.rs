@@ -64,7 +64,7 @@ impl AudioEncoderConfig {
     }
 
     /// Mel bins after the three convolutions.
-    fn freq_out(&self) -> usize {
+    pub(crate) fn freq_out(&self) -> usize {
         Self::conv_out_len(self.num_mel_bins)
     }
 }
@@ -85,7 +85,7 @@ pub struct AudioEncoder {
 }
 
 /// PyTorch `nn.LayerNorm`'s default epsilon (the audio tower's norms).
-const LN_EPS: f32 = 1e-5;
+pub(crate) const LN_EPS: f32 = 1e-5;
 
 impl AudioEncoder {
     /// Reads the tower from `ws` under the names inside `thinker.audio_tower.`.
@@ -248,7 +248,7 @@ impl AudioEncoder {
 
 /// transformers' `SinusoidsPositionEmbedding(length, channels)`: row `t` is `sin(t * s_i)` then
 /// `cos(t * s_i)` for the timescales `s_i = exp(-i * ln(10000) / (channels / 2 - 1))`.
-fn sinusoids(length: usize, channels: usize) -> Vec<f32> {
+pub(crate) fn sinusoids(length: usize, channels: usize) -> Vec<f32> {
     let half = channels / 2;
     let inc = (10000f64.ln() / (half.max(2) - 1) as f64) as f32;
     let inv: Vec<f32> = (0..half).map(|i| (-inc * i as f32).exp()).collect();

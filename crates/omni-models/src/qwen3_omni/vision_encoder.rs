@@ -27,7 +27,7 @@ use crate::qwen3_omni::encoder_block::{Activation, EncoderBlock, LayerNorm, Rota
 use crate::weights::{HostTensor, WeightSource};
 
 /// The towers' LayerNorm epsilon.
-const LN_EPS: f32 = 1e-6;
+pub(crate) const LN_EPS: f32 = 1e-6;
 
 /// `thinker_config.vision_config` (every field the forward reads).
 #[derive(Debug, Clone, Deserialize)]
@@ -141,25 +141,8 @@ pub struct VisionEncoder {
 impl VisionEncoder {
     /// Reads the tower from `ws` under the names inside `thinker.visual.`.
     pub fn load(cfg: VisionEncoderConfig, ws: &dyn WeightSource) -> Result<Self, ModelError> {
+        let (side, head_dim) = geometry(&cfg)?;
         let (h, heads) = (cfg.hidden_size, cfg.num_heads);
-        let side = (cfg.num_position_embeddings as f64).sqrt().round() as usize;
-        let head_dim = h.checked_div(heads).unwrap_or(0);
-        if heads == 0
-            || !h.is_multiple_of(heads)
-            || !head_dim.is_multiple_of(4)
-            || side * side != cfg.num_position_embeddings
-            || cfg.spatial_merge_size == 0
-            || cfg.deepstack_visual_indexes.iter().any(|&i| i >= cfg.depth)
-        {
-            return Err(ModelError::Config(format!(
-                "vision_config: hidden {h}, {heads} heads, {} positions, merge {}, deepstack {:?} \
-                 of depth {}",
-                cfg.num_position_embeddings,
-                cfg.spatial_merge_size,
-                cfg.deepstack_visual_indexes,
-                cfg.depth
-            )));
-        }
         let act = Activation::from_name(&cfg.hidden_act)?;
         let pv = cfg.patch_values();
         let patch_w = load_shaped(
@@ -213,18 +196,7 @@ impl VisionEncoder {
         let deepstack = (0..cfg.deepstack_visual_indexes.len())
             .map(|j| Merger::load(ws, &format!("merger_list.{j}"), &cfg, true))
             .collect::<Result<Vec<_>, _>>()?;
-        let theta = cfg
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0) as f32;
-        // transformers: 1 / theta^(arange(0, head_dim / 2, 2) / (head_dim / 2)), in f32.
-        let spatial = head_dim / 2;
-        let inv_freq = (0..spatial)
-            .step_by(2)
-            .map(|i| 1.0 / theta.powf(i as f32 / spatial as f32))
-            .collect();
+        let (theta, inv_freq) = rotary_inv_freq(&cfg, head_dim);
         Ok(Self {
             rope: Rope::new(head_dim, theta, &RopeScaling::None)?,
             inv_freq,
@@ -273,7 +245,7 @@ impl VisionEncoder {
         for &[t, gh, gw] in grids {
             for _ in 0..t {
                 for (r, c) in block_major(gh, gw, m) {
-                    let (hs, ws) = (self.axis_taps(r, gh), self.axis_taps(c, gw));
+                    let (hs, ws) = (axis_taps(r, gh, self.side), axis_taps(c, gw, self.side));
                     pos.fill(0.0);
                     for (ti, hw) in hs {
                         for &(tj, ww) in &ws {
@@ -320,20 +292,6 @@ impl VisionEncoder {
         })
     }
 
-    /// The two bilinear taps (table index, weight) of patch index `i` on an axis of `size`
-    /// patches, with aligned corners and clamped at the border (transformers'
-    /// `_interpolation_axis_taps_weights`, in f32 as it computes them).
-    fn axis_taps(&self, i: usize, size: usize) -> [(usize, f32); 2] {
-        let side = self.side;
-        let src = i as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
-        let floor = src.floor();
-        let base = floor as usize;
-        [0usize, 1].map(|o| {
-            let w = (1.0 - (src - floor - o as f32).abs()).max(0.0);
-            ((base + o).min(side - 1), w)
-        })
-    }
-
     /// Appends the `[cos | sin]` row of the patch at (`r`, `c`).
     fn push_cos_sin(&self, r: usize, c: usize, cos_sin: &mut Vec<f32>) {
         let angles: Vec<f32> = self
@@ -348,10 +306,64 @@ impl VisionEncoder {
 }
 
 /// (row, col) of each patch of an `h x w` grid in merge-block-major order.
-fn block_major(h: usize, w: usize, m: usize) -> impl Iterator<Item = (usize, usize)> {
+pub(crate) fn block_major(h: usize, w: usize, m: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..h / m).flat_map(move |br| {
         (0..w / m).flat_map(move |bc| {
             (0..m).flat_map(move |ir| (0..m).map(move |ic| (br * m + ir, bc * m + ic)))
         })
+    })
+}
+
+/// The learned position table's side and the head size, after checking `cfg`.
+pub(crate) fn geometry(cfg: &VisionEncoderConfig) -> Result<(usize, usize), ModelError> {
+    let (h, heads) = (cfg.hidden_size, cfg.num_heads);
+    let side = (cfg.num_position_embeddings as f64).sqrt().round() as usize;
+    let head_dim = h.checked_div(heads).unwrap_or(0);
+    if heads == 0
+        || !h.is_multiple_of(heads)
+        || !head_dim.is_multiple_of(4)
+        || side * side != cfg.num_position_embeddings
+        || cfg.spatial_merge_size == 0
+        || cfg.deepstack_visual_indexes.iter().any(|&i| i >= cfg.depth)
+    {
+        return Err(ModelError::Config(format!(
+            "vision_config: hidden {h}, {heads} heads, {} positions, merge {}, deepstack {:?} \
+             of depth {}",
+            cfg.num_position_embeddings,
+            cfg.spatial_merge_size,
+            cfg.deepstack_visual_indexes,
+            cfg.depth
+        )));
+    }
+    Ok((side, head_dim))
+}
+
+/// `rope_theta` and the `head_dim / 4` rotary frequencies of each spatial axis (transformers:
+/// `1 / theta^(arange(0, head_dim / 2, 2) / (head_dim / 2))`, in f32).
+pub(crate) fn rotary_inv_freq(cfg: &VisionEncoderConfig, head_dim: usize) -> (f32, Vec<f32>) {
+    let theta = cfg
+        .rope_parameters
+        .as_ref()
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(Value::as_f64)
+        .unwrap_or(10000.0) as f32;
+    let spatial = head_dim / 2;
+    let inv_freq = (0..spatial)
+        .step_by(2)
+        .map(|i| 1.0 / theta.powf(i as f32 / spatial as f32))
+        .collect();
+    (theta, inv_freq)
+}
+
+/// The two bilinear taps (table index, weight) of patch index `i` on an axis of `size` patches
+/// of a `side x side` table, with aligned corners and clamped at the border (transformers'
+/// `_interpolation_axis_taps_weights`, in f32 as it computes them).
+pub(crate) fn axis_taps(i: usize, size: usize, side: usize) -> [(usize, f32); 2] {
+    let src = i as f32 * (side - 1) as f32 / (size.max(2) - 1) as f32;
+    let floor = src.floor();
+    let base = floor as usize;
+    [0usize, 1].map(|o| {
+        let w = (1.0 - (src - floor - o as f32).abs()).max(0.0);
+        ((base + o).min(side - 1), w)
     })
 }

@@ -351,7 +351,7 @@ fn layer_norm_and_bias_act_match_host() {
         )
         .unwrap();
         let err = rel_err(&cx.download_f32(&out).unwrap(), &want);
-        println!("encoder layer_norm {rows}x{dim}: rel err {err:.2e}");
+        println!("gpu encoder layer_norm {rows}x{dim}: rel err {err:.2e}");
         assert!(err < 1e-2);
         for (act, f) in [
             (EncoderAct::Identity, (|v| v) as fn(f32) -> f32),
@@ -366,7 +366,7 @@ fn layer_norm_and_bias_act_match_host() {
             cx.enc_bias_act(&up(&cx, &x), &up(&cx, &b), &mut out, shape, act)
                 .unwrap();
             let err = rel_err(&cx.download_f32(&out).unwrap(), &want);
-            println!("encoder bias_act {act:?} {rows}x{dim}: rel err {err:.2e}");
+            println!("gpu encoder bias_act {act:?} {rows}x{dim}: rel err {err:.2e}");
             assert!(err < 1e-2);
         }
         let y = rand_bf16_f32(rows * dim, 9);
@@ -413,7 +413,7 @@ fn qkv_rope_matches_host() {
         )
         .unwrap();
         let err = rel_err(&cx.download_f32(&out).unwrap(), &want);
-        println!("encoder qkv_rope t={tokens} h={heads} hd={hd}: rel err {err:.2e}");
+        println!("gpu encoder qkv_rope t={tokens} h={heads} hd={hd}: rel err {err:.2e}");
         assert!(err < 1e-2);
     }
 }
@@ -448,7 +448,7 @@ fn segment_attention_matches_host() {
         cx.enc_segment_attention(&dq, &mut out, &cu, sh, &mut scratch)
             .unwrap();
         let err = rel_err(&cx.download_f32(&out).unwrap(), &want);
-        println!("encoder attention {cu:?} h={heads} hd={hd} scratch {len}: rel err {err:.2e}");
+        println!("gpu encoder attention {cu:?} h={heads} hd={hd} scratch {len}: rel err {err:.2e}");
         assert!(err < 2e-2);
     }
 }
