@@ -29,9 +29,9 @@ use serde_json::Value;
 const FIXTURE: &str = "qwen3-omni-mm";
 /// bf16 weights and activations against the f32 host towers.
 const TOL: f32 = 2e-2;
-/// One call against each item alone (the same kernels; cuBLAS may pick other algorithms for
-/// other row counts).
-const BATCH_TOL: f32 = 5e-3;
+/// One call against each item alone: the same kernels, but cuBLAS may pick other algorithms
+/// (other bf16 roundings) for other row counts, so the bound is half of `TOL`, not zero.
+const BATCH_TOL: f32 = 1e-2;
 
 fn tower_cfg<T: serde::de::DeserializeOwned>(c: &Value, key: &str) -> T {
     serde_json::from_value(c["thinker_config"][key].clone()).unwrap()
