@@ -17,24 +17,9 @@ use std::path::{Path, PathBuf};
 use common::Server;
 use serde_json::{Value, json};
 
-/// The ids of the placeholder and chat tokens in the fixture's config.
-const SPECIALS: [(u64, &str); 8] = [
-    (151644, "<|im_start|>"),
-    (151645, "<|im_end|>"),
-    (151652, "<|vision_start|>"),
-    (151653, "<|vision_end|>"),
-    (151655, "<|image_pad|>"),
-    (151669, "<|audio_start|>"),
-    (151670, "<|audio_end|>"),
-    (151675, "<|audio_pad|>"),
-];
-
-/// A template that walks content parts: `w<id>` words for text, Qwen's placeholders for media.
-const TEMPLATE: &str = "{% for m in messages %}<|im_start|>w872 w198 {% for c in m['content'] %}\
-    {% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>\
-    {% elif c['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>\
-    {% elif c['type'] == 'text' %} {{ c['text'] }} {% endif %}{% endfor %}<|im_end|> w198 \
-    {% endfor %}<|im_start|>w77091 w198";
+/// The word-level tokenizer and chat template over the fixture's ids (`w<id>` words for text,
+/// Qwen's placeholders for media), shared with `scripts/make_mm_model_dir.py`.
+const TOKENIZER_SPEC: &str = include_str!("../scripts/mm_word_tokenizer.json");
 
 /// The fixture linked into a temporary directory with a word-level tokenizer over its ids.
 struct ModelDir(PathBuf);
@@ -48,13 +33,20 @@ impl ModelDir {
         for f in ["config.json", "model.safetensors"] {
             std::os::unix::fs::symlink(src.join(f), dir.join(f)).unwrap();
         }
-        let words: serde_json::Map<String, Value> = (0..152_064u64)
-            .map(|i| match SPECIALS.iter().find(|(s, _)| *s == i) {
+        let spec: Value = serde_json::from_str(TOKENIZER_SPEC).unwrap();
+        let specials: Vec<(u64, &str)> = spec["specials"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p[0].as_u64().unwrap(), p[1].as_str().unwrap()))
+            .collect();
+        let words: serde_json::Map<String, Value> = (0..spec["vocab_size"].as_u64().unwrap())
+            .map(|i| match specials.iter().find(|(s, _)| *s == i) {
                 Some((_, text)) => (text.to_string(), json!(i)),
                 None => (format!("w{i}"), json!(i)),
             })
             .collect();
-        let added: Vec<Value> = SPECIALS
+        let added: Vec<Value> = specials
             .iter()
             .map(|(id, text)| {
                 json!({"id": id, "content": text, "single_word": false, "lstrip": false,
@@ -65,10 +57,10 @@ impl ModelDir {
             "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
             "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
             "post_processor": null, "decoder": null,
-            "model": {"type": "WordLevel", "vocab": words, "unk_token": "w0"}
+            "model": {"type": "WordLevel", "vocab": words, "unk_token": spec["unk_token"]}
         });
         std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
-        let cfg = json!({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"});
+        let cfg = json!({"chat_template": spec["chat_template"], "eos_token": spec["eos_token"]});
         std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
         Self(dir)
     }
@@ -239,4 +231,73 @@ async fn a_png_and_a_wav_reach_the_encoders_and_decide_the_answer() {
     let (t2, _) = chat(&server, vec![image_part(&a), text, quiet]).await;
     assert_ne!(t1, t2, "the audio reaches the model");
     assert!(!server.log().contains("placeholder tokens only"));
+}
+
+/// With 1 MiB ring chunks over two CPU workers, a 320x352 image (440 patches, 1.35 MB of bf16
+/// pixels) takes the overflow path and a 64x96 one (24 patches) the ring; `/metrics` counts both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_over_the_ring_chunk_counts_as_overflow_on_metrics() {
+    let dir = ModelDir::new();
+    let server = Server::start_with_env(
+        &[
+            dir.path().to_str().unwrap(),
+            "--served-model-name",
+            "mm",
+            "--device",
+            "cpu",
+            "-tp",
+            "2",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        &[("VLLM_MQ_MAX_CHUNK_BYTES_MB", "1")],
+    );
+    let counters = async || {
+        let (_, text) = server.get("/metrics").await;
+        [
+            "omni:engine_steps_total",
+            "omni:mq_broadcast_messages_total",
+            "omni:mq_overflow_messages_total",
+            "omni:mq_overflow_bytes_total",
+            "omni:mq_ring_bytes_total",
+        ]
+        .map(|n| common::metric_value(&text, n).unwrap_or_else(|| panic!("no {n} in\n{text}")))
+    };
+    let [steps0, msgs0, over0, over_bytes0, ring0] = counters().await;
+    assert_eq!((steps0, over0, over_bytes0), (0.0, 0.0, 0.0));
+    let text = json!({"type": "text", "text": "w214 w177"});
+    let big = png(352, 320, |x, y| [(x % 251) as u8, (y % 241) as u8, 7]);
+    chat(&server, vec![image_part(&big), text.clone()]).await;
+    let pixel_bytes = 440.0 * 1536.0 * 2.0;
+    let mut after = counters().await;
+    for _ in 0..100 {
+        if after[0] >= 6.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        after = counters().await;
+    }
+    let [steps1, msgs1, over1, over_bytes1, ring1] = after;
+    assert!(steps1 >= 6.0, "one prefill and the decode steps: {steps1}");
+    assert!(
+        msgs1 - msgs0 >= steps1,
+        "a broadcast per step: {msgs0} -> {msgs1}"
+    );
+    assert_eq!(over1, 1.0, "the image's step overflowed, no other");
+    assert!(
+        over_bytes1 > pixel_bytes && over_bytes1 < pixel_bytes + 65536.0,
+        "{over_bytes1}"
+    );
+    assert!(ring1 > ring0);
+    let small = png(64, 96, |x, y| [(x * 4) as u8, (y * 2) as u8, 128]);
+    chat(&server, vec![image_part(&small), text]).await;
+    let [_, _, over2, over_bytes2, ring2] = counters().await;
+    assert_eq!(
+        (over2, over_bytes2),
+        (1.0, over_bytes1),
+        "a small image fits a chunk"
+    );
+    assert!(ring2 > ring1 + 24.0 * 3072.0, "{ring1} -> {ring2}");
 }

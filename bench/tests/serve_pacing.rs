@@ -61,6 +61,14 @@ async fn serve_connection(tcp: TcpStream, log: Arc<Log>, token_ms: u64) {
         }
         let mut body = vec![0; length];
         read.read_exact(&mut body).await.unwrap();
+        if length == 0 {
+            // A GET (`bench serve` scrapes /metrics around the run): this server has none.
+            write
+                .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .unwrap();
+            continue;
+        }
         let start = Instant::now();
         let req: Value = serde_json::from_slice(&body).unwrap();
         let tokens = req["max_tokens"].as_u64().unwrap();

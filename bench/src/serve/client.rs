@@ -49,6 +49,18 @@ pub struct RequestSpec {
     pub extra_body: serde_json::Map<String, Value>,
 }
 
+/// The user turn as content parts: the prompt's text, then its images (vLLM's order).
+fn user_content(sample: &SampleRequest) -> Value {
+    let mut parts = vec![json!({"type": "text", "text": sample.prompt})];
+    parts.extend(
+        sample
+            .images
+            .iter()
+            .map(|url| json!({"type": "image_url", "image_url": {"url": url}})),
+    );
+    Value::Array(parts)
+}
+
 /// The output modalities an omni request asks for unless `--extra-body` says otherwise.
 pub const DEFAULT_OMNI_MODALITIES: [&str; 2] = ["text", "audio"];
 
@@ -62,7 +74,7 @@ impl RequestSpec {
             if let Some(system) = &sample.system {
                 messages.push(json!({"role": "system", "content": part(system)}));
             }
-            messages.push(json!({"role": "user", "content": part(&sample.prompt)}));
+            messages.push(json!({"role": "user", "content": user_content(sample)}));
             json!({
                 "model": self.model,
                 "messages": messages,
@@ -74,7 +86,12 @@ impl RequestSpec {
             if let Some(system) = &sample.system {
                 messages.push(json!({"role": "system", "content": system}));
             }
-            messages.push(json!({"role": "user", "content": sample.prompt}));
+            let content = if sample.images.is_empty() {
+                json!(sample.prompt)
+            } else {
+                user_content(sample)
+            };
+            messages.push(json!({"role": "user", "content": content}));
             json!({
                 "model": self.model,
                 "messages": messages,
@@ -374,6 +391,7 @@ mod tests {
             prompt_len: 1,
             output_len: 4,
             system: None,
+            images: Vec::new(),
         };
         let spec = |chat, ignore_eos| RequestSpec {
             model: "m".into(),
@@ -390,6 +408,15 @@ mod tests {
         assert_eq!(cmpl["stream_options"]["include_usage"], true);
         assert!(cmpl.get("ignore_eos").is_none());
         assert!(cmpl.get("modalities").is_none());
+        let mm = SampleRequest {
+            images: vec!["data:image/png;base64,AAAA".into()],
+            ..s
+        };
+        let chat = spec(true, true).body(&mm);
+        let parts = &chat["messages"][0]["content"];
+        assert_eq!(parts[0], json!({"type": "text", "text": "hi"}));
+        assert_eq!(parts[1]["type"], "image_url");
+        assert_eq!(parts[1]["image_url"]["url"], "data:image/png;base64,AAAA");
     }
 
     #[test]
@@ -399,6 +426,7 @@ mod tests {
             prompt_len: 2,
             output_len: 2048,
             system: Some("be a tts engine".into()),
+            images: Vec::new(),
         };
         let mut spec = RequestSpec {
             model: "omni".into(),

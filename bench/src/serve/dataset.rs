@@ -21,6 +21,9 @@ pub struct SampleRequest {
     pub output_len: usize,
     /// A system turn before the prompt (chat endpoints only; Seed-TTS's instruction).
     pub system: Option<String>,
+    /// Image data URLs sent after the prompt as `image_url` parts (chat endpoints only; the
+    /// `random-mm` dataset).
+    pub images: Vec<String>,
 }
 
 const WORDS: [&str; 32] = [
@@ -159,6 +162,7 @@ pub fn random(
                 prompt_len: got + added,
                 output_len: plan.output_len,
                 system: None,
+                images: Vec::new(),
             }
         })
         .collect();
@@ -349,6 +353,7 @@ fn random_words(
                 prompt,
                 output_len: sample_len(rng, output_len, range_ratio),
                 system: None,
+                images: Vec::new(),
             }
         })
         .collect()
@@ -398,6 +403,7 @@ pub fn sharegpt(
             prompt_len,
             output_len,
             system: None,
+            images: Vec::new(),
         });
     }
     if out.is_empty() {

@@ -36,8 +36,10 @@
 
 mod client;
 pub mod dataset;
+mod engine_counters;
 mod omni_stats;
 mod plan;
+pub mod random_mm;
 pub mod seed_tts;
 pub mod stats;
 pub mod wav;
@@ -63,6 +65,9 @@ pub use stats::{AudioMetrics, AudioOutcome, RequestOutcome, ServeBenchResult, Su
 pub enum DatasetName {
     /// Random prompts of `--random-input-len` tokens.
     Random,
+    /// vLLM's `random-mm`: random prompts, each with `--random-mm-base-items-per-request`
+    /// synthetic PNG images of sizes from `--random-mm-bucket-config` (chat backend only).
+    RandomMm,
     /// ShareGPT conversations from `--dataset-path`.
     Sharegpt,
     /// Text to speak under a text-to-speech system prompt: `meta.lst` of `--dataset-path`
@@ -164,6 +169,13 @@ pub struct ServeBenchArgs {
     /// Random dataset: tokens of a prefix shared by every prompt.
     #[arg(long, default_value_t = 0)]
     pub random_prefix_len: usize,
+    /// random-mm: images per request.
+    #[arg(long, default_value_t = 1)]
+    pub random_mm_base_items_per_request: usize,
+    /// random-mm: image sizes and their probabilities, vLLM's syntax
+    /// `{(height, width, frames): probability, ...}` (frames 1: images only).
+    #[arg(long, default_value = random_mm::DEFAULT_BUCKET_CONFIG)]
+    pub random_mm_bucket_config: String,
     /// Send `ignore_eos: true` so every request generates its full output length.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -346,6 +358,7 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
         ProgressStyle::with_template("{bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    let counters_before = engine_counters::scrape(&http, &base).await;
     let mut rng = StdRng::seed_from_u64(args.seed);
     let arrivals = arrival_times(samples.len(), args.request_rate, &mut rng);
     let start = Instant::now();
@@ -375,6 +388,10 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
     }
     let duration = start.elapsed().as_secs_f64();
     progress.finish_and_clear();
+    let counters = match (counters_before, engine_counters::scrape(&http, &base).await) {
+        (Some(before), Some(after)) => Some(after.since(&before)),
+        _ => None,
+    };
 
     let result =
         ServeBenchResult::compute(&outcomes, duration, args.max_concurrency, args.request_rate);
@@ -386,6 +403,9 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
     } else {
         print!("{}", result.format_block(&metrics));
     }
+    if let Some(c) = &counters {
+        print!("{}", c.format_block());
+    }
     if let Some(path) = &args.save_result {
         let mut json = serde_json::to_value(&result).unwrap_or_default();
         json["model"] = serde_json::json!(spec.model);
@@ -396,6 +416,9 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
         json["num_warmups"] = serde_json::json!(args.num_warmups);
         if let Some(extra) = &args.extra_body {
             json["extra_body"] = serde_json::json!(extra);
+        }
+        if let Some(c) = &counters {
+            c.add_to_json(&mut json);
         }
         let text = serde_json::to_string_pretty(&json).unwrap_or_default();
         std::fs::write(path, text)?;

@@ -6,7 +6,7 @@ use omni_tokenizer::Tokenizer;
 
 use super::{
     Backend, DatasetName, PERCENTILE_METRICS, RequestSpec, SampleRequest, ServeBenchArgs,
-    ServeBenchError, dataset, seed_tts,
+    ServeBenchError, dataset, random_mm, seed_tts,
 };
 
 /// `--percentile-metrics` unless given (vLLM's default; vLLM-Omni's block with `--omni`).
@@ -44,6 +44,11 @@ pub(super) fn plan(args: &ServeBenchArgs) -> Result<Plan, ServeBenchError> {
             "/v1/completions".into()
         }
     });
+    if args.dataset == DatasetName::RandomMm && (!chat || omni) {
+        return Err(ServeBenchError::Args(
+            "--dataset-name random-mm needs the chat backend (--backend openai-chat)".into(),
+        ));
+    }
     if chat != endpoint.contains("chat") {
         return Err(ServeBenchError::Args(format!(
             "--endpoint {endpoint} does not fit the {} protocol",
@@ -111,6 +116,27 @@ pub(super) fn samples(
     tokenizer: Option<&Tokenizer>,
 ) -> Result<Vec<SampleRequest>, ServeBenchError> {
     match args.dataset {
+        DatasetName::RandomMm => {
+            let buckets = random_mm::parse_buckets(&args.random_mm_bucket_config)?;
+            let mut samples = dataset::random(
+                tokenizer,
+                args.num_prompts,
+                args.random_input_len,
+                args.random_output_len,
+                args.random_range_ratio,
+                args.random_prefix_len,
+                args.seed,
+            )?;
+            for (i, s) in samples.iter_mut().enumerate() {
+                s.images = random_mm::request_images(
+                    &buckets,
+                    args.random_mm_base_items_per_request,
+                    args.seed,
+                    i,
+                )?;
+            }
+            Ok(samples)
+        }
         DatasetName::Random => dataset::random(
             tokenizer,
             args.num_prompts,
@@ -194,6 +220,8 @@ mod tests {
         assert_eq!(p.endpoint, "/v1/completions");
         assert!(!p.spec.chat && !p.spec.omni);
         assert_eq!(p.metrics, ["ttft", "tpot", "itl"]);
+        let p = plan_of(&["--dataset-name", "random-mm", "--backend", "openai-chat"]).unwrap();
+        assert!(p.spec.chat && !p.spec.omni);
         assert!(
             plan_of(&["--endpoint", "/v1/chat/completions"])
                 .unwrap()
@@ -206,6 +234,8 @@ mod tests {
             &["--omni", "--omni-fixed-lengths", "64"],
             &["--omni-fixed-lengths", "64,144"],
             &["--percentile-metrics", "ttft,audio_ttft"],
+            &["--dataset-name", "random-mm"],
+            &["--dataset-name", "random-mm", "--omni"],
         ] {
             assert!(plan_of(bad).is_err(), "{bad:?}");
         }

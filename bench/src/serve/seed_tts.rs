@@ -141,6 +141,7 @@ fn request(text: String, prompt_len: usize, output_len: usize) -> SampleRequest 
         prompt_len,
         output_len,
         system: Some(SEED_TTS_SYSTEM_PROMPT.to_string()),
+        images: Vec::new(),
     }
 }
 

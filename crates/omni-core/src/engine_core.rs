@@ -12,6 +12,8 @@ use crate::scheduler::{AddRequestError, Scheduler};
 pub struct EngineCore<E> {
     scheduler: Scheduler,
     executor: E,
+    /// Batches run on the executor so far.
+    steps: u64,
 }
 
 impl<E: Executor> EngineCore<E> {
@@ -20,6 +22,7 @@ impl<E: Executor> EngineCore<E> {
         Ok(Self {
             scheduler: Scheduler::new(config)?,
             executor,
+            steps: 0,
         })
     }
 
@@ -49,6 +52,7 @@ impl<E: Executor> EngineCore<E> {
         }
         // The new requests' multimodal tensors, broadcast once as the message's buffers.
         let buffers = scheduler_output.buffers.as_slices();
+        self.steps += 1;
         let model_output = self.executor.execute_model(&scheduler_output, &buffers)?;
         Ok(self
             .scheduler
@@ -65,9 +69,18 @@ impl<E: Executor> EngineCore<E> {
         self.scheduler.has_unfinished_requests()
     }
 
-    /// Scheduler state for metrics.
+    /// Scheduler state for metrics, with the engine's step count and the executor's broadcast
+    /// queue counters.
     pub fn stats(&self) -> SchedulerStats {
-        self.scheduler.stats()
+        let mq = self.executor.broadcast_stats().unwrap_or_default();
+        SchedulerStats {
+            engine_steps: self.steps,
+            mq_broadcast_messages: mq.messages,
+            mq_overflow_messages: mq.overflow_messages,
+            mq_ring_bytes: mq.ring_bytes,
+            mq_overflow_bytes: mq.overflow_bytes,
+            ..self.scheduler.stats()
+        }
     }
 
     /// The scheduler.

@@ -125,6 +125,7 @@ impl Scheduler {
             num_preemptions: self.num_preemptions,
             prefix_cache_queries: self.kv.prefix_cache_queries(),
             prefix_cache_hits: self.kv.prefix_cache_hits(),
+            ..SchedulerStats::default()
         }
     }
 

@@ -36,6 +36,7 @@ pub mod zmtp;
 pub use config::MessageQueueConfig;
 pub use error::{IpcError, ReaderId};
 pub use queue::{
-    Canceller, Handle, Message, MessageQueue, MessageQueueReader, QueueSpec, ReadGuard,
+    Canceller, Handle, Message, MessageQueue, MessageQueueReader, MessageQueueStats, QueueSpec,
+    ReadGuard,
 };
 pub use ring::ShmRingBuffer;

@@ -300,3 +300,21 @@ fn a_reader_polling_with_zero_timeouts_still_gets_overflow_messages() {
     assert_eq!(got, vec![0, 1, 2, 3]);
     drop(writer.join().unwrap());
 }
+
+#[test]
+fn stats_count_a_message_over_the_chunk_as_overflow_with_its_bytes() {
+    let (mut q, mut r) = pair(small());
+    assert_eq!(q.stats(), omni_ipc::MessageQueueStats::default());
+    let small_buf = vec![3u8; 1000];
+    let big = vec![5u8; 20_000];
+    q.enqueue_raw(b"hdr", &[&small_buf]).unwrap();
+    q.enqueue_raw(b"header", &[&big, &small_buf]).unwrap();
+    for _ in 0..2 {
+        r.dequeue_borrowed(Some(Duration::from_secs(5))).unwrap();
+    }
+    let s = q.stats();
+    assert_eq!(s.messages, 2);
+    assert_eq!(s.overflow_messages, 1);
+    assert_eq!(s.ring_bytes, 3 + 1000);
+    assert_eq!(s.overflow_bytes, 6 + 20_000 + 1000);
+}

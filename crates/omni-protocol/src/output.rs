@@ -99,6 +99,20 @@ pub struct SchedulerStats {
     pub prefix_cache_queries: u64,
     /// Of those, tokens found (`vllm:prefix_cache_hits`).
     pub prefix_cache_hits: u64,
+    /// Batches the engine core ran on its executor so far (`omni:engine_steps_total`; vLLM has
+    /// no such metric).
+    pub engine_steps: u64,
+    /// Messages the executor's broadcast queue sent so far, to the workers
+    /// (`omni:mq_broadcast_messages_total`; zero for an in-process executor).
+    pub mq_broadcast_messages: u64,
+    /// Of those, messages larger than a ring chunk (`VLLM_MQ_MAX_CHUNK_BYTES_MB`), sent over the
+    /// ZeroMQ overflow socket (`omni:mq_overflow_messages_total`).
+    pub mq_overflow_messages: u64,
+    /// Payload bytes (header plus out-of-band buffers, once per message) through the ring
+    /// (`omni:mq_ring_bytes_total`).
+    pub mq_ring_bytes: u64,
+    /// Payload bytes through the overflow socket (`omni:mq_overflow_bytes_total`).
+    pub mq_overflow_bytes: u64,
 }
 
 /// One message from the engine core to its client: what one turn of the busy loop produced

@@ -64,9 +64,46 @@ struct Exported {
     preemptions: u64,
     prefix_queries: u64,
     prefix_hits: u64,
+    /// The `omni:` engine counters, in [`ENGINE_COUNTERS`] order.
+    engine: [u64; ENGINE_COUNTERS.len()],
     /// Per `(from_stage, to_stage)` connector.
     connector_bytes: std::collections::HashMap<(u32, u32), u64>,
 }
+
+/// omni-engine's own cumulative engine counters (vLLM has none of these, hence `omni:`): name,
+/// help, and the field of [`omni_protocol::SchedulerStats`] it reads.
+type EngineCounter = (
+    &'static str,
+    &'static str,
+    fn(&omni_protocol::SchedulerStats) -> u64,
+);
+const ENGINE_COUNTERS: [EngineCounter; 5] = [
+    (
+        "omni:engine_steps",
+        "Batches the engine core ran on its executor",
+        |s| s.engine_steps,
+    ),
+    (
+        "omni:mq_broadcast_messages",
+        "Messages the broadcast queue sent to the workers",
+        |s| s.mq_broadcast_messages,
+    ),
+    (
+        "omni:mq_overflow_messages",
+        "Broadcast messages larger than a ring chunk (VLLM_MQ_MAX_CHUNK_BYTES_MB), sent over the overflow socket",
+        |s| s.mq_overflow_messages,
+    ),
+    (
+        "omni:mq_ring_bytes",
+        "Broadcast payload bytes through the shared-memory ring",
+        |s| s.mq_ring_bytes,
+    ),
+    (
+        "omni:mq_overflow_bytes",
+        "Broadcast payload bytes through the overflow socket",
+        |s| s.mq_overflow_bytes,
+    ),
+];
 
 /// Every metric the server exports.
 #[derive(Debug)]
@@ -94,6 +131,7 @@ pub struct Metrics {
     audio_duration: HistogramFamily,
     audio_frames: Family<Labels, Counter>,
     connector_bytes: Family<Labels, Counter>,
+    engine_counters: [Family<Labels, Counter>; ENGINE_COUNTERS.len()],
     exported: Mutex<Exported>,
 }
 
@@ -264,6 +302,12 @@ impl Metrics {
         for h in [&ttft, &itl, &e2e, &queue, &prefill, &decode] {
             let _ = h.get_or_create(&model);
         }
+        let engine_counters: [Family<Labels, Counter>; ENGINE_COUNTERS.len()] =
+            std::array::from_fn(|_| Family::default());
+        for (c, (name, help, _)) in engine_counters.iter().zip(ENGINE_COUNTERS) {
+            registry.register(name, help, c.clone());
+            let _ = c.get_or_create(&model);
+        }
         Self {
             registry,
             model,
@@ -288,6 +332,7 @@ impl Metrics {
             audio_duration,
             audio_frames,
             connector_bytes,
+            engine_counters,
             exported: Mutex::new(Exported::default()),
         }
     }
@@ -429,6 +474,14 @@ impl Metrics {
                 &mut ex.prefix_hits,
                 stats.prefix_cache_hits,
             );
+            for ((c, (_, _, read)), last) in self
+                .engine_counters
+                .iter()
+                .zip(ENGINE_COUNTERS)
+                .zip(ex.engine.iter_mut())
+            {
+                inc(c, last, read(&stats));
+            }
         }
         if let Some(p) = engine.pipeline_stats() {
             self.render_pipeline(&p);

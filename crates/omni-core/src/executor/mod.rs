@@ -48,6 +48,11 @@ pub trait Executor {
 
     /// Stops the workers. Called once, when the engine core shuts down.
     fn shutdown(&mut self) {}
+
+    /// What the broadcast queue to the workers has sent so far; `None` without one (in-process).
+    fn broadcast_stats(&self) -> Option<omni_ipc::MessageQueueStats> {
+        None
+    }
 }
 
 impl<E: Executor + ?Sized> Executor for Box<E> {
@@ -65,6 +70,10 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
 
     fn shutdown(&mut self) {
         (**self).shutdown()
+    }
+
+    fn broadcast_stats(&self) -> Option<omni_ipc::MessageQueueStats> {
+        (**self).broadcast_stats()
     }
 }
 

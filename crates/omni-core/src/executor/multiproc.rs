@@ -150,4 +150,8 @@ impl Executor for MultiprocExecutor {
     fn shutdown(&mut self) {
         self.group.shutdown();
     }
+
+    fn broadcast_stats(&self) -> Option<omni_ipc::MessageQueueStats> {
+        self.group.broadcast_stats()
+    }
 }

@@ -30,6 +30,25 @@ use crate::{MessageQueueConfig, ReaderId};
 pub use reader::{Canceller, Message, MessageQueueReader, ReadGuard};
 pub use writer::MessageQueue;
 
+/// What a [`MessageQueue`] has sent so far (cumulative, per queue; [`MessageQueue::stats`]).
+///
+/// Bytes are a message's payload, its encoded header plus its out-of-band buffers, counted once
+/// per message however many readers receive it; framing and alignment padding are left out.
+/// A message larger than a ring slot (`max_chunk_bytes`) is an overflow message: its slot
+/// holds a marker and the payload goes over the ZeroMQ sockets. Messages to remote readers
+/// only (a queue with no ring) count in `messages` and in neither byte total.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MessageQueueStats {
+    /// Messages enqueued.
+    pub messages: u64,
+    /// Of those, messages that went over the overflow sockets.
+    pub overflow_messages: u64,
+    /// Payload bytes written into ring slots.
+    pub ring_bytes: u64,
+    /// Payload bytes sent over the overflow sockets.
+    pub overflow_bytes: u64,
+}
+
 /// Version of the handle and wire format; checked when a reader attaches.
 pub const WIRE_VERSION: u32 = 1;
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::wait::{next_multiple, spin_until, spin_wait, warn_blocked};
-use super::{Handle, QueueSpec, WIRE_VERSION, meta_frame, parse_identity};
+use super::{Handle, MessageQueueStats, QueueSpec, WIRE_VERSION, meta_frame, parse_identity};
 use crate::codec::{self, Meta, MetaKind};
 use crate::ring::ShmRingBuffer;
 use crate::zmtp::{Listener, Stream};
@@ -42,6 +42,8 @@ pub struct MessageQueue {
     /// published, or a send was cut off): the ring and the readers' sockets no longer agree
     /// on what comes next, so every later enqueue fails with this.
     poisoned: Option<(String, String)>,
+    /// Plain counters: the writer is single-threaded.
+    stats: MessageQueueStats,
 }
 
 impl std::fmt::Debug for MessageQueue {
@@ -108,6 +110,7 @@ impl MessageQueue {
             seq: 0,
             scratch: Vec::with_capacity(4096),
             poisoned: None,
+            stats: MessageQueueStats::default(),
         })
     }
 
@@ -119,6 +122,11 @@ impl MessageQueue {
     /// Messages enqueued so far.
     pub fn sequence(&self) -> u64 {
         self.seq
+    }
+
+    /// Messages and bytes sent so far, over the ring and over the overflow sockets.
+    pub fn stats(&self) -> MessageQueueStats {
+        self.stats
     }
 
     fn expected(&self) -> impl Iterator<Item = ReaderId> + use<> {
@@ -324,6 +332,8 @@ impl MessageQueue {
             ring: self.ring.as_ref(),
             started,
         };
+        let payload = (header.len() + buffers.iter().map(|b| b.len()).sum::<usize>()) as u64;
+        let mut overflowed = false;
         if let Some(ring) = &self.ring {
             let slot = (seq % ring.max_chunks() as u64) as usize;
             let flags = ring.flags();
@@ -338,6 +348,7 @@ impl MessageQueue {
             } else {
                 // SAFETY: as above; the marker is 16 bytes, slots are at least 4096.
                 unsafe { codec::write_overflow_marker(ring.slot_ptr(slot)) };
+                overflowed = true;
                 // Publish the marker first: a reader takes the frames off its socket only after
                 // it sees the marker, and a large message does not fit the socket's buffer, so
                 // sending before publishing would block both sides.
@@ -374,6 +385,13 @@ impl MessageQueue {
             return Err(e);
         }
         self.seq += 1;
+        self.stats.messages += 1;
+        if overflowed {
+            self.stats.overflow_messages += 1;
+            self.stats.overflow_bytes += payload;
+        } else if self.ring.is_some() {
+            self.stats.ring_bytes += payload;
+        }
         Ok(())
     }
 

@@ -294,6 +294,7 @@ impl EngineClient for FakeEngine {
             num_preemptions: 7,
             prefix_cache_queries: 100,
             prefix_cache_hits: 40,
+            ..SchedulerStats::default()
         }
     }
 

@@ -174,6 +174,11 @@ impl WorkerGroup {
         }
     }
 
+    /// What the broadcast queue has sent so far (`None` once it is shut down).
+    pub(crate) fn broadcast_stats(&self) -> Option<omni_ipc::MessageQueueStats> {
+        self.broadcast.as_ref().map(|q| q.stats())
+    }
+
     /// Sends `cmd` with its out-of-band `buffers` to every rank.
     pub(crate) fn broadcast(
         &mut self,
