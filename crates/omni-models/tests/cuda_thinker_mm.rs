@@ -26,7 +26,7 @@ const BLOCK: usize = common::BLOCK_SIZE;
 fn load(cx: std::sync::Arc<omni_backend::cuda::CudaContext>) -> (CudaDecoderModel, ThinkerMm) {
     let c = config(FIXTURE);
     let ws = SafetensorsDir::open(&dir(FIXTURE)).unwrap();
-    let mm = ThinkerMm::load(&c, &ws).unwrap();
+    let mm = ThinkerMm::load(&c, Some(&ws)).unwrap();
     let view = causal_lm_weights(&c, &ws).unwrap();
     let mut gpu = CudaDecoderModel::load(
         cx,

@@ -20,6 +20,7 @@ use omni_backend::cuda::{
 };
 use omni_ipc::shm::ShmSegment;
 use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, MmStep, StepLimits};
+use omni_models::cuda_encoders::{DeviceTowers, TowerWeights};
 use omni_models::gguf::GgufWeights;
 use omni_models::hf_dir::SafetensorsDir;
 use omni_models::qwen3_omni::thinker_mm::ThinkerMm;
@@ -55,8 +56,10 @@ pub fn decode_graph_sizes(max_num_seqs: usize) -> Vec<usize> {
 #[derive(Debug)]
 pub struct CudaStepModel {
     model: CudaDecoderModel,
-    /// A Qwen3-Omni Thinker's towers and placeholders (its checkpoint read from disk).
+    /// A Qwen3-Omni Thinker's placeholders and M-RoPE prompt settings.
     mm: Option<ThinkerMm>,
+    /// Its encoder towers on this device.
+    towers: Option<DeviceTowers>,
     gpu_memory_utilization: f32,
     enforce_eager: bool,
     max_num_seqs: usize,
@@ -161,15 +164,19 @@ pub fn load_cuda_model(
         .stream()
         .alloc_zeros::<i32>(limits.max_seqs)
         .map_err(|e| WorkerError::Model(CudaError::from(e).into()))?;
-    // The towers run on the host for now, from the checkpoint's weights (not under dummy
-    // weights: host towers of the real size would be too slow to serve).
-    let mm = match (
-        spec.load_format,
-        omni_models::qwen3_omni::config::ARCHITECTURE,
-    ) {
-        (LoadFormat::Dummy, _) => None,
-        (_, arch) if dspec.architecture == arch => Some(ThinkerMm::load(&config, ws.as_ref())?),
-        _ => None,
+    // A Qwen3-Omni Thinker's towers run on this rank's device (replicated on every rank).
+    let (mm, towers) = if dspec.architecture == omni_models::qwen3_omni::config::ARCHITECTURE {
+        let weights = match init {
+            DeviceWeightInit::Dummy { seed } => TowerWeights::Dummy { seed },
+            DeviceWeightInit::Host => TowerWeights::Checkpoint(ws.as_ref()),
+        };
+        let towers = DeviceTowers::load(cx.clone(), &config, weights)?;
+        (
+            Some(ThinkerMm::load(&config, None)?),
+            (!towers.is_empty()).then_some(towers),
+        )
+    } else {
+        (None, None)
     };
     let view = registry::causal_lm_weights(&config, ws.as_ref())?;
     let mut model = CudaDecoderModel::load(
@@ -179,6 +186,7 @@ pub fn load_cuda_model(
     Ok(CudaStepModel {
         model,
         mm,
+        towers,
         gpu_memory_utilization: spec.gpu_memory_utilization,
         enforce_eager: spec.enforce_eager,
         max_num_seqs: limits.max_seqs,
@@ -251,11 +259,11 @@ impl StepModel for CudaStepModel {
     }
 
     fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, WorkerError> {
-        let mm = self
-            .mm
+        let towers = self
+            .towers
             .as_ref()
             .ok_or_else(|| self.no_mm(feature.modality))?;
-        Ok(mm.encode(feature)?)
+        Ok(towers.encode(feature)?)
     }
 
     fn forward_mm(
@@ -320,8 +328,7 @@ impl StepModel for CudaStepModel {
 impl CudaStepModel {
     fn no_mm(&self, what: &str) -> WorkerError {
         WorkerError::Batch(format!(
-            "{} on CUDA takes no {what} input (no encoder towers loaded: a Qwen3-Omni \
-             checkpoint read from disk has them)",
+            "{} on CUDA takes no {what} input (it has no encoder towers)",
             self.model.spec().architecture
         ))
     }

@@ -20,9 +20,11 @@
 
 mod audio;
 mod block;
+mod towers;
 mod vision;
 
 pub use audio::CudaAudioEncoder;
+pub use towers::{DeviceTowers, TowerWeights};
 pub use vision::{CudaVisionEncoder, CudaVisionOutput};
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;

@@ -134,8 +134,13 @@ pub fn plan<'a>(
     Ok(merged)
 }
 
-/// The values of little-endian bf16 bytes.
+/// The values of little-endian bf16 bytes, widened.
 pub(crate) fn bf16_values(data: &[u8]) -> Result<Vec<f32>, ModelError> {
+    Ok(bf16_le(data)?.into_iter().map(bf16::to_f32).collect())
+}
+
+/// Little-endian bf16 bytes as bf16 values.
+pub(crate) fn bf16_le(data: &[u8]) -> Result<Vec<bf16>, ModelError> {
     if !data.len().is_multiple_of(2) {
         return Err(ModelError::Batch(format!(
             "{} bytes of bf16 multimodal data",
@@ -144,6 +149,6 @@ pub(crate) fn bf16_values(data: &[u8]) -> Result<Vec<f32>, ModelError> {
     }
     Ok(data
         .chunks_exact(2)
-        .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        .map(|b| bf16::from_le_bytes([b[0], b[1]]))
         .collect())
 }

@@ -73,7 +73,7 @@ impl Thinker {
             eos: rows[h..2 * h].to_vec(),
             pad: rows[2 * h..].to_vec(),
         };
-        let mm = ThinkerMm::load(config_json, ws)?;
+        let mm = ThinkerMm::load(config_json, Some(ws))?;
         Ok(Self {
             decoder,
             config,

@@ -25,9 +25,13 @@ pub struct ThinkerMm {
 
 impl ThinkerMm {
     /// Reads the towers a whole Qwen3-Omni checkpoint `ws` has (none is an error only when an
-    /// item of its modality arrives).
-    pub fn load(config_json: &Value, ws: &dyn WeightSource) -> Result<Self, ModelError> {
+    /// item of its modality arrives); without `ws`, no host towers (a device Thinker's, whose
+    /// towers run elsewhere).
+    pub fn load(config_json: &Value, ws: Option<&dyn WeightSource>) -> Result<Self, ModelError> {
         let config = OmniConfig::from_json(config_json)?;
+        let Some(ws) = ws else {
+            return Self::assemble(&config, config_json, None, None);
+        };
         let audio_ws = SubmodelWeights::new(ws, "thinker.audio_tower.", &[]);
         let audio = match audio_ws.shape("conv2d1.weight") {
             Ok(_) => Some(AudioEncoder::load(
@@ -44,6 +48,15 @@ impl ThinkerMm {
             )?),
             Err(_) => None,
         };
+        Self::assemble(&config, config_json, audio, vision)
+    }
+
+    fn assemble(
+        config: &OmniConfig,
+        config_json: &Value,
+        audio: Option<AudioEncoder>,
+        vision: Option<VisionEncoder>,
+    ) -> Result<Self, ModelError> {
         let t = &config.thinker_config;
         let placeholders = PlaceholderIds {
             image: t.image_token_id,
@@ -177,7 +190,7 @@ impl ThinkerMm {
 }
 
 /// `thinker_config.{key}` (a tower's config).
-fn tower_config<T: serde::de::DeserializeOwned>(
+pub(crate) fn tower_config<T: serde::de::DeserializeOwned>(
     config: &Value,
     key: &str,
 ) -> Result<T, ModelError> {
