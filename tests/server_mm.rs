@@ -118,10 +118,15 @@ fn png(w: u32, h: u32, f: impl Fn(u32, u32) -> [u8; 3]) -> Vec<u8> {
             raw.extend_from_slice(&f(x, y));
         }
     }
-    let mut z = vec![0x78, 0x01, 1];
-    z.extend_from_slice(&(raw.len() as u16).to_le_bytes());
-    z.extend_from_slice(&(!(raw.len() as u16)).to_le_bytes());
-    z.extend_from_slice(&raw);
+    // Stored deflate blocks of at most 65535 bytes each, the last one flagged final.
+    let mut z = vec![0x78, 0x01];
+    let n_blocks = raw.len().div_ceil(65_535).max(1);
+    for (i, block) in raw.chunks(65_535).enumerate() {
+        z.push(u8::from(i + 1 == n_blocks));
+        z.extend_from_slice(&(block.len() as u16).to_le_bytes());
+        z.extend_from_slice(&(!(block.len() as u16)).to_le_bytes());
+        z.extend_from_slice(block);
+    }
     let (mut a, mut b) = (1u32, 0u32);
     for &x in &raw {
         a = (a + u32::from(x)) % 65_521;
