@@ -49,7 +49,7 @@ pub struct MergePlan<'a> {
 
 impl MergePlan<'_> {
     /// Writes the encoder rows over `embeds` (`[tokens, hidden]`).
-    pub(crate) fn apply(&self, embeds: &mut [f32], hidden: usize) {
+    pub fn apply(&self, embeds: &mut [f32], hidden: usize) {
         for (rows, src) in &self.embed_rows {
             embeds[rows.start * hidden..rows.end * hidden].copy_from_slice(src);
         }
