@@ -14,7 +14,15 @@
 #
 #   ROUNDS=3 NUM_PROMPTS=200 bash scripts/bench-mm-chunk.sh
 #
-# Writes bench/results/mm-chunk-cpu-<date>.json (every run's --save-result JSON) and prints the
+# On a GPU (`-tp 1`, the real Qwen3-Omni Thinker and towers, random weights made on the device):
+#
+#   DEVICE=cuda TP=1 MODEL_CONFIG=bench/models/qwen3-omni-30b-a3b/config.json \
+#     SERVE_EXTRA="--max-model-len 4096 --max-num-seqs 64" IMAGES=720x1280 \
+#     B=.gpu-bin/omni-engine bash scripts/bench-mm-chunk.sh
+#
+# MODEL_CONFIG replaces the fixture's config.json (and its weights: `--load-format dummy`).
+#
+# Writes bench/results/mm-chunk-<device>-<date>.json (every run's --save-result JSON) and prints the
 # summary (medians over rounds; scripts/summarize_mm_chunk.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,19 +31,34 @@ NUM_PROMPTS=${NUM_PROMPTS:-200}
 CHUNKS=${CHUNKS:-"10 16 100"}
 IMAGES=${IMAGES:-"720x1280 768x1248"}
 PORT=${PORT:-8021}
+DEVICE=${DEVICE:-cpu}
+TP=${TP:-2}
+MODEL_CONFIG=${MODEL_CONFIG:-}
+SERVE_EXTRA=${SERVE_EXTRA:---max-model-len 1536 --kv-cache-memory 256MiB}
 B=${B:-${CARGO_TARGET_DIR:-target}/release/omni-engine}
 [ -x "$B" ] || cargo build --release -p omni-engine -j2
 M=$(mktemp -d /tmp/omni-mm-chunk-model.XXXXXX)
-RUNS=$(mktemp -d /tmp/omni-mm-chunk-runs.XXXXXX)
+# RUNS_DIR keeps every run's server log, bench output and JSON (e.g. under a device run's $OUT,
+# so a sweep cut short still brings back what it did); else a temporary directory.
+RUNS=${RUNS_DIR:-$(mktemp -d /tmp/omni-mm-chunk-runs.XXXXXX)}
+mkdir -p "$RUNS"
 P=
 cleanup() {
     [ -n "$P" ] && kill -TERM "$P" 2>/dev/null && wait "$P" 2>/dev/null || true
-    rm -rf "$M" "$RUNS"
+    rm -rf "$M"
+    [ -n "${RUNS_DIR:-}" ] || rm -rf "$RUNS"
 }
 trap cleanup EXIT
 python3 scripts/make_mm_model_dir.py "$M"
-SERVE=(serve "$M" --served-model-name mm --device cpu -tp 2 --host 127.0.0.1 --port "$PORT"
-       --max-model-len 1536 --kv-cache-memory 256MiB)
+LOAD=()
+if [ -n "$MODEL_CONFIG" ]; then
+    rm -f "$M/config.json" "$M/model.safetensors"
+    cp "$MODEL_CONFIG" "$M/config.json"
+    LOAD=(--load-format dummy)
+fi
+# shellcheck disable=SC2206 # SERVE_EXTRA is a flag list
+SERVE=(serve "$M" --served-model-name mm --device "$DEVICE" -tp "$TP" --host 127.0.0.1
+       --port "$PORT" "${LOAD[@]}" $SERVE_EXTRA)
 bench_args() { # $1 = HxW, $2 = output JSON
     local h=${1%x*} w=${1#*x}
     echo --base-url "http://127.0.0.1:$PORT" --model mm --backend openai-chat \
@@ -53,11 +76,13 @@ for r in $(seq 1 "$ROUNDS"); do
             log=$RUNS/serve-$r-$c-$img.log
             VLLM_MQ_MAX_CHUNK_BYTES_MB=$c RUST_LOG=warn "$B" "${SERVE[@]}" > "$log" 2>&1 &
             P=$!
+            up=$(date +%s)
             for _ in $(seq 1 600); do
                 curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1 && break
                 kill -0 "$P" 2>/dev/null || break
                 sleep 0.2
             done
+            echo "round $r chunk $c MiB image $img: server up after $(( $(date +%s) - up )) s" >&2
             json=$RUNS/run-$r-$c-$img.json
             # shellcheck disable=SC2046 # the bucket config has no spaces
             "$B" bench serve $(bench_args "$img" "$json") > "$RUNS/bench-$r-$c-$img.txt" 2>&1 \
@@ -78,8 +103,8 @@ PY
         done
     done
 done
-OUT=bench/results/mm-chunk-cpu-$(date -u +%F)
-python3 - "$RUNS" "$OUT.json" "$start" "$(( $(date +%s) - t0 ))" "$(git rev-parse --short HEAD)" \
+OUT=${OUT_PREFIX:-bench/results/mm-chunk-$DEVICE}-$(date -u +%F)
+python3 - "$RUNS" "$OUT.json" "$start" "$(( $(date +%s) - t0 ))" "$(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}")" \
     "$ROUNDS" "$NUM_PROMPTS" "$(bench_args HxW run.json | sed "s|$M|MODEL_DIR|g")" <<'PY'
 import glob, json, sys
 runs_dir, out, start, secs, commit, rounds, n, args = sys.argv[1:]
