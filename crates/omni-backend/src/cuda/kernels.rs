@@ -165,7 +165,10 @@ mod tests {
         let mut v = vec![
             ("elementwise".to_string(), silu_mul_source()),
             ("audio".to_string(), crate::cuda::audio::audio_source()),
-            ("encoder".to_string(), crate::cuda::encoder::encoder_source()),
+            (
+                "encoder".to_string(),
+                crate::cuda::encoder::encoder_source(),
+            ),
             ("layers".to_string(), layers::layers_source()),
             (
                 "attention reduce".to_string(),
