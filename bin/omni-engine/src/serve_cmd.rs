@@ -118,28 +118,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // On the main thread, which lives as long as the engine: workers and stages die with the
     // thread that spawned them (PR_SET_PDEATHSIG).
     let (core, cache): (Arc<dyn EngineCoreClient>, CacheInfo) = if args.omni.omni {
-        if config.multimodal.is_some() {
-            tracing::warn!(
-                "--omni: the Thinker stage does not run the encoders yet, it sees media parts \
-                 as their placeholder tokens only"
-            );
-        }
         let started = crate::serve_omni::start(&args, &engine_config, &model)?;
         tracing::info!("omni pipeline ready in {:.2?}", t_load.elapsed());
         config.omni = Some(started.info);
         (started.engine, started.cache)
     } else {
         let StartedEngine {
-            engine,
-            scheduler,
-            device,
-            ..
+            engine, scheduler, ..
         } = start_engine(&engine_config)?;
-        if device == omni_protocol::Device::Cuda && config.multimodal.take().is_some() {
-            tracing::warn!(
-                "the CUDA backend has no vision or audio encoders yet: media parts answer 400"
-            );
-        }
         tracing::info!(
             num_gpu_blocks = scheduler.num_blocks,
             block_size = scheduler.block_size,

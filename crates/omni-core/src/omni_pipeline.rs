@@ -167,14 +167,13 @@ impl Shared {
             route
         };
         let id = req.request_id.clone();
-        // The stages run no encoders yet: a Thinker stage sees media as their placeholder
-        // tokens (its prefix cache is off, so the content hashes have nothing to key), and the
-        // items' bytes stay here.
-        req.mm_features.clear();
-        req.mm_buffers = Default::default();
+        // The Thinker stage encodes the media: the items' tensors go with its Add as the
+        // message's buffers; the Talker takes no media.
         if audio && let Some(talker) = stages.get(1).and_then(|s| s.get(route.replicas[1])) {
             let mut t = req.clone();
             t.prompt_token_ids.clear();
+            t.mm_features.clear();
+            t.mm_buffers = Default::default();
             if let Some(p) = t.omni.as_ref().and_then(|o| o.stage_sampling.first()) {
                 t.sampling_params = p.clone();
             } else if let Some(p) = self.talker_defaults.get(route.replicas[1]) {
@@ -188,7 +187,8 @@ impl Shared {
         let Some(thinker) = stages.first().and_then(|s| s.get(route.replicas[0])) else {
             return;
         };
-        if let Err(e) = thinker.send(&StageInput::Add(Box::new(req)), &[]) {
+        let buffers = std::mem::take(&mut req.mm_buffers);
+        if let Err(e) = thinker.send(&StageInput::Add(Box::new(req)), &buffers.as_slices()) {
             self.fail(&id, e);
         }
     }

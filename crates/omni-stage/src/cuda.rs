@@ -14,15 +14,22 @@ use std::sync::Arc;
 use omni_backend::cuda::CudaContext;
 use omni_models::cuda_code2wav::{CudaCode2Wav, FRAME_BUCKETS};
 use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
+use omni_models::cuda_encoders::{DeviceTowers, TowerWeights};
 use omni_models::qwen3_omni::config::OmniConfig;
+use omni_models::qwen3_omni::thinker_mm::ThinkerMm;
 use omni_models::registry::{causal_lm_weights, decoder_spec, dummy_weights};
-use omni_models::{ForwardBatch, ModelError, WeightSource};
+use omni_models::{
+    EncoderOutput, ForwardBatch, ModelError, MropePositions, MultiModalFeature, MultiModalKind,
+    WeightSource,
+};
 use omni_protocol::{LoadFormat, StageSpec};
 use omni_worker::cuda_model::decode_graph_sizes;
 use serde_json::Value;
 
 use crate::StageError;
-use crate::nets::{CP_TOP_K, CP_TOP_P, Code2WavNet, CodeDraw, TalkerNet, ThinkerNet, ThinkerStep};
+use crate::nets::{
+    CP_TOP_K, CP_TOP_P, Code2WavNet, CodeDraw, StepMm, TalkerNet, ThinkerNet, ThinkerStep,
+};
 
 /// Device memory kept free for CUDA graphs and the allocator's slack, per stage process.
 const RESERVE_BYTES: u64 = 512 << 20;
@@ -93,6 +100,10 @@ fn kv_blocks(
 #[derive(Debug)]
 pub struct CudaThinker {
     model: CudaDecoderModel,
+    /// Placeholders and M-RoPE prompt settings.
+    mm: ThinkerMm,
+    /// The encoder towers on this device, when the checkpoint has them.
+    towers: Option<DeviceTowers>,
     /// `[max_num_seqs]` the device sampler's tokens.
     sampled: omni_backend::cuda::cudarc::driver::CudaSlice<i32>,
     tts: Vec<f32>,
@@ -112,6 +123,13 @@ impl CudaThinker {
         let (hidden, vocab) = (dspec.hidden_size, dspec.vocab_size);
         let (init, ws) = weights(config, dir, spec)?;
         let view = causal_lm_weights(config, ws.as_ref())?;
+        let tower_weights = match init {
+            DeviceWeightInit::Dummy { seed } => TowerWeights::Dummy { seed },
+            DeviceWeightInit::Host => TowerWeights::Checkpoint(ws.as_ref()),
+        };
+        let towers = DeviceTowers::load(cx.clone(), config, tower_weights)?;
+        let towers = (!towers.is_empty()).then_some(towers);
+        let mm = ThinkerMm::load(config, None)?;
         let block = spec.block_size as usize;
         let limits = StepLimits {
             max_tokens: spec.max_num_batched_tokens.max(1) as usize,
@@ -151,6 +169,8 @@ impl CudaThinker {
         Ok((
             Self {
                 model,
+                mm,
+                towers,
                 sampled,
                 tts,
                 hidden,
@@ -174,8 +194,24 @@ impl ThinkerNet for CudaThinker {
         &self.tts
     }
 
-    fn forward(&mut self, batch: &ForwardBatch, export: bool) -> Result<ThinkerStep, ModelError> {
-        self.model.forward(batch)?;
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        export: bool,
+        mm: StepMm<'_>,
+    ) -> Result<ThinkerStep, ModelError> {
+        if mm.positions.is_none() && mm.features.is_empty() {
+            self.model.forward(batch)?;
+        } else {
+            let plan = self.mm.plan(
+                batch.input_ids.len(),
+                self.hidden,
+                Some(&batch.input_ids),
+                mm.features,
+                mm.encoded,
+            )?;
+            self.model.forward_merged(batch, mm.positions, &plan)?;
+        }
         let exports = if export {
             let (embed, after) = self.model.captured_to_host()?;
             let after = after.ok_or_else(|| {
@@ -190,6 +226,26 @@ impl ThinkerNet for CudaThinker {
 
     fn logits_host(&mut self) -> Result<Vec<f32>, ModelError> {
         self.model.logits_to_host()
+    }
+
+    fn mrope_positions(
+        &self,
+        ids: &[u32],
+        items: &[MultiModalKind],
+    ) -> Result<(MropePositions, i64), ModelError> {
+        self.mm.mrope_positions(ids, items)
+    }
+
+    fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, ModelError> {
+        self.towers
+            .as_ref()
+            .ok_or_else(|| {
+                ModelError::Batch(format!(
+                    "this Qwen3-Omni checkpoint has no {} tower",
+                    feature.modality
+                ))
+            })?
+            .encode(feature)
     }
 
     /// The text engine's device sampler (omni-worker's `sample_rows`).

@@ -4,7 +4,8 @@
 use omni_models::qwen3_omni::code2wav::Code2Wav;
 use omni_models::qwen3_omni::thinker::Thinker;
 use omni_models::{
-    ForwardBatch, LayerKvCache, ModelError, ModelInputs, PositionInputs, StageModel, TokenInputs,
+    EncoderOutput, ForwardBatch, LayerKvCache, ModelError, ModelInputs, MropePositions,
+    MultiModalFeature, MultiModalKind, PositionInputs, StageModel, TokenInputs,
 };
 
 /// What one Thinker step gives back on the host (its logits stay where they were computed
@@ -16,6 +17,18 @@ pub struct ThinkerStep {
     pub exports: Option<(Vec<f32>, Vec<f32>)>,
 }
 
+/// A Thinker step's multimodal side: M-RoPE rows (`None`: the batch's 1-D positions) and the
+/// items whose placeholder rows the step computes, with their encoder outputs (one each).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepMm<'a> {
+    /// The three position rows of the step's tokens.
+    pub positions: Option<&'a MropePositions>,
+    /// The items, placed at batch rows.
+    pub features: &'a [MultiModalFeature<'a>],
+    /// Their encoder outputs.
+    pub encoded: &'a [&'a EncoderOutput],
+}
+
 /// The Thinker on some device, with its KV cache.
 pub trait ThinkerNet: Send + std::fmt::Debug {
     /// Width of the exported rows.
@@ -24,8 +37,22 @@ pub trait ThinkerNet: Send + std::fmt::Debug {
     fn vocab_size(&self) -> usize;
     /// `tts_bos`, `tts_eos`, `tts_pad` embeddings, `[3, hidden]`.
     fn tts_rows(&self) -> &[f32];
-    /// One step over token ids; `export` asks for the two Talker states of every token.
-    fn forward(&mut self, batch: &ForwardBatch, export: bool) -> Result<ThinkerStep, ModelError>;
+    /// One step over token ids (with `mm`'s positions and encoder rows); `export` asks for the
+    /// two Talker states of every token.
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        export: bool,
+        mm: StepMm<'_>,
+    ) -> Result<ThinkerStep, ModelError>;
+    /// The M-RoPE rows of a whole prompt with its items and the decode delta.
+    fn mrope_positions(
+        &self,
+        ids: &[u32],
+        items: &[MultiModalKind],
+    ) -> Result<(MropePositions, i64), ModelError>;
+    /// Runs the encoder tower of one item.
+    fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, ModelError>;
     /// The last step's logits of its output rows, `[rows, vocab]`, on the host.
     fn logits_host(&mut self) -> Result<Vec<f32>, ModelError>;
     /// One token per output row of the last step, sampled where the logits are (`None`: no
@@ -80,16 +107,25 @@ impl ThinkerNet for CpuThinker {
         &self.tts
     }
 
-    fn forward(&mut self, batch: &ForwardBatch, export: bool) -> Result<ThinkerStep, ModelError> {
+    fn forward(
+        &mut self,
+        batch: &ForwardBatch,
+        export: bool,
+        mm: StepMm<'_>,
+    ) -> Result<ThinkerStep, ModelError> {
         let capture = self.thinker.exports();
         let inputs = ModelInputs {
             batch,
             tokens: TokenInputs::Ids,
-            positions: PositionInputs::Batch,
-            mm_features: &[],
+            positions: mm
+                .positions
+                .map_or(PositionInputs::Batch, PositionInputs::Mrope),
+            mm_features: mm.features,
             capture: if export { &capture } else { &[] },
         };
-        let out = StageModel::forward(&self.thinker, &inputs, &mut self.kv)?;
+        let out = self
+            .thinker
+            .forward_encoded(&inputs, mm.encoded, &mut self.kv)?;
         let mut states = out.hidden_states;
         let mut take = |c| {
             states
@@ -107,6 +143,18 @@ impl ThinkerNet for CpuThinker {
 
     fn logits_host(&mut self) -> Result<Vec<f32>, ModelError> {
         Ok(std::mem::take(&mut self.logits))
+    }
+
+    fn mrope_positions(
+        &self,
+        ids: &[u32],
+        items: &[MultiModalKind],
+    ) -> Result<(MropePositions, i64), ModelError> {
+        self.thinker.mm().mrope_positions(ids, items)
+    }
+
+    fn encode_mm(&self, feature: &MultiModalFeature<'_>) -> Result<EncoderOutput, ModelError> {
+        self.thinker.mm().encode(feature)
     }
 }
 

@@ -6,20 +6,27 @@
 //! rows, with the TTS embeddings), then one `Decode` row per fed-back token, then `End` when
 //! the request finishes (the last generated token is never fed back). Without async chunks one
 //! `Full` payload when it finishes.
+//!
+//! Images and audio: a request's items arrive with its `Add` (their tensors are the message's
+//! buffers); the scheduler's encoder cache manager picks the step that encodes each one, the
+//! stage keeps the outputs by content hash until the scheduler frees them, and each step
+//! merges the placeholder rows it computes (M-RoPE rows per request, from the prompt and its
+//! items), as the text engine's worker does.
 
 use std::collections::HashMap;
 
 use omni_core::{Scheduler, SchedulerConfig};
-use omni_models::{ForwardBatch, SeqChunk};
+use omni_models::{EncoderOutput, ForwardBatch, MropePositions, MultiModalKind, SeqChunk};
 use omni_protocol::{
     BlockId, EngineCoreRequest, ModelRunnerOutput, RequestId, SchedulerOutput, StageInput,
-    StageOutputs, StageSpec, ThinkerChunk, ThinkerStates, ThinkerToTalker, TokenId,
+    StageOutputs, StageSpec, TensorBuffers, ThinkerChunk, ThinkerStates, ThinkerToTalker, TokenId,
 };
+use omni_worker::mm_inputs::{EncoderCache, RequestMm};
 use omni_worker::model_runner::{device_sample_for, prompt_seed};
 use omni_worker::sampler::{SampledToken, Sampler, SamplingSeq};
 
 use crate::StageError;
-use crate::nets::ThinkerNet;
+use crate::nets::{StepMm, ThinkerNet};
 use crate::profile::StepClock;
 use crate::stage::{
     HasBlocks, Stage, StepResult, scheduled, scheduler_config, update_block_tables,
@@ -43,6 +50,8 @@ struct ThinkerReq {
     /// The request's sampling stream (its seed, else the stage's seed and the prompt).
     seed: u64,
     next_chunk: u32,
+    /// Its images and audio clips, with the prompt's M-RoPE rows.
+    mm: RequestMm,
 }
 
 impl HasBlocks for ThinkerReq {
@@ -66,6 +75,8 @@ pub struct ThinkerStage {
     /// The stage's seed (streams of unseeded requests).
     seed: u64,
     reqs: HashMap<RequestId, ThinkerReq>,
+    /// Encoder outputs by content hash, until the scheduler frees them.
+    encoder_cache: EncoderCache,
     block_size: usize,
     hidden: usize,
     vocab: usize,
@@ -87,6 +98,7 @@ impl ThinkerStage {
             sampler: Sampler::new(Some(spec.seed)),
             seed: spec.seed,
             reqs: HashMap::new(),
+            encoder_cache: EncoderCache::default(),
             hidden,
             vocab,
             async_chunk: spec.async_chunk,
@@ -97,7 +109,53 @@ impl ThinkerStage {
         for id in &so.finished_req_ids {
             self.reqs.remove(id);
         }
+        self.encoder_cache.free(&so.free_encoder_mm_hashes);
         update_block_tables(so, &mut self.reqs);
+    }
+
+    /// Runs the encoder of every item the scheduler listed for this step into the cache.
+    fn run_encoders(&mut self, so: &SchedulerOutput) -> Result<(), StageError> {
+        for (id, inputs) in &so.scheduled_encoder_inputs {
+            let r = self
+                .reqs
+                .get(id)
+                .ok_or_else(|| StageError::Model(format!("encoder input of unknown {id}")))?;
+            for &i in inputs {
+                let item = r.mm.items.get(i as usize).ok_or_else(|| {
+                    StageError::Model(format!("request {id} has no multimodal item {i}"))
+                })?;
+                let out = self.net.encode_mm(&item.feature())?;
+                self.encoder_cache.insert(item.mm_hash, out);
+            }
+        }
+        Ok(())
+    }
+
+    /// A new request's items (their bytes from the `Add` message's buffers) and M-RoPE rows.
+    fn request_mm(
+        &self,
+        req: &mut EngineCoreRequest,
+        buffers: &[&[u8]],
+    ) -> Result<RequestMm, String> {
+        if req.mm_features.is_empty() {
+            return Ok(RequestMm::default());
+        }
+        let mut b = TensorBuffers::new();
+        for bytes in buffers {
+            b.push(bytes.to_vec().into());
+        }
+        req.mm_buffers = b;
+        for f in &req.mm_features {
+            f.check(req.prompt_token_ids.len(), &req.mm_buffers)?;
+        }
+        let mut mm = RequestMm::from_request(req);
+        let kinds: Vec<MultiModalKind> = mm.items.iter().map(|i| i.kind).collect();
+        mm.mrope = Some(
+            self.net
+                .mrope_positions(&req.prompt_token_ids, &kinds)
+                .map_err(|e| e.to_string())?,
+        );
+        Ok(mm)
     }
 
     /// The chunks owed to the Talker after this step.
@@ -164,11 +222,22 @@ impl ThinkerStage {
 }
 
 impl Stage for ThinkerStage {
-    fn input(&mut self, input: StageInput, _buffers: &[&[u8]], out: &mut StageOutputs) {
+    fn input(&mut self, input: StageInput, buffers: &[&[u8]], out: &mut StageOutputs) {
         match input {
             StageInput::Add(req) => {
-                let req = *req;
+                let mut req = *req;
                 let id = req.request_id.clone();
+                let mm = match self.request_mm(&mut req, buffers) {
+                    Ok(mm) => mm,
+                    Err(e) => {
+                        let err = omni_protocol::AddRequestError::InvalidMultiModal {
+                            request_id: id.clone(),
+                            reason: e,
+                        };
+                        out.rejected.push((id, err));
+                        return;
+                    }
+                };
                 let audio = req.omni.as_ref().is_some_and(|o| o.wants_audio());
                 let seed = req
                     .sampling_params
@@ -188,6 +257,7 @@ impl Stage for ThinkerStage {
                                 sent_rows: 0,
                                 seed,
                                 next_chunk: 0,
+                                mm,
                             },
                         );
                     }
@@ -224,11 +294,18 @@ impl Stage for ThinkerStage {
         let scheduled = scheduled(&so);
         clock.set_rows(scheduled.len());
         clock.lap("schedule");
+        if !so.scheduled_encoder_inputs.is_empty() {
+            self.run_encoders(&so)?;
+            clock.lap("encode");
+        }
         let mut chunks = Vec::with_capacity(scheduled.len());
         let mut sample_rows = Vec::new();
         let mut samples = Vec::new();
         let mut row = 0;
         let mut any_audio = false;
+        let mut features = Vec::new();
+        let mut mrope: [Vec<i64>; 3] = Default::default();
+        let mut any_mrope = false;
         for (id, start, n) in &scheduled {
             let r = self
                 .reqs
@@ -242,6 +319,9 @@ impl Stage for ThinkerStage {
                     r.tokens.len()
                 )));
             }
+            features.extend(r.mm.step_features(*start, end, row));
+            r.mm.push_positions(*start, end, &mut mrope);
+            any_mrope |= r.mm.mrope.is_some();
             row += n;
             let sampled = *n > 0 && end == r.tokens.len();
             if sampled {
@@ -256,7 +336,18 @@ impl Stage for ThinkerStage {
         }
         let mut batch = ForwardBatch::from_chunks(&chunks, self.block_size)?;
         batch.logits_indices = Some(sample_rows);
-        let step = self.net.forward(&batch, any_audio)?;
+        let encoded: Vec<&EncoderOutput> = features
+            .iter()
+            .map(|f| self.encoder_cache.get(f.mm_hash))
+            .collect::<Result<_, _>>()
+            .map_err(|e| StageError::Model(e.to_string()))?;
+        let positions = any_mrope.then_some(MropePositions { rows: mrope });
+        let mm = StepMm {
+            positions: positions.as_ref(),
+            features: &features,
+            encoded: &encoded,
+        };
+        let step = self.net.forward(&batch, any_audio, mm)?;
         clock.lap(if any_audio {
             "forward+export"
         } else {

@@ -19,7 +19,7 @@ use omni_backend::cuda::{
     CudaContext, CudaError, DeviceAllReduce, DeviceSamplingParams, NcclAllReduce, NcclComm,
 };
 use omni_ipc::shm::ShmSegment;
-use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, MmStep, StepLimits};
+use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
 use omni_models::cuda_encoders::{DeviceTowers, TowerWeights};
 use omni_models::gguf::GgufWeights;
 use omni_models::hf_dir::SafetensorsDir;
@@ -282,46 +282,7 @@ impl StepModel for CudaStepModel {
             features,
             encoded,
         )?;
-        // Equal rows (text, and every decode step) are 1-D RoPE at the temporal row, which may
-        // be the graph path; distinct rows go to the device as M-RoPE rows.
-        let mut one_d = None;
-        let mut mrope = None;
-        if let Some(p) = positions {
-            let [a, b, c] = &p.rows;
-            if a.len() != t || b.len() != t || c.len() != t {
-                return Err(WorkerError::Batch(format!(
-                    "M-RoPE rows of {} / {} / {} positions for {t} tokens",
-                    a.len(),
-                    b.len(),
-                    c.len()
-                )));
-            }
-            if a == b && b == c {
-                let mut b1 = batch.clone();
-                b1.positions = a
-                    .iter()
-                    .map(|&p| {
-                        usize::try_from(p).map_err(|_| {
-                            WorkerError::Batch(format!("negative M-RoPE position {p}"))
-                        })
-                    })
-                    .collect::<Result<_, _>>()?;
-                one_d = Some(b1);
-            } else {
-                mrope = Some([a.as_slice(), b.as_slice(), c.as_slice()]);
-            }
-        }
-        let step = one_d.as_ref().unwrap_or(batch);
-        if plan.embed_rows.is_empty() && mrope.is_none() {
-            return Ok(self.model.forward(step)?);
-        }
-        let mm_step = MmStep {
-            mrope,
-            embed_rows: &plan.embed_rows,
-            visual_rows: &plan.visual_rows,
-            deepstack: &plan.deepstack,
-        };
-        Ok(self.model.forward_mm(step, &mm_step)?)
+        Ok(self.model.forward_merged(batch, positions, &plan)?)
     }
 }
 

@@ -28,7 +28,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda_model;
 pub mod load_progress;
-mod mm_inputs;
+pub mod mm_inputs;
 pub mod model_runner;
 pub mod process;
 pub mod sampler;

@@ -15,26 +15,26 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use omni_models::{EncoderOutput, MropePositions, MultiModalFeature, MultiModalKind};
-use omni_protocol::{MmKind, NewRequestData, TensorView};
+use omni_protocol::{EngineCoreRequest, MmKind, MultiModalFeatureSpec, NewRequestData, TensorView};
 
 use crate::WorkerError;
 
 /// One item of a live request.
 #[derive(Debug, Clone)]
-pub(crate) struct MmItem {
+pub struct MmItem {
     /// Content hash (the encoder cache key).
-    pub(crate) mm_hash: u64,
+    pub mm_hash: u64,
     /// Placeholder tokens in the prompt.
-    pub(crate) range: Range<usize>,
+    pub range: Range<usize>,
     /// What it is.
-    pub(crate) kind: MultiModalKind,
+    pub kind: MultiModalKind,
     /// Its preprocessed tensor (bf16, as broadcast).
-    pub(crate) data: Vec<u8>,
+    pub data: Vec<u8>,
 }
 
 impl MmItem {
     /// The item as an encoder input (the placeholder fields are unused by the encoders).
-    pub(crate) fn feature(&self) -> MultiModalFeature<'_> {
+    pub fn feature(&self) -> MultiModalFeature<'_> {
         MultiModalFeature {
             modality: self.kind.modality(),
             mm_hash: self.mm_hash,
@@ -48,24 +48,34 @@ impl MmItem {
 
 /// A request's multimodal part.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct RequestMm {
+pub struct RequestMm {
     /// Its items, in prompt order.
-    pub(crate) items: Vec<MmItem>,
+    pub items: Vec<MmItem>,
     /// The prompt's M-RoPE rows and the decode delta, for a model that takes M-RoPE and a
     /// request with items.
-    pub(crate) mrope: Option<(MropePositions, i64)>,
+    pub mrope: Option<(MropePositions, i64)>,
 }
 
 impl RequestMm {
     /// The items of a new request, their bytes copied out of the step's `views` (the batch's
     /// tensors in [`omni_protocol::SchedulerOutput::tensor_views`] order, starting at this
     /// request's first item).
-    pub(crate) fn from_new(new: &NewRequestData, views: &[TensorView<'_>]) -> Self {
-        let items = new
-            .mm_features
-            .iter()
-            .zip(views)
-            .map(|(f, v)| MmItem {
+    pub fn from_new(new: &NewRequestData, views: &[TensorView<'_>]) -> Self {
+        Self::from_items(new.mm_features.iter().zip(views.iter().map(|v| v.bytes)))
+    }
+
+    /// The items of a request held whole (an omni Thinker stage's), their bytes copied out of
+    /// its buffers (checked at admission: every feature names one of the right size).
+    pub fn from_request(req: &EngineCoreRequest) -> Self {
+        Self::from_items(req.mm_features.iter().filter_map(|f| {
+            let bytes = req.mm_buffers.get(f.tensor.buffer_index as usize)?;
+            Some((f, bytes.as_ref()))
+        }))
+    }
+
+    fn from_items<'a>(items: impl Iterator<Item = (&'a MultiModalFeatureSpec, &'a [u8])>) -> Self {
+        let items = items
+            .map(|(f, bytes)| MmItem {
                 mm_hash: f.mm_hash,
                 range: f.range(),
                 kind: match f.kind {
@@ -79,7 +89,7 @@ impl RequestMm {
                         num_frames: num_frames as usize,
                     },
                 },
-                data: v.bytes.to_vec(),
+                data: bytes.to_vec(),
             })
             .collect();
         Self { items, mrope: None }
@@ -87,7 +97,7 @@ impl RequestMm {
 
     /// The three M-RoPE rows of positions `start..end` (1-D positions without items; past the
     /// prompt, the position plus the decode delta in every row), appended to `rows`.
-    pub(crate) fn push_positions(&self, start: usize, end: usize, rows: &mut [Vec<i64>; 3]) {
+    pub fn push_positions(&self, start: usize, end: usize, rows: &mut [Vec<i64>; 3]) {
         for p in start..end {
             let q = match &self.mrope {
                 Some((m, _)) if p < m.rows[0].len() => {
@@ -106,7 +116,7 @@ impl RequestMm {
     /// The step's features of the items whose placeholder overlaps positions `start..end`,
     /// placed at batch row `row0` for position `start` (a chunk of a split range gets the
     /// encoder row of its first position as `item_offset`).
-    pub(crate) fn step_features(
+    pub fn step_features(
         &self,
         start: usize,
         end: usize,
@@ -125,27 +135,27 @@ impl RequestMm {
 
 /// Encoder outputs by content hash, and how many items the encoders have run on.
 #[derive(Debug, Default)]
-pub(crate) struct EncoderCache {
+pub struct EncoderCache {
     entries: HashMap<u64, EncoderOutput>,
     num_encoded: u64,
 }
 
 impl EncoderCache {
     /// Drops the outputs the scheduler freed.
-    pub(crate) fn free(&mut self, hashes: &[u64]) {
+    pub fn free(&mut self, hashes: &[u64]) {
         for h in hashes {
             self.entries.remove(h);
         }
     }
 
     /// Keeps an encoder output.
-    pub(crate) fn insert(&mut self, mm_hash: u64, out: EncoderOutput) {
+    pub fn insert(&mut self, mm_hash: u64, out: EncoderOutput) {
         self.entries.insert(mm_hash, out);
         self.num_encoded += 1;
     }
 
     /// The output of an item the step needs.
-    pub(crate) fn get(&self, mm_hash: u64) -> Result<&EncoderOutput, WorkerError> {
+    pub fn get(&self, mm_hash: u64) -> Result<&EncoderOutput, WorkerError> {
         self.entries.get(&mm_hash).ok_or_else(|| {
             WorkerError::Batch(format!(
                 "multimodal item {mm_hash:016x} is needed but not in the encoder cache"
@@ -154,12 +164,17 @@ impl EncoderCache {
     }
 
     /// Items encoded since start-up.
-    pub(crate) fn num_encoded(&self) -> u64 {
+    pub fn num_encoded(&self) -> u64 {
         self.num_encoded
     }
 
     /// Outputs held now.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
     }
 }

@@ -14,6 +14,8 @@ use omni_backend::cuda::{CudaError, bf16};
 use super::{CudaDecoderModel, StepInput};
 use crate::ModelError;
 use crate::batch::ForwardBatch;
+use crate::interface::MropePositions;
+use crate::qwen3_omni::mm_merge::MergePlan;
 
 /// One step's multimodal inputs, on the host.
 #[derive(Debug, Clone, Copy, Default)]
@@ -42,6 +44,56 @@ pub(super) struct DeviceResidualAdds {
 }
 
 impl CudaDecoderModel {
+    /// A Thinker step with its M-RoPE `positions` (`None`: the batch's) and `plan`'s encoder
+    /// rows: rows that are all equal (text, every decode step) run as 1-D RoPE on the plain
+    /// path (graphs included) when there are no encoder rows either; otherwise
+    /// [`CudaDecoderModel::forward_mm`].
+    pub fn forward_merged(
+        &mut self,
+        batch: &ForwardBatch,
+        positions: Option<&MropePositions>,
+        plan: &MergePlan<'_>,
+    ) -> Result<usize, ModelError> {
+        let t = batch.input_ids.len();
+        let mut one_d = None;
+        let mut mrope = None;
+        if let Some(p) = positions {
+            let [a, b, c] = &p.rows;
+            if a.len() != t || b.len() != t || c.len() != t {
+                return Err(ModelError::Batch(format!(
+                    "M-RoPE rows of {} / {} / {} positions for {t} tokens",
+                    a.len(),
+                    b.len(),
+                    c.len()
+                )));
+            }
+            if a == b && b == c {
+                let mut b1 = batch.clone();
+                b1.positions = a
+                    .iter()
+                    .map(|&p| {
+                        usize::try_from(p)
+                            .map_err(|_| ModelError::Batch(format!("negative M-RoPE position {p}")))
+                    })
+                    .collect::<Result<_, _>>()?;
+                one_d = Some(b1);
+            } else {
+                mrope = Some([a.as_slice(), b.as_slice(), c.as_slice()]);
+            }
+        }
+        let step = one_d.as_ref().unwrap_or(batch);
+        if plan.embed_rows.is_empty() && mrope.is_none() {
+            return self.forward(step);
+        }
+        let mm = MmStep {
+            mrope,
+            embed_rows: &plan.embed_rows,
+            visual_rows: &plan.visual_rows,
+            deepstack: &plan.deepstack,
+        };
+        self.forward_mm(step, &mm)
+    }
+
     /// [`CudaDecoderModel::forward`] of a step with multimodal inputs (see the module docs).
     pub fn forward_mm(
         &mut self,
