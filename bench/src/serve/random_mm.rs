@@ -111,7 +111,10 @@ pub fn request_images(
                 .or(buckets.last())
                 .ok_or_else(|| ServeBenchError::Args("no image bucket".into()))?;
             let png = block_png(b.width, b.height, &mut rng)?;
-            Ok(format!("data:image/png;base64,{}", base64(&png)))
+            Ok(format!(
+                "data:image/png;base64,{}",
+                super::wav::base64_encode(&png)
+            ))
         })
         .collect()
 }
@@ -138,25 +141,6 @@ pub fn block_png(width: u32, height: u32, rng: &mut StdRng) -> Result<Vec<u8>, S
     writer.write_image_data(&pixels).map_err(err)?;
     writer.finish().map_err(err)?;
     Ok(out)
-}
-
-/// Standard base64 with padding.
-fn base64(bytes: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut s = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for c in bytes.chunks(3) {
-        let n = (u32::from(c[0]) << 16)
-            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
-            | u32::from(*c.get(2).unwrap_or(&0));
-        for k in 0..4 {
-            if k <= c.len() {
-                s.push(A[(n >> (18 - 6 * k) & 63) as usize] as char);
-            } else {
-                s.push('=');
-            }
-        }
-    }
-    s
 }
 
 #[cfg(test)]

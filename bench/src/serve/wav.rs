@@ -71,6 +71,25 @@ pub fn measure_chunk(content: &str, format: ChunkFormat) -> Result<ChunkAudio, A
     }
 }
 
+/// Bytes to standard base64 (RFC 4648, padded).
+pub fn base64_encode(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for c in bytes.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for k in 0..4 {
+            if k <= c.len() {
+                s.push(A[(n >> (18 - 6 * k) & 63) as usize] as char);
+            } else {
+                s.push('=');
+            }
+        }
+    }
+    s
+}
+
 /// Standard base64 (RFC 4648, padding optional) to bytes.
 pub fn base64_decode(s: &str) -> Result<Vec<u8>, AudioChunkError> {
     let val = |c: u8| -> Result<u32, AudioChunkError> {
@@ -145,7 +164,7 @@ pub fn wav_frames(file: &[u8]) -> Result<ChunkAudio, AudioChunkError> {
 /// `LIST` chunk before `data`), for the tests of this crate.
 #[cfg(test)]
 pub(crate) fn test_wav_base64(n: usize, rate: u32) -> String {
-    tests::base64(&tests::wav(n, rate))
+    base64_encode(&tests::wav(n, rate))
 }
 
 #[cfg(test)]
@@ -175,23 +194,6 @@ mod tests {
         f
     }
 
-    pub(super) fn base64(bytes: &[u8]) -> String {
-        const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-        let mut out = String::new();
-        for g in bytes.chunks(3) {
-            let b = [g[0], *g.get(1).unwrap_or(&0), *g.get(2).unwrap_or(&0)];
-            let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-            for k in 0..4 {
-                out.push(if k <= g.len() {
-                    char::from(T[(n >> (18 - 6 * k)) as usize & 63])
-                } else {
-                    '='
-                });
-            }
-        }
-        out
-    }
-
     #[test]
     fn base64_decodes_rfc_4648_vectors() {
         for (want, enc) in [
@@ -208,7 +210,7 @@ mod tests {
 
     #[test]
     fn wav_chunks_count_sample_frames_from_their_own_header() {
-        let a = measure_chunk(&base64(&wav(20_565, 24_000)), ChunkFormat::Wav).unwrap();
+        let a = measure_chunk(&base64_encode(&wav(20_565, 24_000)), ChunkFormat::Wav).unwrap();
         assert_eq!(a.frames, 20_565);
         assert_eq!(a.sample_rate, 24_000);
         assert!((a.seconds() - 20_565.0 / 24_000.0).abs() < 1e-12);
@@ -219,7 +221,7 @@ mod tests {
         assert_eq!(wav_frames(&open).unwrap().frames, 10);
         assert!(wav_frames(b"RIFF0000WAVE").is_err());
         assert!(wav_frames(b"not a wav file").is_err());
-        let pcm = measure_chunk(&base64(&[0u8; 96]), ChunkFormat::Pcm).unwrap();
+        let pcm = measure_chunk(&base64_encode(&[0u8; 96]), ChunkFormat::Pcm).unwrap();
         assert_eq!((pcm.frames, pcm.sample_rate), (48, PCM_SAMPLE_RATE));
     }
 

@@ -85,6 +85,11 @@ pub struct MediaConfig {
     /// VLLM_MAX_AUDIO_DECODE_DURATION_S).
     #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
     pub max_audio_decode_duration_s: f64,
+    /// GiB of preprocessed media the API process keeps by a hash of the fetched bytes, so a
+    /// repeated image or clip is not decoded and preprocessed again (vLLM's multimodal processor
+    /// cache, LRU; `vllm:mm_cache_queries` / `vllm:mm_cache_hits` count it; 0: off).
+    #[arg(long, value_name = "GIB", default_value_t = 4.0)]
+    pub mm_processor_cache_gb: f64,
 }
 
 impl Default for MediaConfig {

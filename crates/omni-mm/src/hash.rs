@@ -71,9 +71,37 @@ pub fn content_hash(modality: Modality, shape: &[u64], data: TensorData<'_>) -> 
     ContentHash(*h.finalize().as_bytes())
 }
 
+/// A hash of one item's source: modality, the declared media type (it selects the decoder) and
+/// the fetched bytes, before any decoding. Equal sources preprocess to equal items, so this keys
+/// the API server's processor cache.
+pub fn source_hash(modality: Modality, media_type: Option<&str>, bytes: &[u8]) -> ContentHash {
+    let mut h = blake3::Hasher::new();
+    h.update(b"omni-mm source v1\0");
+    h.update(&[modality as u8]);
+    let t = media_type.unwrap_or("");
+    h.update(&(t.len() as u64).to_le_bytes());
+    h.update(t.as_bytes());
+    h.update(bytes);
+    ContentHash(*h.finalize().as_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn source_hash_depends_on_modality_type_and_bytes() {
+        let a = source_hash(Modality::Image, Some("image/png"), b"abc");
+        assert_eq!(a, source_hash(Modality::Image, Some("image/png"), b"abc"));
+        assert_ne!(a, source_hash(Modality::Audio, Some("image/png"), b"abc"));
+        assert_ne!(a, source_hash(Modality::Image, None, b"abc"));
+        assert_ne!(a, source_hash(Modality::Image, Some("image/png"), b"abd"));
+        // The type's length is part of the hash: no two (type, bytes) splits collide.
+        assert_ne!(
+            source_hash(Modality::Image, Some("ab"), b"c"),
+            source_hash(Modality::Image, Some("a"), b"bc")
+        );
+    }
 
     #[test]
     fn hash_depends_on_shape_modality_and_data() {

@@ -41,7 +41,7 @@ pub use error::{
     DEFAULT_MAX_AUDIO_CLIP_FILESIZE_MB, DEFAULT_MAX_AUDIO_DECODE_DURATION_S,
     DEFAULT_MAX_IMAGE_PIXELS, MediaError, MediaLimits, ProcessError,
 };
-pub use hash::{ContentHash, TensorData, content_hash};
+pub use hash::{ContentHash, TensorData, content_hash, source_hash};
 pub use image::{RgbImage, decode_image, image_dimensions};
 pub use mel::{AudioFeatures, LogMel, WhisperFeatureConfig, audio_output_tokens, log_mel};
 pub use mrope::{MropeRows, mrope_positions};

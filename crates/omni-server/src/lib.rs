@@ -95,6 +95,8 @@ pub(crate) struct AppState {
     engine: Arc<dyn EngineClient>,
     tokenizer: Arc<Tokenizer>,
     metrics: Metrics,
+    /// Preprocessed media by source (`--mm-processor-cache-gb`; `None`: off).
+    mm_cache: Option<media::ProcessorCache>,
 }
 
 impl std::fmt::Debug for dyn EngineClient {
@@ -111,11 +113,16 @@ pub fn router(
 ) -> Router {
     let body_limit = config.max_body_bytes;
     let metrics = Metrics::new(config.model_name());
+    let mm_cache = config
+        .multimodal
+        .as_ref()
+        .and_then(|_| media::ProcessorCache::new(config.media.mm_processor_cache_gb));
     let state = Arc::new(AppState {
         config,
         engine,
         tokenizer,
         metrics,
+        mm_cache,
     });
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))

@@ -120,6 +120,8 @@ pub struct Metrics {
     preemptions: Family<Labels, Counter>,
     prefix_queries: Family<Labels, Counter>,
     prefix_hits: Family<Labels, Counter>,
+    /// `vllm:mm_cache_queries` and `vllm:mm_cache_hits` (the processor cache, in items).
+    mm_cache: [Family<Labels, Counter>; 2],
     ttft: HistogramFamily,
     itl: HistogramFamily,
     e2e: HistogramFamily,
@@ -172,6 +174,7 @@ impl Metrics {
         let preemptions = Family::<Labels, Counter>::default();
         let prefix_queries = Family::<Labels, Counter>::default();
         let prefix_hits = Family::<Labels, Counter>::default();
+        let mm_cache: [Family<Labels, Counter>; 2] = Default::default();
         let ttft = HistogramFamily::new_with_constructor(ttft_histogram);
         let itl = HistogramFamily::new_with_constructor(itl_histogram);
         let e2e = HistogramFamily::new_with_constructor(request_latency_histogram);
@@ -232,6 +235,16 @@ impl Metrics {
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens",
             prefix_hits.clone(),
+        );
+        r.register(
+            "vllm:mm_cache_queries",
+            "Multi-modal cache queries, in terms of number of queried items",
+            mm_cache[0].clone(),
+        );
+        r.register(
+            "vllm:mm_cache_hits",
+            "Multi-modal cache hits, in terms of number of cached items",
+            mm_cache[1].clone(),
         );
         r.register(
             "vllm:time_to_first_token_seconds",
@@ -296,6 +309,8 @@ impl Metrics {
             &preemptions,
             &prefix_queries,
             &prefix_hits,
+            &mm_cache[0],
+            &mm_cache[1],
         ] {
             let _ = c.get_or_create(&model);
         }
@@ -321,6 +336,7 @@ impl Metrics {
             preemptions,
             prefix_queries,
             prefix_hits,
+            mm_cache,
             ttft,
             itl,
             e2e,
@@ -334,6 +350,14 @@ impl Metrics {
             connector_bytes,
             engine_counters,
             exported: Mutex::new(Exported::default()),
+        }
+    }
+
+    /// The processor cache was asked for one item (and had it, when `hit`).
+    pub fn mm_cache_query(&self, hit: bool) {
+        self.mm_cache[0].get_or_create(&self.model).inc();
+        if hit {
+            self.mm_cache[1].get_or_create(&self.model).inc();
         }
     }
 

@@ -250,3 +250,61 @@ async fn a_png_and_a_wav_reach_the_engine_with_expanded_placeholders() {
         assert_ne!(ph[0].mm_hash, ph[1].mm_hash);
     }
 }
+
+/// The value of counter `name` (`vllm:..._total`) in a `/metrics` text.
+fn counter(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in {text}"))
+}
+
+#[tokio::test]
+async fn a_repeated_image_comes_from_the_processor_cache_and_gives_the_same_item() {
+    let image = format!("data:image/png;base64,{}", b64(&png(64, 64)));
+    let other = format!("data:image/png;base64,{}", b64(&png(96, 64)));
+    for gib in [4.0, 0.0] {
+        let engine = Arc::new(FakeEngine::default());
+        let mut config = mm_config();
+        config.media.mm_processor_cache_gb = gib;
+        let app = omni_server::router(config, engine.clone(), mm_tokenizer(true));
+        // The same image twice in one request, then again in a second request.
+        let first = chat(vec![
+            image_part(&image),
+            image_part(&other),
+            image_part(&image),
+        ]);
+        let second = chat(vec![image_part(&image)]);
+        for body in [&first, &second] {
+            let (status, v, _) = call(&app, "POST", CHAT, Some(body), &[]).await;
+            assert_eq!(status, 200, "{v}");
+        }
+        let (_, _, text) = call(&app, "GET", "/metrics", None, &[]).await;
+        let queries = counter(&text, "vllm:mm_cache_queries_total");
+        let hits = counter(&text, "vllm:mm_cache_hits_total");
+        let reqs = engine.requests.lock().unwrap();
+        let (a, b) = (&reqs[0], &reqs[1]);
+        // Cached or not, the items are the same: hash, kind and tensor bytes.
+        let bytes = |r: &omni_protocol::EngineCoreRequest, i: usize| {
+            let f = &r.mm_features[i];
+            r.mm_buffers
+                .get(f.tensor.buffer_index as usize)
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(a.mm_features[0].mm_hash, a.mm_features[2].mm_hash);
+        assert_eq!(a.mm_features[0].mm_hash, b.mm_features[0].mm_hash);
+        assert_ne!(a.mm_features[0].mm_hash, a.mm_features[1].mm_hash);
+        assert_eq!(bytes(a, 0), bytes(b, 0));
+        assert_eq!(bytes(a, 0), bytes(a, 2));
+        if gib > 0.0 {
+            // Four items looked up; the second request's image is a hit, and the first
+            // request's repeat is one unless both copies were preprocessed at once.
+            assert_eq!(queries, 4.0, "{text}");
+            assert!((1.0..=2.0).contains(&hits), "hits {hits}");
+        } else {
+            assert_eq!((queries, hits), (0.0, 0.0), "no cache, no lookups");
+        }
+    }
+}

@@ -8,7 +8,9 @@
 //!    count against `--limit-mm-per-prompt`, before anything is fetched;
 //! 3. [`fetch`]: the bytes, from a base64 `data:` URL, `input_audio`, an allowed http(s) host
 //!    under the egress guard, or `file://` under `--allowed-local-media-path`;
-//! 4. [`preprocess`]: on a blocking thread, omni-mm decodes (image header checked against
+//! 4. [`cache`]: an item whose fetched bytes were preprocessed before is taken from the
+//!    processor cache (`--mm-processor-cache-gb`), else
+//!    [`preprocess`]: on a blocking thread, omni-mm decodes (image header checked against
 //!    `--max-image-pixels` before decoding, audio duration capped while decoding) and
 //!    preprocesses (Qwen2-VL pixel patches, Whisper log-mel) into an [`MmInput`];
 //! 5. [`prompt`]: the chat template gets the placeholders (it writes them itself when it walks
@@ -17,6 +19,7 @@
 //!
 //! Every refusal is an OpenAI-shaped 400 (422 where vLLM answers 422) naming the part.
 
+mod cache;
 pub(crate) mod data_url;
 mod fetch;
 mod guard;
@@ -34,6 +37,7 @@ use crate::error::ApiError;
 use crate::openai::ChatMessage;
 use parts::ParsedChat;
 
+pub(crate) use cache::ProcessorCache;
 pub use preprocess::MultimodalModel;
 
 /// Media parts fetched and preprocessed at once for one request.
@@ -154,14 +158,33 @@ pub(crate) async fn load(
                 let fetched = fetch::fetch(&part.source, part.modality, media)
                     .await
                     .map_err(|e| e.into_api(&part.path))?;
+                let key = state.mm_cache.as_ref().map(|_| {
+                    omni_mm::source_hash(
+                        part.modality,
+                        fetched.media_type.as_deref(),
+                        &fetched.bytes,
+                    )
+                });
+                if let (Some(cache), Some(key)) = (&state.mm_cache, &key) {
+                    let hit = cache.get(key);
+                    state.metrics.mm_cache_query(hit.is_some());
+                    if let Some(mut item) = hit {
+                        item.uuid = part.uuid.clone();
+                        return Ok::<MmInput, ApiError>(item);
+                    }
+                }
                 let limits = preprocess::decode_limits(media);
                 let path = part.path.clone();
-                tokio::task::spawn_blocking(move || {
+                let item = tokio::task::spawn_blocking(move || {
                     preprocess::process(&model, &part, fetched, &limits)
                         .map_err(|e| ApiError::bad_param(&part.path, e))
                 })
                 .await
-                .map_err(|e| ApiError::internal(format!("media task for {path} failed: {e}")))?
+                .map_err(|e| ApiError::internal(format!("media task for {path} failed: {e}")))??;
+                if let (Some(cache), Some(key)) = (&state.mm_cache, key) {
+                    cache.insert(key, &item);
+                }
+                Ok(item)
             }
         })
         .buffered(MEDIA_CONCURRENCY);
