@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
+use bytes::Bytes;
 use omni_models::{EncoderOutput, MropePositions, MultiModalFeature, MultiModalKind};
 use omni_protocol::{EngineCoreRequest, MmKind, MultiModalFeatureSpec, NewRequestData, TensorView};
 
@@ -28,8 +29,9 @@ pub struct MmItem {
     pub range: Range<usize>,
     /// What it is.
     pub kind: MultiModalKind,
-    /// Its preprocessed tensor (bf16, as broadcast).
-    pub data: Vec<u8>,
+    /// Its preprocessed tensor (bf16, as broadcast): copied out of the ring slot, or shared
+    /// with the request that brought it (an omni Thinker stage's).
+    pub data: Bytes,
 }
 
 impl MmItem {
@@ -61,19 +63,23 @@ impl RequestMm {
     /// tensors in [`omni_protocol::SchedulerOutput::tensor_views`] order, starting at this
     /// request's first item).
     pub fn from_new(new: &NewRequestData, views: &[TensorView<'_>]) -> Self {
-        Self::from_items(new.mm_features.iter().zip(views.iter().map(|v| v.bytes)))
+        Self::from_items(
+            new.mm_features
+                .iter()
+                .zip(views.iter().map(|v| Bytes::copy_from_slice(v.bytes))),
+        )
     }
 
-    /// The items of a request held whole (an omni Thinker stage's), their bytes copied out of
-    /// its buffers (checked at admission: every feature names one of the right size).
+    /// The items of a request held whole (an omni Thinker stage's), their bytes shared with its
+    /// buffers (checked at admission: every feature names one of the right size).
     pub fn from_request(req: &EngineCoreRequest) -> Self {
         Self::from_items(req.mm_features.iter().filter_map(|f| {
             let bytes = req.mm_buffers.get(f.tensor.buffer_index as usize)?;
-            Some((f, bytes.as_ref()))
+            Some((f, bytes.clone()))
         }))
     }
 
-    fn from_items<'a>(items: impl Iterator<Item = (&'a MultiModalFeatureSpec, &'a [u8])>) -> Self {
+    fn from_items<'a>(items: impl Iterator<Item = (&'a MultiModalFeatureSpec, Bytes)>) -> Self {
         let items = items
             .map(|(f, bytes)| MmItem {
                 mm_hash: f.mm_hash,
@@ -89,7 +95,7 @@ impl RequestMm {
                         num_frames: num_frames as usize,
                     },
                 },
-                data: bytes.to_vec(),
+                data: bytes,
             })
             .collect();
         Self { items, mrope: None }
