@@ -15,6 +15,7 @@ mod bench_thinker;
 mod engine_adapter;
 mod engine_core_cmd;
 mod generate_cmd;
+mod headless;
 mod serve_cmd;
 mod serve_omni;
 mod stage_cmd;

@@ -71,6 +71,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let given = engine_config.model.model.clone();
     engine_config.validate()?;
+    if engine_config.parallel.headless {
+        return crate::headless::run(&engine_config);
+    }
     let model = omni_launch::resolve_model(&engine_config)?;
     engine_config.model.model = Some(model.clone());
     let mut tokenizer = load_tokenizer(&model)
@@ -142,7 +145,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let engine = core.clone();
     let adapter = Arc::new(CoreEngineClient::new(core.clone(), cache));
-    let result = runtime.block_on(serve_until_signal(config, adapter, tokenizer, core));
+    // A multi-node group lives and dies as a whole (LeaderWorkerSet recreates it): a dead
+    // engine there ends the leader with an error instead of serving 503s.
+    let fatal_on_death = engine_config.parallel.nnodes > 1;
+    let result = runtime.block_on(serve_until_signal(
+        config,
+        adapter,
+        tokenizer,
+        core,
+        fatal_on_death,
+    ));
     engine.shutdown();
     runtime.shutdown_timeout(Duration::from_secs(1));
     match &result {
@@ -207,6 +219,7 @@ async fn serve_until_signal(
     engine: Arc<CoreEngineClient>,
     tokenizer: Tokenizer,
     core: Arc<dyn EngineCoreClient>,
+    fatal_on_death: bool,
 ) -> anyhow::Result<()> {
     // Handlers first: a signal right after the listening line must not kill the process.
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
@@ -223,11 +236,35 @@ async fn serve_until_signal(
     let app = omni_server::router(config, engine, Arc::new(tokenizer));
     tracing::info!("listening on http://{local} (press CTRL+C to quit)");
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
+    let died = Arc::new(std::sync::Mutex::new(None::<String>));
+    let died_in = died.clone();
+    let watched = core.clone();
+    let death = async move {
+        if !fatal_on_death {
+            return std::future::pending::<String>().await;
+        }
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if let Err(e) = watched.health() {
+                return e.to_string();
+            }
+        }
+    };
     let shutdown = async move {
-        let which = wait_for(&mut sigterm, &mut sigint).await;
-        tracing::info!(
-            "{which}: shutting down (no new connections, aborting in-flight requests, stopping workers)"
-        );
+        tokio::select! {
+            which = wait_for(&mut sigterm, &mut sigint) => tracing::info!(
+                "{which}: shutting down (no new connections, aborting in-flight requests, \
+                 stopping workers)"
+            ),
+            cause = death => {
+                tracing::error!("{cause}: the multi-node group is broken; exiting with an error");
+                if let Ok(mut d) = died_in.lock() {
+                    *d = Some(cause);
+                }
+                // The streams already ended with the error; let their last bytes go out.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
         // In-flight streams end at once; the wait for the engine core and its workers runs
         // off the runtime's threads (`run` waits for it again before exiting).
         tokio::task::spawn_blocking(move || core.shutdown());
@@ -241,11 +278,14 @@ async fn serve_until_signal(
         }
     };
     tokio::select! {
-        () = server => Ok(()),
+        () = server => {}
         () = drain_deadline => {
             tracing::warn!("connections still open {DRAIN_TIMEOUT:?} after the signal: closing them");
-            Ok(())
         }
+    }
+    match died.lock().ok().and_then(|mut d| d.take()) {
+        Some(cause) => bail!("{cause}"),
+        None => Ok(()),
     }
 }
 

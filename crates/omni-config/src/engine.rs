@@ -143,19 +143,39 @@ pub struct ParallelConfig {
         default_value_t = 1
     )]
     pub tensor_parallel_size: u32,
-    /// Pipeline-parallel size (also `-pp`). Only 1 is supported yet.
+    /// Pipeline-parallel size (also `-pp`): the decoder's layers split into this many stages of
+    /// `-tp` ranks each (text decoders; CPU workers so far).
     #[arg(
         long = "pipeline-parallel-size",
         visible_alias = "pp",
         default_value_t = 1
     )]
     pub pipeline_parallel_size: u32,
-    /// Nodes of the deployment. Only 1 is supported yet.
-    #[arg(long, default_value_t = 1)]
+    /// Nodes of the deployment (vLLM's `--nnodes`, also `-n`): the `tp x pp` ranks are spread
+    /// over them, consecutive ranks per node. Node 0 (the leader) runs the API server and the
+    /// engine core; the others run `--headless`.
+    #[arg(long, visible_short_alias = 'n', default_value_t = 1)]
     pub nnodes: u32,
-    /// This node's rank (0: the leader).
-    #[arg(long, default_value_t = 0)]
+    /// This node's rank (0: the leader; also `-r`).
+    #[arg(long, visible_short_alias = 'r', default_value_t = 0)]
     pub node_rank: u32,
+    /// The leader's address, where followers join (a name is resolved on every try).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub master_addr: String,
+    /// The leader's rendezvous port.
+    #[arg(long, default_value_t = 29501)]
+    pub master_port: u16,
+    /// Run only this node's workers, joined to the leader at `--master-addr` (no API server,
+    /// no engine core): every node but 0.
+    #[arg(long)]
+    pub headless: bool,
+    /// This node's address for its peers (env `VLLM_HOST_IP`); default: the address its
+    /// connection to the leader leaves from (a follower) or arrives at (the leader).
+    #[arg(long)]
+    pub host_ip: Option<std::net::IpAddr>,
+    /// Longest wait for every node to join, in seconds (followers retry until then).
+    #[arg(long, default_value_t = 300)]
+    pub distributed_timeout_seconds: u64,
     /// Executor: one process per rank (`mp`) or the model in the engine's process (`uni`).
     #[arg(
         long,
@@ -329,17 +349,47 @@ impl EngineConfig {
         if self.parallel.tensor_parallel_size == 0 {
             p.push("--tensor-parallel-size must be at least 1".into());
         }
-        if self.parallel.pipeline_parallel_size != 1 {
+        if self.parallel.pipeline_parallel_size == 0 {
+            p.push("--pipeline-parallel-size must be at least 1".into());
+        }
+        let par = &self.parallel;
+        let world = par.tensor_parallel_size * par.pipeline_parallel_size;
+        if par.nnodes == 0 {
+            p.push("--nnodes must be at least 1".into());
+        } else if world % par.nnodes != 0 {
             p.push(format!(
-                "--pipeline-parallel-size {}: pipeline parallelism is not supported yet",
-                self.parallel.pipeline_parallel_size
+                "-tp {} x -pp {} = {world} ranks do not split evenly over --nnodes {}",
+                par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes
             ));
         }
-        if self.parallel.nnodes != 1 || self.parallel.node_rank != 0 {
-            p.push("multi-node (--nnodes > 1) is not supported yet".into());
+        if par.node_rank >= par.nnodes.max(1) {
+            p.push(format!(
+                "--node-rank {} must be below --nnodes {}",
+                par.node_rank, par.nnodes
+            ));
         }
-        if self.parallel.executor == ExecutorKind::Uni && self.parallel.tensor_parallel_size != 1 {
-            p.push("--executor uni runs one rank; use --executor mp for tensor parallelism".into());
+        if par.headless != (par.node_rank > 0) {
+            p.push(if par.headless {
+                "--headless runs a follower node: give it --node-rank 1 or more".into()
+            } else {
+                format!(
+                    "--node-rank {} is a follower: run it with --headless",
+                    par.node_rank
+                )
+            });
+        }
+        if par.nnodes > 1 && par.executor == ExecutorKind::Uni {
+            p.push("--nnodes > 1 needs --executor mp".into());
+        }
+        if self.parallel.executor == ExecutorKind::Uni
+            && (self.parallel.tensor_parallel_size != 1
+                || self.parallel.pipeline_parallel_size != 1)
+        {
+            p.push(
+                "--executor uni runs one rank; use --executor mp for tensor or pipeline \
+                 parallelism"
+                    .into(),
+            );
         }
         if self.cache.block_size == 0 || !self.cache.block_size.is_power_of_two() {
             p.push(format!(

@@ -40,6 +40,7 @@ pub const ENV_FLAGS: &[(&str, &str)] = &[
     ("OMNI_STAGE_PROFILE_INTERVAL_S", "stage-profile-interval-s"),
     ("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "timeout-keep-alive"),
     ("VLLM_ENABLE_V1_MULTIPROCESSING", "enable-multiprocessing"),
+    ("VLLM_HOST_IP", "host-ip"),
     ("VLLM_IMAGE_FETCH_TIMEOUT", "image-fetch-timeout"),
     ("VLLM_AUDIO_FETCH_TIMEOUT", "audio-fetch-timeout"),
     ("VLLM_VIDEO_FETCH_TIMEOUT", "video-fetch-timeout"),

@@ -83,7 +83,7 @@ fn validation_reports_every_problem_together() {
             "--block-size",
             "12",
             "--pipeline-parallel-size",
-            "2",
+            "0",
         ],
         &[],
     )

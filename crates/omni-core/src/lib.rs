@@ -78,8 +78,9 @@ pub use engine_core_client::{EngineCoreClient, RequestError, RequestOutput, Requ
 pub use engine_core_proc::{ENGINE_CORE_PROCESS_NAME, EngineCoreProc, EngineCoreProcError};
 pub use engine_loop::{HEALTH_CHECK_INTERVAL, InprocClient};
 pub use executor::{
-    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineDeadError, Executor, ExecutorStartError, MultiprocConfig,
-    MultiprocExecutor, StartupSpec, UniprocExecutor, plan_num_blocks,
+    DEFAULT_KV_CACHE_MEMORY_BYTES, EngineDeadError, Executor, ExecutorStartError, HeadlessConfig,
+    HeadlessError, MultiprocConfig, MultiprocExecutor, NodeConfig, StartupSpec, UniprocExecutor,
+    plan_num_blocks, run_headless,
 };
 pub use kv_cache_manager::{ComputedBlocks, KvCacheManager};
 pub use mp_client::{EngineCoreStartError, MpClient, MpClientConfig};

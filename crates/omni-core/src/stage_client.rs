@@ -166,9 +166,14 @@ impl StageClient {
         let Some(q) = q.as_mut() else {
             return Err(self.dead_error("its input queue is closed".into()));
         };
-        // A dead reader fails the enqueue at once when the ring is full: never a hang.
-        q.enqueue(input, buffers)
-            .map_err(|e| self.dead_error(format!("input queue: {e}")))
+        // A dead reader fails the enqueue at once when the ring is full: never a hang. The
+        // failure is the stage's death from now on, also before its monitor sees the exit:
+        // a request that fails here must not find the pipeline healthy.
+        q.enqueue(input, buffers).map_err(|e| {
+            let err = self.dead_error(format!("input queue: {e}"));
+            self.inner.dead.set(err.clone());
+            err
+        })
     }
 
     /// Asks the process to exit, waits up to the grace period, then SIGTERM, SIGKILL; removes

@@ -111,6 +111,7 @@ pub fn load_spec(config: &EngineConfig, model: &Path, device: Device) -> LoadMod
         block_size: config.cache.block_size,
         gpu_memory_utilization: config.cache.gpu_memory_utilization,
         tensor_parallel_size: config.parallel.tensor_parallel_size,
+        pipeline_parallel_size: config.parallel.pipeline_parallel_size,
         seed: config.model.engine_seed,
         device,
         max_num_batched_tokens: u32::try_from(config.scheduler.max_num_batched_tokens)
@@ -206,6 +207,20 @@ pub fn build_engine_core(
                 config.parallel.tensor_parallel_size,
                 startup,
             );
+            mp.pipeline_parallel_size = config.parallel.pipeline_parallel_size;
+            let par = &config.parallel;
+            mp.nodes = (par.nnodes > 1).then(|| omni_core::NodeConfig {
+                nnodes: par.nnodes,
+                master_addr: par.master_addr.clone(),
+                master_port: par.master_port,
+                host_ip: par.host_ip,
+                join_timeout: std::time::Duration::from_secs(par.distributed_timeout_seconds),
+            });
+            if mp.nodes.is_some() {
+                mp.startup_timeout = mp.startup_timeout.max(std::time::Duration::from_secs(
+                    par.distributed_timeout_seconds,
+                ));
+            }
             mp.ipc = config.ipc.broadcast();
             mp.response = config.ipc.response();
             tracing::info!(
@@ -333,7 +348,8 @@ pub fn cuda_status() -> Result<CudaStatus, String> {
 /// `--device`: `auto` is CUDA when a driver and enough devices are usable, else the CPU
 /// (logged); `cuda` without a usable driver is a start-up error that says why.
 pub fn resolve_device(config: &EngineConfig) -> Result<Device, LaunchError> {
-    let need = config.parallel.tensor_parallel_size as usize;
+    let need =
+        (config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size) as usize;
     match config.device.device {
         DeviceKind::Cpu => Ok(Device::Cpu),
         DeviceKind::Cuda => match cuda_status() {

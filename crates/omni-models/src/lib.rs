@@ -55,7 +55,7 @@ pub mod registry;
 pub mod weights;
 
 pub use batch::{ForwardBatch, SeqChunk};
-pub use decoder::{DecoderModel, DecoderSpec, ResidualAdds, TpContext};
+pub use decoder::{DecoderModel, DecoderSpec, PipelineStage, ResidualAdds, TpContext};
 pub use error::ModelError;
 pub use interface::{
     Capture, EncoderOutput, ModelInputs, ModelOutputs, ModelStage, MropePositions,
@@ -106,4 +106,32 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
         batch: &ForwardBatch,
         kv: &mut [LayerKvCache],
     ) -> Result<HostTensor, ModelError>;
+
+    /// Runs this rank's pipeline stage of one step: `hidden` is the previous stage's residual
+    /// stream (`[tokens, hidden]`; `None` on the first stage, which embeds the tokens). The last
+    /// stage returns the logits, the others their residual stream for the next stage. Without
+    /// pipeline parallelism this is [`CausalLm::forward`].
+    fn forward_stage(
+        &self,
+        batch: &ForwardBatch,
+        hidden: Option<&[f32]>,
+        kv: &mut [LayerKvCache],
+    ) -> Result<StageForward, ModelError> {
+        match hidden {
+            None => Ok(StageForward::Logits(self.forward(batch, kv)?)),
+            Some(_) => Err(ModelError::Batch(format!(
+                "{} has no pipeline stages",
+                self.architecture()
+            ))),
+        }
+    }
+}
+
+/// What one pipeline stage of a step produces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageForward {
+    /// The residual stream of every token, `[tokens, hidden]`, for the next stage.
+    Hidden(Vec<f32>),
+    /// The last stage's logits of the output rows, `[rows, vocab]`.
+    Logits(HostTensor),
 }

@@ -240,6 +240,11 @@ pub fn load_stage_model_dir_with_progress(
     on_load: LoadProgressFn<'_>,
 ) -> Result<Box<dyn StageModel>, ModelError> {
     let config = read_config(dir)?;
+    if tp.pp.size > 1 {
+        return Err(ModelError::TensorParallel(format!(
+            "pipeline parallelism serves text decoders only, not the {stage:?} stage"
+        )));
+    }
     let load = |ws: &dyn WeightSource| {
         // Only the stage's own tensors count (a whole omni checkpoint holds all three).
         let prefix = match stage {

@@ -4,9 +4,13 @@
 //! A worker, spawned by an executor:
 //!
 //! ```text
-//! executor ──stdin:  WorkerHandshake {instance, rank, broadcast handle, response config, ..}──▶ worker
-//! executor ◀─stdout: WorkerHello {rank, pid, response handle}─────────────────────────────── worker
+//! executor ──stdin:  WorkerHandshake {instance, rank, layout, broadcast handle, ..}──────────▶ worker
+//! executor ◀─stdout: WorkerHello {rank, pid, response handle, peer queues}──────────────────── worker
+//! executor ──stdin:  WorkerPeers {every rank's peer queues} (once every rank said hello)──▶ worker
 //! ```
+//!
+//! A worker on another node gets the same lines from that node's launcher (`serve --headless`),
+//! which relays them to and from the leader over the master rendezvous connection.
 //!
 //! An engine-core process (`omni-engine-core`), spawned by its client in the API process:
 //!
@@ -18,11 +22,12 @@
 //!
 //! All carry [`crate::PROTOCOL_VERSION`]; each side refuses a peer of another version.
 
+use std::net::IpAddr;
 use std::time::Duration;
 
-use omni_ipc::{Handle, MessageQueueConfig};
+use omni_ipc::{Handle, MessageQueueConfig, ReaderId};
 
-use crate::Device;
+use crate::{Device, ParallelLayout, PeerQueues};
 use serde::{Deserialize, Serialize};
 
 /// The one JSON line a worker reads from its stdin at start.
@@ -32,18 +37,24 @@ pub struct WorkerHandshake {
     pub protocol_version: u32,
     /// Engine instance id (names every shared-memory segment: `omni.<instance>.<channel>`).
     pub instance: String,
-    /// This worker's rank.
+    /// This worker's rank (`pp_rank * tp_size + tp_rank`).
     pub rank: u32,
-    /// Tensor-parallel world size.
-    pub world_size: u32,
+    /// Every rank's place: tensor- and pipeline-parallel sizes, nodes.
+    pub layout: ParallelLayout,
+    /// The address of this worker's node that its queues bind for readers on other nodes
+    /// (`None`: every peer is on this node).
+    pub host_ip: Option<IpAddr>,
     /// The parent's pid (the worker exits if its parent already changed).
     pub parent_pid: u32,
-    /// Where to read commands from (as local reader `rank`).
+    /// Where to read commands from.
     pub broadcast: Handle,
+    /// This worker's reader id on `broadcast` (local on the engine core's node, remote on others).
+    pub broadcast_reader: ReaderId,
     /// Config of the response queue the worker creates (small: answers are a few KB; it does
     /// not follow the broadcast queue's `VLLM_MQ_MAX_CHUNK_BYTES_MB`).
     pub response_queue: MessageQueueConfig,
-    /// The all-reduce segment (created by the executor), when `world_size > 1`.
+    /// The all-reduce segment of this rank's tensor-parallel group (created on its node by the
+    /// executor or the node's launcher), when the group has several ranks on one node.
     pub all_reduce_segment: Option<String>,
     /// How long to wait for the queues' peers at start.
     pub ready_timeout: Duration,
@@ -58,8 +69,18 @@ pub struct WorkerHello {
     pub rank: u32,
     /// Its pid.
     pub pid: u32,
-    /// Its response queue (the executor attaches as local reader 0).
+    /// Its response queue (the executor attaches as its one reader: local on the engine core's
+    /// node, remote elsewhere).
     pub response: Handle,
+    /// The queues it writes to its peers (pipeline stage, tensor-parallel group across nodes).
+    pub peers: PeerQueues,
+}
+
+impl WorkerHandshake {
+    /// Ranks of the engine.
+    pub fn world_size(&self) -> usize {
+        self.layout.world()
+    }
 }
 
 /// The one JSON line an engine-core process reads from its stdin at start. `C` is the resolved

@@ -46,6 +46,7 @@ pub mod handshake;
 mod mm;
 mod omni;
 mod output;
+mod parallel;
 mod request;
 mod sampling;
 mod scheduler_output;
@@ -60,6 +61,10 @@ pub use handshake::{
 pub use mm::{MmKind, MultiModalFeatureSpec, TensorBuffers};
 pub use omni::{AudioOutput, Modality, OmniParams};
 pub use output::{EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats, StopReason};
+pub use parallel::{
+    LeaderMessage, NodeAssignment, NodeEvent, NodeHellos, NodeJoin, ParallelLayout, PeerQueues,
+    WorkerPeers,
+};
 pub use request::{EngineCoreInput, EngineCoreRequest};
 pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
@@ -76,7 +81,7 @@ pub use worker::{
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

@@ -44,6 +44,8 @@ pub struct LoadModelSpec {
     pub gpu_memory_utilization: f32,
     /// Tensor-parallel world size (the worker's rank is its process identity).
     pub tensor_parallel_size: u32,
+    /// Pipeline stages (each rank loads its stage's layers).
+    pub pipeline_parallel_size: u32,
     /// Seed of the worker's global sampling stream and of dummy weights.
     pub seed: u64,
     /// The backend.
@@ -69,6 +71,7 @@ impl Default for LoadModelSpec {
             block_size: 16,
             gpu_memory_utilization: 0.9,
             tensor_parallel_size: 1,
+            pipeline_parallel_size: 1,
             seed: 0,
             device: Device::Cpu,
             max_num_batched_tokens: 2048,

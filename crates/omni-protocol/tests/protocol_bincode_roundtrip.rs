@@ -181,6 +181,7 @@ fn every_worker_command_roundtrips() {
         block_size: 16,
         gpu_memory_utilization: 0.9,
         tensor_parallel_size: 2,
+        pipeline_parallel_size: 2,
         seed: 0,
         device: omni_protocol::Device::Cuda,
         max_num_batched_tokens: 8192,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use omni_ipc::{Handle, MessageQueueConfig};
 use omni_protocol::{
     Device, EngineCoreHandshake, EngineCoreReady, EngineCoreStartup, PROTOCOL_VERSION,
-    WorkerHandshake, WorkerHello,
+    ParallelLayout, PeerQueues, WorkerHandshake, WorkerHello,
 };
 
 fn handle() -> Handle {
@@ -30,9 +30,11 @@ fn handshake_and_hello_survive_one_json_line_each() {
         protocol_version: PROTOCOL_VERSION,
         instance: "1x2".into(),
         rank: 2,
-        world_size: 3,
+        layout: ParallelLayout::across_nodes(2, 2, 2),
+        host_ip: Some("10.0.0.2".parse().unwrap()),
         parent_pid: 1,
         broadcast: handle(),
+        broadcast_reader: omni_ipc::ReaderId::Remote(0),
         response_queue: MessageQueueConfig {
             max_chunk_bytes: 2 << 20,
             ..MessageQueueConfig::default()
@@ -49,6 +51,10 @@ fn handshake_and_hello_survive_one_json_line_each() {
         rank: 2,
         pid: 42,
         response: handle(),
+        peers: PeerQueues {
+            pp_send: None,
+            tp_gather: Some(handle()),
+        },
     };
     let line = serde_json::to_string(&hello).unwrap();
     assert!(!line.contains('\n'));

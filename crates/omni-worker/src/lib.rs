@@ -30,6 +30,7 @@ pub mod cuda_model;
 pub mod load_progress;
 pub mod mm_inputs;
 pub mod model_runner;
+pub mod peers;
 pub mod process;
 pub mod sampler;
 pub mod shm_all_reduce;
@@ -73,6 +74,9 @@ pub enum WorkerError {
     /// The all-reduce segment could not be opened.
     #[error(transparent)]
     AllReduce(#[from] ShmAllReduceError),
+    /// A pipeline or all-reduce link to a peer rank failed.
+    #[error(transparent)]
+    Peers(#[from] crate::peers::PeerLinkError),
     /// A tensor of the batch does not match the message's buffers.
     #[error(transparent)]
     Tensor(#[from] omni_protocol::TensorBufferError),

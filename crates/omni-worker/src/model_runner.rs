@@ -200,6 +200,15 @@ impl ModelRunner {
             self.model
                 .forward_mm(&batch, positions.as_ref(), &features, &encoded)?;
         }
+        if !self.model.samples() {
+            // A pipeline stage before the last: its activations went on; nothing to sample.
+            return Ok(ModelRunnerOutput {
+                req_ids: req_ids.into_iter().cloned().collect(),
+                sampled_token_ids: vec![Vec::new(); samples.len()],
+                logprobs: vec![Vec::new(); samples.len()],
+                ..ModelRunnerOutput::default()
+            });
+        }
         let sampled = if num_sampled == 0 {
             Vec::new()
         } else {

@@ -5,11 +5,14 @@
 //!    queue's handle, this worker's rank).
 //! 2. `PR_SET_PDEATHSIG(SIGKILL)`, then check the parent is still the one that wrote the
 //!    handshake; name the process `omni-worker-<rank>` (`PR_SET_NAME`).
-//! 3. Attach to the broadcast queue as local reader `rank`; create the response queue
-//!    (`omni.<instance>.resp<rank>`, one local reader: the executor).
-//! 4. Answer ONE JSON line on stdout: [`WorkerHello`] with the response queue's handle.
+//! 3. Attach to the broadcast queue as the reader the handshake names; create the response
+//!    queue (`omni.<instance>.resp<rank>`, one reader: the executor, local on the engine
+//!    core's node, remote elsewhere) and the queues to this rank's peers ([`PeerWriters`]).
+//! 4. Answer ONE JSON line on stdout: [`WorkerHello`] with those queues' handles; once the
+//!    broadcast and response queues are ready, read ONE more line, [`WorkerPeers`] (every
+//!    rank's peer queues), and connect to the peers.
 //! 5. A thread keeps reading stdin: EOF means the parent is gone (or shutting down): remove our
-//!    own segment and exit at once.
+//!    own segments and exit at once.
 //! 6. Serve: dequeue a [`WorkerCommand`] (borrowed from the ring slot, so a step's tensor
 //!    buffers are read in place), let the worker answer, enqueue the answer with its buffers.
 //!
@@ -19,11 +22,13 @@
 use std::io::{BufRead, Read, Write};
 use std::time::Duration;
 
-use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec, ReaderId};
+use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec};
 use omni_protocol::{
-    PROTOCOL_VERSION, WorkerBase, WorkerCommand, WorkerHandshake, WorkerHello, WorkerResponse,
+    PROTOCOL_VERSION, WorkerBase, WorkerCommand, WorkerHandshake, WorkerHello, WorkerPeers,
+    WorkerResponse,
 };
 
+use crate::peers::{PeerLinkError, PeerLinks, PeerWriters, peer_channels};
 use crate::{ShmAllReduceError, Worker};
 
 /// Why a worker process stopped abnormally.
@@ -41,6 +46,9 @@ pub enum WorkerProcessError {
     /// The all-reduce segment could not be opened.
     #[error(transparent)]
     AllReduce(#[from] ShmAllReduceError),
+    /// The links to the peer ranks could not be set up.
+    #[error(transparent)]
+    Peers(#[from] PeerLinkError),
 }
 
 fn handshake_err(e: impl std::fmt::Display) -> WorkerProcessError {
@@ -76,34 +84,35 @@ fn arm_process(name: &str) {
     }
 }
 
+/// One JSON line of stdin (`what` names it in errors).
+fn read_line_json<T: serde::de::DeserializeOwned>(what: &str) -> Result<T, WorkerProcessError> {
+    let mut line = String::new();
+    std::io::stdin()
+        .lock()
+        .read_line(&mut line)
+        .map_err(handshake_err)?;
+    if line.is_empty() {
+        return Err(handshake_err(format!("stdin closed before {what}")));
+    }
+    serde_json::from_str(&line).map_err(|e| handshake_err(format!("{what}: {e}")))
+}
+
 /// Runs the worker process on this process's stdin and stdout with the model [`Worker`].
 /// Returns when told to shut down; exits the process directly when the parent goes away.
 pub fn run_worker_process() -> Result<(), WorkerProcessError> {
-    serve(|hs| {
-        Worker::in_worker_process(
-            hs.rank,
-            hs.world_size as usize,
-            hs.all_reduce_segment.clone(),
-        )
-    })
+    serve(|hs, links| Worker::in_worker_process(hs, links))
 }
 
 /// The worker process loop around any [`WorkerBase`]: the handshake (steps 1-5 of the module
 /// docs), then every command from the broadcast queue goes to the worker `make` builds from
-/// the handshake. An `ExecuteModel`'s buffers are borrowed from the ring slot (zero-copy) for
+/// the handshake and the connected peer links. An `ExecuteModel`'s buffers are borrowed from the ring slot (zero-copy) for
 /// the length of the step; the answer goes out with its [`ModelRunnerOutput::buffers`].
 ///
 /// [`ModelRunnerOutput::buffers`]: omni_protocol::ModelRunnerOutput::buffers
 pub fn serve<W: WorkerBase>(
-    make: impl FnOnce(&WorkerHandshake) -> W,
+    make: impl FnOnce(&WorkerHandshake, PeerLinks) -> W,
 ) -> Result<(), WorkerProcessError> {
-    let stdin = std::io::stdin();
-    let mut line = String::new();
-    stdin.lock().read_line(&mut line).map_err(handshake_err)?;
-    if line.is_empty() {
-        return Err(handshake_err("stdin closed before the handshake"));
-    }
-    let hs: WorkerHandshake = serde_json::from_str(&line).map_err(handshake_err)?;
+    let hs: WorkerHandshake = read_line_json("the handshake")?;
     omni_protocol::check_protocol_version(hs.protocol_version).map_err(handshake_err)?;
     let rank = hs.rank as usize;
     arm_process(&format!("omni-worker-{rank}"));
@@ -111,19 +120,25 @@ pub fn serve<W: WorkerBase>(
         return Err(WorkerProcessError::ParentGone(hs.parent_pid));
     }
 
-    let mut commands = MessageQueueReader::attach(&hs.broadcast, ReaderId::Local(rank))?;
+    let mut commands = MessageQueueReader::attach(&hs.broadcast, hs.broadcast_reader)?;
     let channel = format!("resp{rank}");
-    let mut responses = MessageQueue::create(QueueSpec::local(
-        &hs.instance,
-        &channel,
-        1,
-        hs.response_queue.clone(),
-    ))?;
+    // The executor reads the answers: through shared memory on the engine core's node, over
+    // TCP from any other.
+    let remote_executor = hs.layout.node(rank) != 0;
+    let mut response_spec = QueueSpec::local(&hs.instance, &channel, 1, hs.response_queue.clone());
+    if remote_executor {
+        response_spec.n_local_readers = 0;
+        response_spec.n_remote_readers = 1;
+        response_spec.remote_addr = hs.host_ip;
+    }
+    let mut responses = MessageQueue::create(response_spec)?;
+    let writers = PeerWriters::create(&hs)?;
     let hello = WorkerHello {
         protocol_version: PROTOCOL_VERSION,
         rank: hs.rank,
         pid: std::process::id(),
         response: responses.handle(),
+        peers: writers.handles(),
     };
     let mut out = std::io::stdout().lock();
     let text = serde_json::to_string(&hello).map_err(handshake_err)?;
@@ -131,28 +146,35 @@ pub fn serve<W: WorkerBase>(
         .and_then(|()| out.flush())
         .map_err(handshake_err)?;
     drop(out);
+    commands.wait_until_ready(hs.ready_timeout)?;
+    responses.wait_until_ready(hs.ready_timeout)?;
+    let peers: WorkerPeers = read_line_json("the peer queues")?;
 
-    // EOF on stdin: the parent died or is shutting us down. Remove our segment (our destructors
-    // will not run) and exit at once.
-    let own_segment = omni_ipc::shm::segment_name(&hs.instance, &channel);
+    // EOF on stdin: the parent died or is shutting us down. Remove our segments (our
+    // destructors will not run) and exit at once.
+    let own_segments: Vec<String> = std::iter::once(channel)
+        .chain(peer_channels(rank))
+        .map(|c| omni_ipc::shm::segment_name(&hs.instance, &c))
+        .collect();
     let watcher = std::thread::Builder::new()
         .name("stdin-watch".into())
         .spawn(move || {
             let mut sink = [0u8; 256];
             let mut input = std::io::stdin().lock();
             while matches!(input.read(&mut sink), Ok(n) if n > 0) {}
-            let _ = std::fs::remove_file(format!("{}/{own_segment}", omni_ipc::shm::SHM_DIR));
+            for seg in &own_segments {
+                let _ = std::fs::remove_file(format!("{}/{seg}", omni_ipc::shm::SHM_DIR));
+            }
             std::process::exit(0);
         });
     if let Err(e) = watcher {
         tracing::warn!("no stdin watcher thread: {e}");
     }
 
-    commands.wait_until_ready(hs.ready_timeout)?;
-    responses.wait_until_ready(hs.ready_timeout)?;
+    let links = writers.connect(&hs, &peers)?;
 
-    let mut worker = make(&hs);
-    tracing::debug!(rank, world = hs.world_size, "worker ready");
+    let mut worker = make(&hs, links);
+    tracing::debug!(rank, world = hs.world_size(), "worker ready");
     loop {
         let msg = match commands.dequeue_borrowed(Some(Duration::from_secs(1))) {
             Ok(m) => m,

@@ -6,12 +6,19 @@
 //!   M-RoPE positions and multimodal items.
 //! - `CudaStepModel` (feature `cuda`, [`crate::cuda_model`]): the decoder on one GPU.
 
+use std::time::Duration;
+
 use omni_models::{
     CausalLm, EncoderOutput, ForwardBatch, KvCacheSpec, LayerKvCache, ModelInputs, MropePositions,
-    MultiModalFeature, MultiModalKind, PositionInputs, StageModel, TokenInputs,
+    MultiModalFeature, MultiModalKind, PositionInputs, StageForward, StageModel, TokenInputs,
 };
 
 use crate::WorkerError;
+use crate::peers::PipelineLink;
+
+/// Longest wait for the previous pipeline stage's activations (a dead stage fails sooner,
+/// through the queue's liveness checks).
+const STAGE_INPUT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Per-row sampling settings a device sampler handles (no penalties, no logprobs).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -48,6 +55,11 @@ pub trait StepModel: Send + std::fmt::Debug {
     fn forward(&mut self, batch: &ForwardBatch) -> Result<usize, WorkerError>;
     /// The last step's logits, `[rows, vocab]`, on the host.
     fn logits_host(&mut self) -> Result<Vec<f32>, WorkerError>;
+    /// Whether this rank's steps end in logits to sample (false on a pipeline stage before
+    /// the last, which passes its activations on instead).
+    fn samples(&self) -> bool {
+        true
+    }
     /// Samples one token per row of the last step's logits on the device, or `None` when this
     /// backend has no device sampler.
     fn sample_on_device(
@@ -119,6 +131,7 @@ pub struct CpuStepModel {
     /// Logits row width of a stage network.
     vocab: usize,
     available: u64,
+    pipeline: PipelineLink,
 }
 
 impl CpuStepModel {
@@ -149,7 +162,14 @@ impl CpuStepModel {
             logits: Vec::new(),
             vocab: 0,
             available,
+            pipeline: PipelineLink::default(),
         }
+    }
+
+    /// This rank's links to the neighbouring pipeline stages (a text decoder split by layers).
+    pub fn with_pipeline(mut self, pipeline: PipelineLink) -> Self {
+        self.pipeline = pipeline;
+        self
     }
 }
 
@@ -191,10 +211,25 @@ impl StepModel for CpuStepModel {
     fn forward(&mut self, batch: &ForwardBatch) -> Result<usize, WorkerError> {
         match &self.model {
             CpuNet::Lm(m) => {
-                let logits = m.forward(batch, &mut self.kv)?;
-                let rows = logits.shape.first().copied().unwrap_or(0);
-                self.logits = logits.data;
-                Ok(rows)
+                let t = batch.input_ids.len();
+                let hidden = if self.pipeline.has_prev() {
+                    Some(self.pipeline.recv(t, STAGE_INPUT_TIMEOUT)?)
+                } else {
+                    None
+                };
+                match m.forward_stage(batch, hidden.as_deref(), &mut self.kv)? {
+                    StageForward::Logits(logits) => {
+                        let rows = logits.shape.first().copied().unwrap_or(0);
+                        self.logits = logits.data;
+                        Ok(rows)
+                    }
+                    StageForward::Hidden(x) => {
+                        let width = x.len() / t.max(1);
+                        self.pipeline.send(&x, t, width)?;
+                        self.logits.clear();
+                        Ok(0)
+                    }
+                }
             }
             CpuNet::Stage(_) => self.forward_mm(batch, None, &[], &[]),
         }
@@ -253,5 +288,9 @@ impl StepModel for CpuStepModel {
 
     fn logits_host(&mut self) -> Result<Vec<f32>, WorkerError> {
         Ok(std::mem::take(&mut self.logits))
+    }
+
+    fn samples(&self) -> bool {
+        !self.pipeline.has_next()
     }
 }

@@ -8,21 +8,26 @@ use omni_backend::comm::AllReduce;
 use omni_models::gguf::GgufWeights;
 use omni_models::registry::{self, LoadFormat as RegistryFormat};
 use omni_models::weights::LoadProgressFn;
-use omni_models::{CausalLm, TpContext};
+use omni_models::{CausalLm, PipelineStage, TpContext};
 use omni_protocol::{
-    Device, LoadFormat, LoadModelSpec, SchedulerOutput, WorkerCommand, WorkerResponse,
+    Device, LoadFormat, LoadModelSpec, ParallelLayout, SchedulerOutput, WorkerCommand,
+    WorkerHandshake, WorkerResponse,
 };
 
 use crate::ShmAllReduce;
 use crate::WorkerError;
 use crate::load_progress::LoadProgress;
 use crate::model_runner::ModelRunner;
+use crate::peers::{PeerLinks, PipelineLink};
 use crate::step_model::{CpuStepModel, StepModel};
 
-/// One tensor-parallel rank: loads its shard, holds its KV cache, runs steps.
+/// One rank: loads its shard (its tensor-parallel slice of its pipeline stage's layers), holds
+/// its KV cache, runs steps.
 ///
-/// Every rank computes the whole step (the all-reduce keeps them in lockstep and they sample the
-/// same tokens from the same seed), but only the output rank 0 answers
+/// Every rank of the last pipeline stage computes the whole step's logits (the all-reduce keeps
+/// them in lockstep and they sample the same tokens from the same seed); earlier stages pass
+/// their activations on and sample nothing. Only the output rank (TP rank 0 of the last
+/// stage) answers
 /// [`WorkerCommand::ExecuteModel`] with the
 /// [`ModelRunnerOutput`](omni_protocol::ModelRunnerOutput); other ranks answer with a small
 /// [`WorkerResponse::Ready`] acknowledgement. The executor reads every rank's answer, so a rank
@@ -34,14 +39,19 @@ pub struct Worker {
     runner: Option<ModelRunner>,
 }
 
-/// How a worker reaches its tensor-parallel peers.
+/// How a worker reaches its peers.
 #[derive(Debug)]
 enum TpGroup {
     /// An all-reduce made by the caller (in-process ranks, tests).
     Given(Arc<dyn AllReduce>),
-    /// The executor's segment: the CPU backend opens a [`ShmAllReduce`] on it, the CUDA backend
-    /// exchanges the NCCL id through it. `None` for a single rank.
-    Segment { world: usize, name: Option<String> },
+    /// A worker process: its group's segment (the CPU backend opens a [`ShmAllReduce`] on it,
+    /// the CUDA backend exchanges the NCCL id through it; `None` for a group of one, or one
+    /// spread over nodes), and its queue links to other ranks (taken at `LoadModel`).
+    Process {
+        layout: ParallelLayout,
+        segment: Option<String>,
+        links: Option<PeerLinks>,
+    },
 }
 
 impl Worker {
@@ -55,43 +65,79 @@ impl Worker {
         }
     }
 
-    /// Rank `rank` of `world` worker processes (`omni-engine worker`, one per rank, started by
-    /// the `MultiprocExecutor`); `segment` is the executor's tensor-parallel
-    /// segment (required when `world > 1`). The backend is chosen at `LoadModel`.
-    pub fn in_worker_process(rank: u32, world: usize, segment: Option<String>) -> Self {
+    /// A worker process (`omni-engine worker`, one per rank, started by the
+    /// `MultiprocExecutor` or a follower node's launcher) with the layout, segment and rank of
+    /// its handshake and its connected peer `links`. The backend is chosen at `LoadModel`.
+    pub fn in_worker_process(hs: &WorkerHandshake, links: PeerLinks) -> Self {
         Self {
-            rank,
-            group: TpGroup::Segment {
-                world,
-                name: segment,
+            rank: hs.rank,
+            group: TpGroup::Process {
+                layout: hs.layout.clone(),
+                segment: hs.all_reduce_segment.clone(),
+                links: Some(links),
             },
             runner: None,
         }
     }
 
-    fn cpu_all_reduce(&self) -> Result<Arc<dyn AllReduce>, WorkerError> {
-        match &self.group {
-            TpGroup::Given(ar) => Ok(ar.clone()),
-            TpGroup::Segment { world, .. } if *world <= 1 => {
-                Ok(Arc::new(omni_backend::comm::IdentityAllReduce))
+    /// The tensor-parallel all-reduce of this rank's group and its pipeline link (taken from
+    /// the process's links; a second call gets an empty link).
+    fn cpu_group(&mut self) -> Result<(Arc<dyn AllReduce>, PipelineLink), WorkerError> {
+        let rank = self.rank as usize;
+        match &mut self.group {
+            TpGroup::Given(ar) => Ok((ar.clone(), PipelineLink::default())),
+            TpGroup::Process {
+                layout,
+                segment,
+                links,
+            } => {
+                let links = links.take().unwrap_or_default();
+                let size = layout.tp_group(rank).len();
+                let ar: Arc<dyn AllReduce> = match (links.all_reduce, segment.as_deref()) {
+                    (Some(queues), _) => Arc::new(queues),
+                    (None, _) if size <= 1 => Arc::new(omni_backend::comm::IdentityAllReduce),
+                    (None, Some(name)) => Arc::new(
+                        ShmAllReduce::open(name, layout.tp_rank(rank), size)
+                            .map_err(|e| WorkerError::Load(e.to_string()))?,
+                    ),
+                    (None, None) => {
+                        return Err(WorkerError::Load(format!(
+                            "{size} tensor-parallel ranks but no all-reduce segment"
+                        )));
+                    }
+                };
+                Ok((ar, links.pipeline))
             }
-            TpGroup::Segment {
-                world,
-                name: Some(name),
-            } => Ok(Arc::new(
-                ShmAllReduce::open(name, self.rank as usize, *world)
-                    .map_err(|e| WorkerError::Load(e.to_string()))?,
-            )),
-            TpGroup::Segment { world, name: None } => Err(WorkerError::Load(format!(
-                "{world} ranks but no all-reduce segment"
-            ))),
         }
     }
 
-    fn world_size(&self) -> usize {
+    /// `(tp, pp)` of the group this worker was started in.
+    fn parallel_sizes(&self) -> (usize, usize) {
         match &self.group {
-            TpGroup::Given(ar) => ar.world_size(),
-            TpGroup::Segment { world, .. } => *world,
+            TpGroup::Given(ar) => (ar.world_size(), 1),
+            TpGroup::Process { layout, .. } => (
+                layout.tensor_parallel_size as usize,
+                layout.pipeline_parallel_size as usize,
+            ),
+        }
+    }
+
+    /// Whether this rank answers steps with their output.
+    fn is_output_rank(&self) -> bool {
+        match &self.group {
+            TpGroup::Given(_) => self.rank == 0,
+            TpGroup::Process { layout, .. } => self.rank as usize == layout.output_rank(),
+        }
+    }
+
+    /// This rank's pipeline stage.
+    fn pipeline_stage(&self) -> PipelineStage {
+        match &self.group {
+            TpGroup::Given(_) => PipelineStage::default(),
+            TpGroup::Process { layout, .. } => PipelineStage {
+                rank: layout.pp_rank(self.rank as usize),
+                size: layout.pipeline_parallel_size as usize,
+            },
         }
     }
 
@@ -127,8 +173,9 @@ impl Worker {
     /// for what each rank answers).
     pub fn execute_model(&mut self, so: &SchedulerOutput, buffers: &[&[u8]]) -> WorkerResponse {
         let rank = self.rank;
+        let output_rank = self.is_output_rank();
         match self.runner_mut().and_then(|r| r.execute_model(so, buffers)) {
-            Ok(out) if rank == 0 => WorkerResponse::ModelRunnerOutput(out),
+            Ok(out) if output_rank => WorkerResponse::ModelRunnerOutput(out),
             Ok(_) => WorkerResponse::Ready { rank },
             Err(e) => self.error(e),
         }
@@ -148,24 +195,36 @@ impl Worker {
 
     fn load_model(&mut self, spec: &LoadModelSpec) -> Result<WorkerResponse, WorkerError> {
         let world = spec.tensor_parallel_size.max(1) as usize;
-        if world != self.world_size() {
+        let stages = spec.pipeline_parallel_size.max(1) as usize;
+        if (world, stages) != self.parallel_sizes() {
             return Err(WorkerError::Load(format!(
-                "tensor_parallel_size {world} but the all-reduce group has {} ranks",
-                self.world_size()
+                "tensor_parallel_size {world} x pipeline_parallel_size {stages}, but the worker \
+                 group is {:?}",
+                self.parallel_sizes()
             )));
         }
         let progress = LoadProgress::for_rank(self.rank);
+        let stage = self.pipeline_stage();
         let step_model: Box<dyn StepModel> = match spec.device {
             Device::Cpu => {
-                let tp = TpContext::new(self.rank as usize, world, self.cpu_all_reduce()?);
+                let (ar, pipeline) = self.cpu_group()?;
+                let tp_rank = self.rank as usize % world;
+                let tp = TpContext::new(tp_rank, world, ar).with_pipeline(stage);
                 let on_load = |done, total| progress.on_load(done, total);
                 match load_stage_model(spec, tp.clone(), &on_load)? {
                     Some(m) => Box::new(m),
                     None => {
                         let model = load_model_with_progress(spec, tp, &on_load)?;
-                        Box::new(CpuStepModel::new(model, mem_available_bytes()))
+                        Box::new(
+                            CpuStepModel::new(model, mem_available_bytes()).with_pipeline(pipeline),
+                        )
                     }
                 }
+            }
+            Device::Cuda if stages > 1 => {
+                return Err(WorkerError::Load(
+                    "pipeline parallelism on CUDA workers is not implemented yet (CPU only)".into(),
+                ));
             }
             Device::Cuda => self.load_cuda(spec, world, &progress)?,
         };
@@ -189,7 +248,7 @@ impl Worker {
         progress: &LoadProgress,
     ) -> Result<Box<dyn StepModel>, WorkerError> {
         let segment = match &self.group {
-            TpGroup::Segment { name, .. } => name.clone(),
+            TpGroup::Process { segment, .. } => segment.clone(),
             TpGroup::Given(_) if world == 1 => None,
             TpGroup::Given(_) => {
                 return Err(WorkerError::Load(

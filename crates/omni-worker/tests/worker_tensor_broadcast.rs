@@ -220,7 +220,7 @@ const TESTS: &[(&str, fn())] = &[
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) == Some(WORKER_FLAG) {
-        let result = omni_worker::process::serve(|hs: &WorkerHandshake| CheckingWorker {
+        let result = omni_worker::process::serve(|hs: &WorkerHandshake, _links| CheckingWorker {
             rank: hs.rank,
             instance: hs.instance.clone(),
         });

@@ -20,6 +20,8 @@ pub(crate) mod workers;
 
 pub use multiproc::{MultiprocConfig, MultiprocExecutor};
 pub use uniproc::UniprocExecutor;
+pub use workers::headless::{HeadlessConfig, HeadlessError, run_headless};
+pub use workers::nodes::NodeConfig;
 
 use omni_protocol::{ModelRunnerOutput, SchedulerOutput};
 

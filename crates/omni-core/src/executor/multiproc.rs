@@ -30,8 +30,10 @@ pub struct MultiprocConfig {
     pub worker_exe: PathBuf,
     /// Its arguments (e.g. `["worker"]`); nothing else goes on the command line.
     pub worker_args: Vec<String>,
-    /// Ranks (processes).
+    /// Ranks (processes) per pipeline stage.
     pub tensor_parallel_size: u32,
+    /// Pipeline stages (`tensor_parallel_size` ranks each).
+    pub pipeline_parallel_size: u32,
     /// Sizes and timings of the broadcast queue (`VLLM_MQ_MAX_CHUNK_BYTES_MB` sets its slot size).
     pub ipc: MessageQueueConfig,
     /// Sizes and timings of each worker's response queue, sent to the workers in the handshake
@@ -46,6 +48,8 @@ pub struct MultiprocConfig {
     pub execute_timeout: Duration,
     /// Bytes of the all-reduce segment (only for `tensor_parallel_size > 1`).
     pub all_reduce_segment_bytes: usize,
+    /// The other nodes, when the ranks span several (this executor runs on the leader).
+    pub nodes: Option<super::workers::nodes::NodeConfig>,
 }
 
 impl MultiprocConfig {
@@ -55,12 +59,14 @@ impl MultiprocConfig {
             worker_exe,
             worker_args: vec!["worker".into()],
             tensor_parallel_size,
+            pipeline_parallel_size: 1,
             ipc: MessageQueueConfig::default(),
             response: Self::default_response_queue(),
             startup,
             startup_timeout: Duration::from_secs(300),
             execute_timeout: Duration::from_secs(300),
             all_reduce_segment_bytes: (4 << 20) * tensor_parallel_size.max(1) as usize + 65536,
+            nodes: None,
         }
     }
 
@@ -126,10 +132,11 @@ impl Executor for MultiprocExecutor {
         self.group
             .broadcast(WorkerCommandRef::ExecuteModel(scheduler_output), buffers)?;
         let mut output = None;
+        let output_rank = self.group.layout().output_rank();
         for rank in 0..self.group.world() {
             match self.group.recv(rank, self.execute_timeout)? {
-                WorkerResponse::ModelRunnerOutput(out) if rank == 0 => output = Some(out),
-                WorkerResponse::Ready { .. } if rank != 0 => {}
+                WorkerResponse::ModelRunnerOutput(out) if rank == output_rank => output = Some(out),
+                WorkerResponse::Ready { .. } if rank != output_rank => {}
                 other => {
                     return Err(self.group.fail(unexpected(rank, "ExecuteModel", other)));
                 }
@@ -137,8 +144,8 @@ impl Executor for MultiprocExecutor {
         }
         output.ok_or_else(|| {
             self.group.fail(EngineDeadError::Worker {
-                rank: 0,
-                cause: "no output from rank 0".into(),
+                rank: output_rank as u32,
+                cause: format!("no output from rank {output_rank}"),
             })
         })
     }

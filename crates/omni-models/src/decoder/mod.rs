@@ -15,6 +15,13 @@
 //!   and one all-reduce follows the expert sum. (Expert parallelism, experts split over ranks,
 //!   is not implemented.)
 //! - Embeddings, norms, the router and `lm_head` are replicated.
+//!
+//! # Pipeline parallelism (as in vLLM)
+//! A rank of pipeline stage `p` holds only that stage's layers ([`PipelineStage::layers`]); the
+//! first stage embeds the tokens, the last runs the final norm and the head (tied embeddings
+//! are loaded there as the head). A stage after the first takes the previous stage's residual
+//! stream (`[tokens, hidden]`, f32) as its input embeddings, and a stage before the last
+//! returns its residual stream instead of logits ([`CausalLm::forward_stage`]).
 
 use omni_backend::attention::{LayerKvCache, paged_attention, reshape_and_cache};
 use omni_backend::linalg::matmul_nt;
@@ -33,7 +40,9 @@ mod loader;
 mod spec;
 
 pub(crate) use loader::{Loader, load_shaped};
-pub use spec::{DecoderSpec, HeadLayout, MoeSpec, MropeSpec, TpContext};
+pub use spec::{DecoderSpec, HeadLayout, MoeSpec, MropeSpec, PipelineStage, TpContext};
+
+use crate::StageForward;
 
 /// A weight matrix `[out, in]` (HF layout) with an optional bias.
 #[derive(Debug, Clone)]
@@ -137,6 +146,8 @@ pub struct DecoderModel {
     lm_head: Option<Vec<f32>>,
     norm: Vec<f32>,
     layers: Vec<DecoderLayer>,
+    /// The global index of `layers[0]` (its pipeline stage's first layer).
+    layer_start: usize,
     rope: Rope,
     mrope: Option<MropeLayout>,
     /// When enabled, each token's smallest MoE routing margin of the last forward.
@@ -180,8 +191,23 @@ impl DecoderModel {
         }
         let loader = Loader::new(ws, &spec, tp.rank, tp.size)?;
         let (v, h) = (spec.vocab_size, spec.hidden_size);
+        let pp = tp.pp;
+        if pp.size > 1 && !spec.embed_and_head {
+            return Err(ModelError::TensorParallel(format!(
+                "{} takes input embeddings: pipeline parallelism serves token decoders only",
+                spec.architecture
+            )));
+        }
+        // A middle stage has neither table; the last stage keeps a tied table as its head.
+        let needs_embed = pp.is_first() || (pp.is_last() && spec.tie_word_embeddings);
         let (embed, lm_head) = if !spec.embed_and_head {
             (Vec::new(), None)
+        } else if !needs_embed {
+            let head = pp
+                .is_last()
+                .then(|| load_shaped(ws, "lm_head.weight", &[v, h]))
+                .transpose()?;
+            (Vec::new(), head.map(|t| t.data))
         } else if spec.tie_word_embeddings {
             (
                 load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data,
@@ -194,7 +220,15 @@ impl DecoderModel {
             )
         };
         let norm = loader.vector("model.norm.weight", h)?;
-        let layers = (0..spec.num_layers)
+        let range = pp.layers(spec.num_layers);
+        if range.is_empty() {
+            return Err(ModelError::TensorParallel(format!(
+                "pipeline stage {} of {} gets none of the {} layers",
+                pp.rank, pp.size, spec.num_layers
+            )));
+        }
+        let layer_start = range.start;
+        let layers = range
             .map(|i| loader.layer(i))
             .collect::<Result<Vec<_>, _>>()?;
         let rope = Rope::new(spec.head_dim, spec.rope_theta, &spec.rope_scaling)?;
@@ -207,6 +241,10 @@ impl DecoderModel {
             layers = spec.num_layers,
             tp_rank = tp.rank,
             tp_size = tp.size,
+            pp_rank = pp.rank,
+            pp_size = pp.size,
+            layers_from = layer_start,
+            local_layers = layers.len(),
             local_heads = heads.local_heads,
             local_kv_heads = heads.local_kv_heads,
             "model loaded"
@@ -219,6 +257,7 @@ impl DecoderModel {
             lm_head,
             norm,
             layers,
+            layer_start,
             rope,
             mrope,
             routing_trace: std::sync::Mutex::new(None),
@@ -383,7 +422,7 @@ impl CausalLm for DecoderModel {
 
     fn kv_cache_spec(&self) -> KvCacheSpec {
         KvCacheSpec {
-            num_layers: self.spec.num_layers,
+            num_layers: self.layers.len(),
             num_kv_heads: self.heads.local_kv_heads,
             head_dim: self.spec.head_dim,
         }
@@ -405,6 +444,36 @@ impl CausalLm for DecoderModel {
         .logits
         .ok_or_else(|| ModelError::Batch("the decoder produced no logits".into()))
     }
+
+    fn forward_stage(
+        &self,
+        batch: &ForwardBatch,
+        hidden: Option<&[f32]>,
+        kv: &mut [LayerKvCache],
+    ) -> Result<StageForward, ModelError> {
+        let pp = self.tp.pp;
+        if hidden.is_some() == pp.is_first() {
+            return Err(ModelError::Batch(format!(
+                "pipeline stage {} of {} {} a previous stage's hidden states",
+                pp.rank,
+                pp.size,
+                if pp.is_first() { "takes no" } else { "needs" }
+            )));
+        }
+        let mut out = self.run(
+            batch,
+            hidden,
+            PositionInputs::Batch,
+            &[],
+            ResidualAdds::default(),
+            kv,
+        )?;
+        match (out.logits.take(), out.hidden_states.pop()) {
+            (Some(logits), _) => Ok(StageForward::Logits(logits)),
+            (None, Some((_, h))) => Ok(StageForward::Hidden(h.data)),
+            (None, None) => Err(ModelError::Batch("the stage produced nothing".into())),
+        }
+    }
 }
 
 impl DecoderModel {
@@ -422,6 +491,14 @@ impl DecoderModel {
     ) -> Result<ModelOutputs, ModelError> {
         let t = batch.input_ids.len();
         let h = self.spec.hidden_size;
+        let pp = self.tp.pp;
+        if pp.size > 1 && (!capture.is_empty() || !adds.after_layer.is_empty()) {
+            return Err(ModelError::Batch(
+                "hidden-state captures and residual additions need the whole model (no \
+                 pipeline parallelism)"
+                    .into(),
+            ));
+        }
         if adds.after_layer.len() > self.layers.len()
             || adds.rows.iter().any(|&r| r >= t)
             || adds
@@ -478,7 +555,7 @@ impl DecoderModel {
                     e.len()
                 )));
             }
-            None if !self.spec.embed_and_head => {
+            None if !self.spec.embed_and_head || !pp.is_first() => {
                 return Err(ModelError::Batch(format!(
                     "{} takes input embeddings only (it has no token embedding)",
                     self.spec.architecture
@@ -513,7 +590,8 @@ impl DecoderModel {
             _ => self.rope.cos_sin(&batch.positions, &mut s.cos_sin),
         }
         let eps = self.spec.rms_norm_eps;
-        for (i, (l, cache)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
+        for (local, (l, cache)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
+            let i = self.layer_start + local;
             s.h.clear();
             s.h.extend_from_slice(&x);
             ops::rms_norm_inplace(&mut s.h, &l.input_norm, h, eps)?;
@@ -541,6 +619,18 @@ impl DecoderModel {
                         .for_each(|(x, a)| *x += a);
                 }
             }
+        }
+        if !pp.is_last() {
+            // The next stage's input: the residual stream of every token.
+            let end = self.layer_start + self.layers.len();
+            out.hidden_states.push((
+                Capture::AfterLayers(end),
+                HostTensor {
+                    shape: vec![t, h],
+                    data: x,
+                },
+            ));
+            return Ok(out);
         }
         let mut sel = Vec::with_capacity(rows.len() * h);
         for &r in &rows {

@@ -245,7 +245,8 @@ impl HeadLayout {
     }
 }
 
-/// Rank, world size and the all-reduce hook of one tensor-parallel model replica.
+/// Rank, world size and the all-reduce hook of one tensor-parallel model replica, and the
+/// pipeline stage it belongs to.
 #[derive(Debug, Clone)]
 pub struct TpContext {
     /// This rank.
@@ -254,6 +255,48 @@ pub struct TpContext {
     pub size: usize,
     /// Sums row-parallel partial outputs across ranks.
     pub all_reduce: Arc<dyn AllReduce>,
+    /// The pipeline stage of this rank's group (`size` 1: the whole model).
+    pub pp: PipelineStage,
+}
+
+/// One pipeline stage of a model split by layers (vLLM's `pp_rank` of `pp_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipelineStage {
+    /// This stage.
+    pub rank: usize,
+    /// Stages.
+    pub size: usize,
+}
+
+impl Default for PipelineStage {
+    fn default() -> Self {
+        Self { rank: 0, size: 1 }
+    }
+}
+
+impl PipelineStage {
+    /// Whether this stage embeds the tokens.
+    pub fn is_first(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Whether this stage runs the final norm and the head.
+    pub fn is_last(&self) -> bool {
+        self.rank + 1 >= self.size
+    }
+
+    /// The decoder layers of this stage out of `num_layers` (vLLM's `get_pp_indices`: an even
+    /// split, the remainder going one layer each to the stages before the last, from the
+    /// second-to-last backwards, since the last stage also runs the head).
+    pub fn layers(&self, num_layers: usize) -> std::ops::Range<usize> {
+        let size = self.size.max(1);
+        let mut parts = vec![num_layers / size; size];
+        for i in 0..num_layers % size {
+            parts[size - 2 - i] += 1;
+        }
+        let start: usize = parts[..self.rank.min(size)].iter().sum();
+        start..start + parts.get(self.rank).copied().unwrap_or(0)
+    }
 }
 
 impl TpContext {
@@ -263,6 +306,7 @@ impl TpContext {
             rank: 0,
             size: 1,
             all_reduce: Arc::new(IdentityAllReduce),
+            pp: PipelineStage::default(),
         }
     }
 
@@ -272,7 +316,14 @@ impl TpContext {
             rank,
             size,
             all_reduce,
+            pp: PipelineStage::default(),
         }
+    }
+
+    /// The same rank in pipeline stage `stage`.
+    pub fn with_pipeline(mut self, stage: PipelineStage) -> Self {
+        self.pp = stage;
+        self
     }
 }
 
@@ -280,6 +331,20 @@ impl TpContext {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pipeline_stages_split_layers_as_vllm_does() {
+        let split = |n, size| -> Vec<_> {
+            (0..size)
+                .map(|rank| PipelineStage { rank, size }.layers(n))
+                .collect()
+        };
+        assert_eq!(split(4, 2), vec![0..2, 2..4]);
+        assert_eq!(split(5, 2), vec![0..3, 3..5]);
+        assert_eq!(split(7, 3), vec![0..2, 2..5, 5..7]);
+        assert_eq!(split(8, 3), vec![0..3, 3..6, 6..8]);
+        assert_eq!(split(30, 1), vec![0..30]);
+    }
 
     #[test]
     fn kv_heads_split_or_replicate_with_tp() {
