@@ -274,7 +274,7 @@ impl Generation {
             if let (Some(first), Some(last)) = (c.first_token_at, c.last_token_at) {
                 self.state
                     .metrics
-                    .observe_decode_time((last - first).as_secs_f64());
+                    .observe_decode_time((last - first).as_secs_f64(), c.tokens);
             }
             if let Some(st) = &self.audio {
                 st.finished(self.arrived, &self.state.metrics);

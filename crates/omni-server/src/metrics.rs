@@ -7,7 +7,9 @@
 //! the server as outputs arrive (it sees the request arrive and every token leave). The one
 //! interval only the engine sees, queued -> first scheduled, comes on the request's first
 //! output (`EngineCoreOutput::queue_time`); prefill time is then time to first token minus queue
-//! time, decode time first token to last, as vLLM computes them.
+//! time, decode time first token to last, as vLLM computes them. A finished request's time per
+//! output token (`vllm:request_time_per_output_token_seconds`) is its decode time over its
+//! output tokens after the first, 0 with fewer than two (vLLM's `mean_time_per_output_token`).
 //!
 //! Omni requests add vLLM-Omni's audio families (`vllm_omni/metrics/definitions.py`, same names
 //! and buckets, so its dashboards read them): `vllm_omni:audio_ttfp_s` (arrival -> first audio
@@ -39,7 +41,8 @@ pub const TTFT_BUCKETS: [f64; 22] = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
-/// vLLM's `vllm:inter_token_latency_seconds` buckets.
+/// vLLM's `vllm:inter_token_latency_seconds` buckets, also those of
+/// `vllm:request_time_per_output_token_seconds`.
 pub const ITL_BUCKETS: [f64; 19] = [
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
@@ -124,6 +127,8 @@ pub struct Metrics {
     mm_cache: [Family<Labels, Counter>; 2],
     ttft: HistogramFamily,
     itl: HistogramFamily,
+    /// `vllm:request_time_per_output_token_seconds`: one observation per finished request.
+    tpot: HistogramFamily,
     e2e: HistogramFamily,
     queue: HistogramFamily,
     prefill: HistogramFamily,
@@ -177,6 +182,7 @@ impl Metrics {
         let mm_cache: [Family<Labels, Counter>; 2] = Default::default();
         let ttft = HistogramFamily::new_with_constructor(ttft_histogram);
         let itl = HistogramFamily::new_with_constructor(itl_histogram);
+        let tpot = HistogramFamily::new_with_constructor(itl_histogram);
         let e2e = HistogramFamily::new_with_constructor(request_latency_histogram);
         let queue = HistogramFamily::new_with_constructor(request_latency_histogram);
         let prefill = HistogramFamily::new_with_constructor(request_latency_histogram);
@@ -257,6 +263,11 @@ impl Metrics {
             itl.clone(),
         );
         r.register(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request",
+            tpot.clone(),
+        );
+        r.register(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds",
             e2e.clone(),
@@ -314,7 +325,7 @@ impl Metrics {
         ] {
             let _ = c.get_or_create(&model);
         }
-        for h in [&ttft, &itl, &e2e, &queue, &prefill, &decode] {
+        for h in [&ttft, &itl, &tpot, &e2e, &queue, &prefill, &decode] {
             let _ = h.get_or_create(&model);
         }
         let engine_counters: [Family<Labels, Counter>; ENGINE_COUNTERS.len()] =
@@ -339,6 +350,7 @@ impl Metrics {
             mm_cache,
             ttft,
             itl,
+            tpot,
             e2e,
             queue,
             prefill,
@@ -401,9 +413,16 @@ impl Metrics {
         self.prefill.get_or_create(&self.model).observe(seconds);
     }
 
-    /// A request's decode took `seconds`: from its first token to its last.
-    pub fn observe_decode_time(&self, seconds: f64) {
+    /// A request's decode took `seconds`, from its first token to its last, over
+    /// `output_tokens` tokens in all: its decode time and its time per output token.
+    pub fn observe_decode_time(&self, seconds: f64, output_tokens: usize) {
         self.decode.get_or_create(&self.model).observe(seconds);
+        let per_token = if output_tokens > 1 {
+            seconds / (output_tokens - 1) as f64
+        } else {
+            0.0
+        };
+        self.tpot.get_or_create(&self.model).observe(per_token);
     }
 
     /// A request's first audio output arrived `seconds` after the request.

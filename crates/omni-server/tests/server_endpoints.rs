@@ -253,9 +253,24 @@ async fn models_health_version_and_metrics_answer() {
         "vllm:request_queue_time_seconds_bucket{le=\"0.5\",model_name=\"test-model\"} 1",
         "vllm:request_prefill_time_seconds_count{model_name=\"test-model\"} 1",
         "vllm:request_decode_time_seconds_count{model_name=\"test-model\"} 1",
+        "vllm:request_time_per_output_token_seconds_count{model_name=\"test-model\"} 1",
     ] {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
+    // Time per output token: the decode time over the output tokens after the first (23
+    // tokens: the reply and EOS).
+    let sum = |name: &str| -> f64 {
+        let key = format!("{name}_sum{{model_name=\"test-model\"}} ");
+        let line = text.lines().find(|l| l.starts_with(&key)).unwrap();
+        line[key.len()..].parse().unwrap()
+    };
+    let decode = sum("vllm:request_decode_time_seconds");
+    let tpot = sum("vllm:request_time_per_output_token_seconds");
+    assert!(
+        (tpot * (REPLY.len() as f64) - decode).abs() <= 1e-9 * decode.max(1.0),
+        "tpot {tpot} vs decode {decode} over {} tokens",
+        REPLY.len()
+    );
     // Cumulative engine counters are not double counted on the next scrape.
     let (_, _, text) = call(&app, "GET", "/metrics", None, &[]).await;
     assert!(text.contains("vllm:num_preemptions_total{model_name=\"test-model\"} 7"));
