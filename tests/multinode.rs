@@ -32,7 +32,14 @@ fn parallel(tp: u32, pp: u32) -> Vec<String> {
 }
 
 fn follower_args(tp: u32, pp: u32) -> Vec<String> {
-    let mut a = s(&["serve", "--headless", "--node-rank", "1", "--master-addr", LEADER_NAME]);
+    let mut a = s(&[
+        "serve",
+        "--headless",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        LEADER_NAME,
+    ]);
     a.extend(parallel(tp, pp));
     a.extend(s(&["--distributed-timeout-seconds", "60"]));
     a
@@ -41,7 +48,11 @@ fn follower_args(tp: u32, pp: u32) -> Vec<String> {
 /// The leader's and the follower's segments are gone: the leader's in the root `/dev/shm`
 /// (by its pid), the follower's private one as listed after it exited.
 fn assert_no_segments(pair: &NodePair, leader_pid: u32) {
-    assert!(segments_of(leader_pid).is_empty(), "{:?}", segments_of(leader_pid));
+    assert!(
+        segments_of(leader_pid).is_empty(),
+        "{:?}",
+        segments_of(leader_pid)
+    );
     let listing = pair.follower_shm();
     assert!(
         !listing.contains("omni."),
@@ -61,7 +72,14 @@ fn check_across_nodes(name: &str, tp: u32, pp: u32, head_start: Duration) {
         "the follower gave up before the leader came: {}",
         pair.log("follower")
     );
-    let mut args = s(&["generate", "--json", "--temperature", "0", "--max-tokens", "32"]);
+    let mut args = s(&[
+        "generate",
+        "--json",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "32",
+    ]);
     args.extend(s(&["--model"]));
     args.push(fixture(name).display().to_string());
     args.extend(parallel(tp, pp));
@@ -88,7 +106,8 @@ fn check_across_nodes(name: &str, tp: u32, pp: u32, head_start: Duration) {
     let status = wait_exit(&mut follower, Duration::from_secs(30), "the follower");
     assert!(status.success(), "follower: {}", pair.log("follower"));
     assert!(
-        pair.log("follower").contains("the leader shut the group down"),
+        pair.log("follower")
+            .contains("the leader shut the group down"),
         "{}",
         pair.log("follower")
     );
@@ -155,8 +174,22 @@ fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
     let mut args = s(&["serve"]);
     args.push(fixture("llama").display().to_string());
     args.extend(parallel(2, 2));
-    args.extend(s(&["--node-rank", "0", "--master-addr", LEADER_IP, "--host", LEADER_IP]));
-    args.extend(s(&["--port", "8000", "--served-model-name", "m", "--max-model-len", "256"]));
+    args.extend(s(&[
+        "--node-rank",
+        "0",
+        "--master-addr",
+        LEADER_IP,
+        "--host",
+        LEADER_IP,
+    ]));
+    args.extend(s(&[
+        "--port",
+        "8000",
+        "--served-model-name",
+        "m",
+        "--max-model-len",
+        "256",
+    ]));
     let mut leader = pair.spawn_leader(&engine_bin(), &args);
     let leader_pid = leader.id();
     let addr = format!("{LEADER_IP}:8000");
@@ -167,7 +200,10 @@ fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
             while Instant::now() < until {
                 if let Ok(mut st) = std::net::TcpStream::connect(&addr) {
                     use std::io::Write;
-                    let _ = write!(st, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+                    let _ = write!(
+                        st,
+                        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                    );
                     let mut t = String::new();
                     let _ = st.read_to_string(&mut t);
                     if t.starts_with("HTTP/1.1 200") {
@@ -206,7 +242,10 @@ fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
     for st in streams {
         let (text, ended) = st.join().unwrap();
         let took = ended.duration_since(killed);
-        assert!(took < Duration::from_secs(5), "a stream ended {took:?} after the kill");
+        assert!(
+            took < Duration::from_secs(5),
+            "a stream ended {took:?} after the kill"
+        );
         assert!(
             text.contains("\"error\"") && text.contains("node 1") && text.contains("rank 3"),
             "the stream's end does not name node 1 and rank 3: {}",
@@ -217,6 +256,9 @@ fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
     let status = wait_exit(&mut leader, Duration::from_secs(30), "the leader");
     assert!(!status.success(), "the leader must exit non-zero: {status}");
     let status = wait_exit(&mut follower, Duration::from_secs(30), "the follower");
-    assert!(!status.success(), "the follower must exit non-zero: {status}");
+    assert!(
+        !status.success(),
+        "the follower must exit non-zero: {status}"
+    );
     assert_no_segments(&pair, leader_pid);
 }

@@ -66,11 +66,31 @@ impl NodePair {
         let (a, b) = (pair.leader_ns.as_str(), pair.follower_ns.as_str());
         must(&["ip", "netns", "add", a]);
         must(&["ip", "netns", "add", b]);
-        must(&["ip", "link", "add", &va, "type", "veth", "peer", "name", &vb]);
+        must(&[
+            "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
+        ]);
         must(&["ip", "link", "set", &va, "netns", a]);
         must(&["ip", "link", "set", &vb, "netns", b]);
-        must(&["ip", "-n", a, "addr", "add", &format!("{LEADER_IP}/30"), "dev", &va]);
-        must(&["ip", "-n", b, "addr", "add", &format!("{FOLLOWER_IP}/30"), "dev", &vb]);
+        must(&[
+            "ip",
+            "-n",
+            a,
+            "addr",
+            "add",
+            &format!("{LEADER_IP}/30"),
+            "dev",
+            &va,
+        ]);
+        must(&[
+            "ip",
+            "-n",
+            b,
+            "addr",
+            "add",
+            &format!("{FOLLOWER_IP}/30"),
+            "dev",
+            &vb,
+        ]);
         for (ns, dev) in [(a, &va), (b, &vb)] {
             must(&["ip", "-n", ns, "link", "set", "lo", "up"]);
             must(&["ip", "-n", ns, "link", "set", dev, "up"]);
@@ -132,7 +152,14 @@ impl NodePair {
                       ls -A /dev/shm > \"$OMNI_SHM_LIST\"; exit $rc";
         Command::new("ip")
             .args(["netns", "exec", &self.follower_ns])
-            .args(["unshare", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"])
+            .args([
+                "unshare",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+            ])
             .args(["sh", "-c", script, "sh"])
             .arg(bin)
             .args(args)
@@ -147,9 +174,8 @@ impl NodePair {
 
     /// What the follower's `/dev/shm` held after its binary exited.
     pub fn follower_shm(&self) -> String {
-        std::fs::read_to_string(self.dir.join("follower-shm.txt")).unwrap_or_else(|e| {
-            format!("<no listing: {e}>")
-        })
+        std::fs::read_to_string(self.dir.join("follower-shm.txt"))
+            .unwrap_or_else(|e| format!("<no listing: {e}>"))
     }
 
     /// A log of this pair (`leader` or `follower`).
@@ -174,7 +200,8 @@ impl NodePair {
                 continue;
             };
             let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            let in_ns = std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == ns);
+            let in_ns =
+                std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| m.ino() == ns);
             if name.trim() == comm && in_ns {
                 pids.push(pid);
             }

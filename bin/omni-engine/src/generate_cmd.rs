@@ -200,7 +200,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "engine ready in {:.2?}: {} ({} rank(s), {} KV blocks of {})",
         t_load.elapsed(),
         model.display(),
-        engine_config.parallel.tensor_parallel_size,
+        engine_config.parallel.tensor_parallel_size * engine_config.parallel.pipeline_parallel_size,
         scheduler.num_blocks,
         engine_config.cache.block_size
     );

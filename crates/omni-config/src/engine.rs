@@ -356,7 +356,7 @@ impl EngineConfig {
         let world = par.tensor_parallel_size * par.pipeline_parallel_size;
         if par.nnodes == 0 {
             p.push("--nnodes must be at least 1".into());
-        } else if world % par.nnodes != 0 {
+        } else if !world.is_multiple_of(par.nnodes) {
             p.push(format!(
                 "-tp {} x -pp {} = {world} ranks do not split evenly over --nnodes {}",
                 par.tensor_parallel_size, par.pipeline_parallel_size, par.nnodes

@@ -115,20 +115,13 @@ impl ThinkerStage {
 
     /// Runs the encoder of every item the scheduler listed for this step into the cache.
     fn run_encoders(&mut self, so: &SchedulerOutput) -> Result<(), StageError> {
-        for (id, inputs) in &so.scheduled_encoder_inputs {
-            let r = self
-                .reqs
-                .get(id)
-                .ok_or_else(|| StageError::Model(format!("encoder input of unknown {id}")))?;
-            for &i in inputs {
-                let item = r.mm.items.get(i as usize).ok_or_else(|| {
-                    StageError::Model(format!("request {id} has no multimodal item {i}"))
-                })?;
-                let out = self.net.encode_mm(&item.feature())?;
-                self.encoder_cache.insert(item.mm_hash, out);
-            }
-        }
-        Ok(())
+        let (reqs, net) = (&self.reqs, &self.net);
+        self.encoder_cache.encode_scheduled(
+            &so.scheduled_encoder_inputs,
+            |id| reqs.get(id).map(|r| &r.mm),
+            |item| Ok(net.encode_mm(&item.feature())?),
+            StageError::Model,
+        )
     }
 
     /// A new request's items (their bytes from the `Add` message's buffers) and M-RoPE rows.

@@ -169,6 +169,42 @@ impl EncoderCache {
         })
     }
 
+    /// Runs the encoder of every item the scheduler listed for this step
+    /// (`SchedulerOutput::scheduled_encoder_inputs`: request id -> item indices) and keeps the
+    /// outputs. `items(id)` gives a request's items, `encode` runs one item, `error` builds
+    /// the caller's error for an unknown request or item. The worker's runner and an omni
+    /// Thinker stage both encode this way.
+    pub fn encode_scheduled<'a, E>(
+        &mut self,
+        scheduled: &HashMap<String, Vec<u32>>,
+        items: impl Fn(&str) -> Option<&'a RequestMm>,
+        mut encode: impl FnMut(&MmItem) -> Result<EncoderOutput, E>,
+        error: impl Fn(String) -> E,
+    ) -> Result<(), E> {
+        for (id, inputs) in scheduled {
+            let mm = items(id).ok_or_else(|| error(format!("encoder input of unknown {id}")))?;
+            for &i in inputs {
+                let item = mm
+                    .items
+                    .get(i as usize)
+                    .ok_or_else(|| error(format!("request {id} has no multimodal item {i}")))?;
+                let t = std::time::Instant::now();
+                let out = encode(item)?;
+                tracing::debug!(
+                    request = %id,
+                    item = i,
+                    modality = item.kind.modality(),
+                    mm_hash = %format_args!("{:016x}", item.mm_hash),
+                    rows = out.embeds.shape.first().copied().unwrap_or(0),
+                    elapsed = ?t.elapsed(),
+                    "encoded a multimodal item"
+                );
+                self.insert(item.mm_hash, out);
+            }
+        }
+        Ok(())
+    }
+
     /// Items encoded since start-up.
     pub fn num_encoded(&self) -> u64 {
         self.num_encoded

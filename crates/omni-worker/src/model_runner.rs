@@ -282,30 +282,13 @@ impl ModelRunner {
 
     /// Runs the encoder of every item the scheduler listed for this step into the cache.
     fn run_encoders(&mut self, so: &SchedulerOutput) -> Result<(), WorkerError> {
-        for (id, inputs) in &so.scheduled_encoder_inputs {
-            let state = self
-                .requests
-                .get(id)
-                .ok_or_else(|| WorkerError::UnknownRequest(id.clone()))?;
-            for &i in inputs {
-                let item = state.mm.items.get(i as usize).ok_or_else(|| {
-                    WorkerError::Batch(format!("request {id} has no multimodal item {i}"))
-                })?;
-                let t = std::time::Instant::now();
-                let out = self.model.encode_mm(&item.feature())?;
-                tracing::debug!(
-                    request = %id,
-                    item = i,
-                    modality = item.kind.modality(),
-                    mm_hash = %format_args!("{:016x}", item.mm_hash),
-                    rows = out.embeds.shape.first().copied().unwrap_or(0),
-                    elapsed = ?t.elapsed(),
-                    "encoded a multimodal item"
-                );
-                self.encoder_cache.insert(item.mm_hash, out);
-            }
-        }
-        Ok(())
+        let (requests, model) = (&self.requests, &self.model);
+        self.encoder_cache.encode_scheduled(
+            &so.scheduled_encoder_inputs,
+            |id| requests.get(id).map(|st| &st.mm),
+            |item| model.encode_mm(&item.feature()),
+            WorkerError::Batch,
+        )
     }
 
     /// Drops finished requests, forgets preempted requests' blocks, learns new requests (with

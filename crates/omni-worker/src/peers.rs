@@ -255,9 +255,11 @@ impl PipelineLink {
         let head: Activations = msg
             .header()
             .map_err(ipc("decoding the previous stage's activations"))?;
-        let bytes = (msg.num_buffers() == 1)
-            .then(|| msg.buffer(0))
-            .unwrap_or_default();
+        let bytes: &[u8] = if msg.num_buffers() == 1 {
+            msg.buffer(0)
+        } else {
+            &[]
+        };
         let width = head.width as usize;
         if head.tokens as usize != tokens || width == 0 || bytes.len() != tokens * width * 4 {
             return Err(PeerLinkError::Malformed(format!(

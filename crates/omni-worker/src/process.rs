@@ -100,7 +100,7 @@ fn read_line_json<T: serde::de::DeserializeOwned>(what: &str) -> Result<T, Worke
 /// Runs the worker process on this process's stdin and stdout with the model [`Worker`].
 /// Returns when told to shut down; exits the process directly when the parent goes away.
 pub fn run_worker_process() -> Result<(), WorkerProcessError> {
-    serve(|hs, links| Worker::in_worker_process(hs, links))
+    serve(Worker::in_worker_process)
 }
 
 /// The worker process loop around any [`WorkerBase`]: the handshake (steps 1-5 of the module

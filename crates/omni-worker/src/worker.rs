@@ -50,7 +50,7 @@ enum TpGroup {
     Process {
         layout: ParallelLayout,
         segment: Option<String>,
-        links: Option<PeerLinks>,
+        links: Option<Box<PeerLinks>>,
     },
 }
 
@@ -74,7 +74,7 @@ impl Worker {
             group: TpGroup::Process {
                 layout: hs.layout.clone(),
                 segment: hs.all_reduce_segment.clone(),
-                links: Some(links),
+                links: Some(Box::new(links)),
             },
             runner: None,
         }
@@ -91,7 +91,7 @@ impl Worker {
                 segment,
                 links,
             } => {
-                let links = links.take().unwrap_or_default();
+                let links = links.take().map(|l| *l).unwrap_or_default();
                 let size = layout.tp_group(rank).len();
                 let ar: Arc<dyn AllReduce> = match (links.all_reduce, segment.as_deref()) {
                     (Some(queues), _) => Arc::new(queues),

@@ -129,7 +129,10 @@ impl WorkerGroup {
             ready_timeout: cfg.startup_timeout,
         };
         let local_ranks = layout.ranks_on(0);
-        let local: Vec<WorkerHandshake> = local_ranks.iter().map(|&r| handshake(r, leader_ip)).collect();
+        let local: Vec<WorkerHandshake> = local_ranks
+            .iter()
+            .map(|&r| handshake(r, leader_ip))
+            .collect();
         for f in followers.iter_mut() {
             let handshakes = layout
                 .ranks_on(f.node)
