@@ -1,6 +1,10 @@
 //! [`EngineCore`]: one scheduler and one executor, stepped by the process loop that owns them.
 
-use omni_protocol::{EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats};
+use std::collections::VecDeque;
+
+use omni_protocol::{
+    EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerOutput, SchedulerStats,
+};
 
 use crate::config::{SchedulerConfig, SchedulerConfigError};
 use crate::executor::{EngineDeadError, Executor};
@@ -14,6 +18,9 @@ pub struct EngineCore<E> {
     executor: E,
     /// Batches run on the executor so far.
     steps: u64,
+    /// Batches sent and not yet answered, oldest first (at most the executor's
+    /// `max_concurrent_batches`).
+    in_flight: VecDeque<SchedulerOutput>,
 }
 
 impl<E: Executor> EngineCore<E> {
@@ -23,6 +30,7 @@ impl<E: Executor> EngineCore<E> {
             scheduler: Scheduler::new(config)?,
             executor,
             steps: 0,
+            in_flight: VecDeque::new(),
         })
     }
 
@@ -39,7 +47,15 @@ impl<E: Executor> EngineCore<E> {
 
     /// Schedules one batch, runs it on the executor and applies its output. Returns nothing when
     /// there is nothing to do. On error the engine is dead: call [`EngineCore::fail_all`].
+    ///
+    /// With an executor that takes several batches at once (pipeline parallelism; vLLM's
+    /// `step_with_batch_queue`), a call sends a new batch while there is room and it has
+    /// work, and otherwise waits for the oldest batch in flight and applies its output.
     pub fn step(&mut self) -> Result<Vec<EngineCoreOutput>, EngineDeadError> {
+        let depth = self.executor.max_concurrent_batches();
+        if depth > 1 || !self.in_flight.is_empty() {
+            return self.step_pipelined(depth.max(1));
+        }
         if !self.scheduler.has_unfinished_requests() && !self.scheduler.has_finished_requests() {
             return Ok(Vec::new());
         }
@@ -59,14 +75,42 @@ impl<E: Executor> EngineCore<E> {
             .update_from_output(&scheduler_output, &model_output))
     }
 
+    fn step_pipelined(&mut self, depth: usize) -> Result<Vec<EngineCoreOutput>, EngineDeadError> {
+        let has_work =
+            self.scheduler.has_unfinished_requests() || self.scheduler.has_finished_requests();
+        if self.in_flight.len() < depth && has_work {
+            let so = self.scheduler.schedule();
+            let worth_sending = !so.is_empty()
+                || !so.finished_req_ids.is_empty()
+                || !so.free_encoder_mm_hashes.is_empty();
+            if worth_sending {
+                let buffers = so.buffers.as_slices();
+                self.steps += 1;
+                self.executor.submit(&so, &buffers)?;
+                self.scheduler.mark_in_flight(&so, true);
+                let computes = !so.is_empty();
+                self.in_flight.push_back(so);
+                if computes && self.in_flight.len() < depth {
+                    return Ok(Vec::new()); // room for another batch first
+                }
+            }
+        }
+        let Some(so) = self.in_flight.pop_front() else {
+            return Ok(Vec::new());
+        };
+        let model_output = self.executor.collect()?;
+        self.scheduler.mark_in_flight(&so, false);
+        Ok(self.scheduler.update_from_output(&so, &model_output))
+    }
+
     /// Ends every live request with [`FinishReason::Error`] (after [`EngineDeadError::Worker`]).
     pub fn fail_all(&mut self) -> Vec<EngineCoreOutput> {
         self.scheduler.finish_all_requests(FinishReason::Error)
     }
 
-    /// Whether any request is live.
+    /// Whether any request is live, or a batch is still in flight.
     pub fn has_unfinished_requests(&self) -> bool {
-        self.scheduler.has_unfinished_requests()
+        self.scheduler.has_unfinished_requests() || !self.in_flight.is_empty()
     }
 
     /// Scheduler state for metrics, with the engine's step count and the executor's broadcast

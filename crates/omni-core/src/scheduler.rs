@@ -38,6 +38,10 @@ pub struct Scheduler {
     /// Running requests that wait for input from outside (an omni stage's upstream rows):
     /// they keep their blocks but get no tokens until unblocked.
     blocked: HashSet<RequestId>,
+    /// Requests in batches sent but not yet answered (pipeline parallelism keeps several in
+    /// flight), with how many: never chosen for preemption, whose outputs would come back to a
+    /// request that started over.
+    in_flight: HashMap<RequestId, u32>,
     /// Finished or aborted since the last `schedule()`: told to the workers then.
     finished_req_ids: Vec<RequestId>,
     num_preemptions: u64,
@@ -64,6 +68,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             blocked: HashSet::new(),
+            in_flight: HashMap::new(),
             finished_req_ids: Vec::new(),
             num_preemptions: 0,
             next_seq_no: 0,
@@ -168,6 +173,28 @@ impl Scheduler {
         self.blocked.contains(request_id)
     }
 
+    /// Marks the requests of a batch as sent (`true`) or answered (`false`). With several
+    /// batches in flight a request is scheduled again only when it has tokens left to compute
+    /// (a decode waits for its token: `num_computed_tokens` already counts the batch); the
+    /// workers run batches in order, so KV blocks freed or reused meanwhile are safe.
+    pub fn mark_in_flight(&mut self, so: &SchedulerOutput, sent: bool) {
+        let ids = so
+            .scheduled_new_reqs
+            .iter()
+            .map(|r| &r.req_id)
+            .chain(so.scheduled_cached_reqs.iter().map(|r| &r.req_id));
+        for id in ids {
+            if sent {
+                *self.in_flight.entry(id.clone()).or_insert(0) += 1;
+            } else if let Some(n) = self.in_flight.get_mut(id) {
+                *n -= 1;
+                if *n == 0 {
+                    self.in_flight.remove(id);
+                }
+            }
+        }
+    }
+
     /// Removes requests at once, freeing their blocks. Unknown or finished ids are ignored.
     /// Returns the ids that were live.
     pub fn abort_requests<'a>(&mut self, ids: impl IntoIterator<Item = &'a str>) -> Vec<RequestId> {
@@ -215,22 +242,25 @@ impl Scheduler {
     }
 
     /// Index in `running[from..]` of the lowest-priority request (latest arrival).
-    fn preemption_victim(&self, from: usize) -> usize {
-        let mut victim = from;
+    fn preemption_victim(&self, from: usize) -> Option<usize> {
+        let mut victim: Option<usize> = None;
         for j in from..self.running.len() {
-            let (Some(a), Some(b)) = (
-                self.requests.get(&self.running[j]),
-                self.requests.get(&self.running[victim]),
-            ) else {
+            if self.in_flight.contains_key(&self.running[j]) {
+                continue;
+            }
+            let Some(a) = self.requests.get(&self.running[j]) else {
                 continue;
             };
-            let later = a
-                .arrival_time
-                .total_cmp(&b.arrival_time)
-                .then(a.seq_no.cmp(&b.seq_no))
-                .is_gt();
+            let later = victim
+                .and_then(|v| self.requests.get(&self.running[v]))
+                .is_none_or(|b| {
+                    a.arrival_time
+                        .total_cmp(&b.arrival_time)
+                        .then(a.seq_no.cmp(&b.seq_no))
+                        .is_gt()
+                });
             if later {
-                victim = j;
+                victim = Some(j);
             }
         }
         victim
@@ -290,7 +320,9 @@ impl Scheduler {
                 {
                     break Some(blocks);
                 }
-                let victim = self.preemption_victim(i);
+                let Some(victim) = self.preemption_victim(i) else {
+                    break None; // every candidate is in flight: wait for its batch
+                };
                 out.preempted_req_ids.push(self.preempt(victim));
                 if victim == i {
                     break None;

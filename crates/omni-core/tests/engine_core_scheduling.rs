@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use omni_core::{EngineCore, EngineDeadError, Executor, SchedulerConfig};
 use omni_protocol::{
@@ -210,8 +210,8 @@ fn request(id: &str, prompt: Vec<TokenId>, max_tokens: u32, arrival: f64) -> Eng
 }
 
 /// Steps until every request finished; returns tokens and final output per request.
-fn run_to_completion(
-    core: &mut EngineCore<FakeWorker>,
+fn run_to_completion<E: Executor>(
+    core: &mut EngineCore<E>,
 ) -> HashMap<String, (Vec<TokenId>, EngineCoreOutput)> {
     let mut tokens: HashMap<String, Vec<TokenId>> = HashMap::new();
     let mut done = HashMap::new();
@@ -741,4 +741,112 @@ fn a_blocked_request_sits_out_steps_keeps_its_blocks_and_resumes() {
     s.set_blocked("a", true);
     s.abort_requests(["a"]);
     assert!(!s.is_blocked("a"));
+}
+
+/// The fake worker behind a pipeline of `depth` batches, as a pipeline-parallel executor: a
+/// submitted batch runs at once (ranks run batches in order), its output waits to be collected.
+struct Pipelined {
+    inner: FakeWorker,
+    depth: usize,
+    queue: VecDeque<Result<ModelRunnerOutput, EngineDeadError>>,
+    most_in_flight: usize,
+}
+
+impl Executor for Pipelined {
+    fn execute_model(
+        &mut self,
+        _so: &SchedulerOutput,
+        _buffers: &[&[u8]],
+    ) -> Result<ModelRunnerOutput, EngineDeadError> {
+        panic!("a pipelined engine core submits and collects");
+    }
+
+    fn max_concurrent_batches(&self) -> usize {
+        self.depth
+    }
+
+    fn submit(&mut self, so: &SchedulerOutput, buffers: &[&[u8]]) -> Result<(), EngineDeadError> {
+        assert!(
+            self.queue.len() < self.depth,
+            "more batches in flight than the depth"
+        );
+        let out = self.inner.execute_model(so, buffers);
+        self.queue.push_back(out);
+        self.most_in_flight = self.most_in_flight.max(self.queue.len());
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<ModelRunnerOutput, EngineDeadError> {
+        self.queue
+            .pop_front()
+            .expect("collect without a batch in flight")
+    }
+}
+
+fn pipelined(cfg: SchedulerConfig, depth: usize) -> EngineCore<Pipelined> {
+    let inner = FakeWorker::new(cfg.num_blocks, cfg.block_size);
+    let ex = Pipelined {
+        inner,
+        depth,
+        queue: VecDeque::new(),
+        most_in_flight: 0,
+    };
+    EngineCore::new(cfg, ex).unwrap()
+}
+
+#[test]
+fn two_batches_in_flight_give_every_request_the_tokens_it_would_get_alone() {
+    let mut core = pipelined(config(64, 16), 2);
+    let mut expected = HashMap::new();
+    for i in 0..20u32 {
+        let p = prompt(i, 3 + (i as usize * 13) % 70);
+        let max_tokens = 1 + (i * 5) % 17;
+        expected.insert(format!("r{i}"), reference(&p, max_tokens as usize));
+        core.add_request(request(&format!("r{i}"), p, max_tokens, f64::from(i)))
+            .unwrap();
+    }
+    let done = run_to_completion(&mut core);
+    assert_eq!(done.len(), 20);
+    for (id, (tokens, _)) in &done {
+        assert_eq!(tokens, &expected[id], "{id}");
+    }
+    assert_eq!(core.executor().most_in_flight, 2, "the pipeline must fill");
+    // Batches in flight together never compute the same position of a request twice (a
+    // decode waits for its token; a prefill's next chunk starts where the last one ended).
+    let history = &core.executor().inner.history;
+    for pair in history.windows(2) {
+        for c in &pair[1].scheduled_cached_reqs {
+            let again = pair[0]
+                .scheduled_cached_reqs
+                .iter()
+                .any(|p| p.req_id == c.req_id && p.num_computed_tokens == c.num_computed_tokens);
+            assert!(
+                !again,
+                "{} scheduled twice from position {}",
+                c.req_id, c.num_computed_tokens
+            );
+        }
+    }
+    assert_eq!(core.scheduler().kv_cache_manager().num_free_blocks(), 64);
+}
+
+#[test]
+fn preemption_with_batches_in_flight_recomputes_to_identical_tokens() {
+    let mut cfg = config(12, 4);
+    cfg.max_model_len = 48;
+    cfg.enable_prefix_caching = false;
+    let mut core = pipelined(cfg, 2);
+    let mut expected = HashMap::new();
+    for i in 0..4u32 {
+        let p = prompt(i, 6);
+        expected.insert(format!("r{i}"), reference(&p, 14));
+        core.add_request(request(&format!("r{i}"), p, 14, f64::from(i)))
+            .unwrap();
+    }
+    let done = run_to_completion(&mut core);
+    assert!(core.stats().num_preemptions > 0, "the test must preempt");
+    for (id, (tokens, _)) in &done {
+        assert_eq!(tokens, &expected[id], "{id}");
+    }
+    assert_eq!(core.scheduler().kv_cache_manager().num_free_blocks(), 12);
 }

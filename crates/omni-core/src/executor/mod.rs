@@ -43,6 +43,34 @@ pub trait Executor {
         buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, EngineDeadError>;
 
+    /// How many batches may be in flight at once (vLLM's `max_concurrent_batches`): 1, or a
+    /// pipeline-parallel executor's stages, whose ranks then work on different batches.
+    fn max_concurrent_batches(&self) -> usize {
+        1
+    }
+
+    /// Sends a batch without waiting for its output (only where
+    /// [`Executor::max_concurrent_batches`] is above 1); [`Executor::collect`] returns the
+    /// outputs in the order the batches were sent.
+    fn submit(
+        &mut self,
+        _scheduler_output: &SchedulerOutput,
+        _buffers: &[&[u8]],
+    ) -> Result<(), EngineDeadError> {
+        Err(EngineDeadError::Worker {
+            rank: 0,
+            cause: "this executor runs one batch at a time".into(),
+        })
+    }
+
+    /// The output of the oldest batch [`Executor::submit`] sent.
+    fn collect(&mut self) -> Result<ModelRunnerOutput, EngineDeadError> {
+        Err(EngineDeadError::Worker {
+            rank: 0,
+            cause: "this executor runs one batch at a time".into(),
+        })
+    }
+
     /// Checks that every worker is alive.
     fn check_health(&mut self) -> Result<(), EngineDeadError> {
         Ok(())
@@ -64,6 +92,22 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
         buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, EngineDeadError> {
         (**self).execute_model(scheduler_output, buffers)
+    }
+
+    fn max_concurrent_batches(&self) -> usize {
+        (**self).max_concurrent_batches()
+    }
+
+    fn submit(
+        &mut self,
+        scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
+    ) -> Result<(), EngineDeadError> {
+        (**self).submit(scheduler_output, buffers)
+    }
+
+    fn collect(&mut self) -> Result<ModelRunnerOutput, EngineDeadError> {
+        (**self).collect()
     }
 
     fn check_health(&mut self) -> Result<(), EngineDeadError> {

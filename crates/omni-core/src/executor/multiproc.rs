@@ -128,9 +128,26 @@ impl Executor for MultiprocExecutor {
         scheduler_output: &SchedulerOutput,
         buffers: &[&[u8]],
     ) -> Result<ModelRunnerOutput, EngineDeadError> {
+        self.submit(scheduler_output, buffers)?;
+        self.collect()
+    }
+
+    fn max_concurrent_batches(&self) -> usize {
+        self.group.layout().pipeline_parallel_size.max(1) as usize
+    }
+
+    fn submit(
+        &mut self,
+        scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
+    ) -> Result<(), EngineDeadError> {
         // By reference: the batch is encoded straight from the scheduler's output, not cloned.
         self.group
-            .broadcast(WorkerCommandRef::ExecuteModel(scheduler_output), buffers)?;
+            .broadcast(WorkerCommandRef::ExecuteModel(scheduler_output), buffers)
+    }
+
+    fn collect(&mut self) -> Result<ModelRunnerOutput, EngineDeadError> {
+        // Every rank answers every batch, in the order the batches were sent.
         let mut output = None;
         let output_rank = self.group.layout().output_rank();
         for rank in 0..self.group.world() {
