@@ -15,7 +15,7 @@
 //!    [`crate::InprocClient`] runs on a thread) over the two queues until `Shutdown`. A failed
 //!    start-up answers [`EngineCoreStartup::Failed`] instead ([`EngineCoreProc::fail`]).
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::time::Duration;
 
 use omni_ipc::{
@@ -111,15 +111,8 @@ impl EngineCoreProc {
     pub fn accept_named<C: serde::de::DeserializeOwned>(
         name: impl FnOnce(&C) -> String,
     ) -> Result<(Self, C), EngineCoreProcError> {
-        let mut line = String::new();
-        std::io::stdin()
-            .lock()
-            .read_line(&mut line)
-            .map_err(handshake_err)?;
-        if line.is_empty() {
-            return Err(handshake_err("stdin closed before the handshake"));
-        }
-        let hs: EngineCoreHandshake<C> = serde_json::from_str(&line).map_err(handshake_err)?;
+        let hs: EngineCoreHandshake<C> =
+            omni_protocol::handshake::read_stdin_json("the handshake").map_err(handshake_err)?;
         omni_protocol::check_protocol_version(hs.protocol_version).map_err(handshake_err)?;
         arm_process(&name(&hs.config));
         if std::os::unix::process::parent_id() != hs.parent_pid {

@@ -234,6 +234,40 @@ fn run_to_completion<E: Executor>(
     done
 }
 
+/// Twenty requests of 3 to 72 prompt tokens and 1 to 17 output tokens; what each would get
+/// alone.
+fn add_mixed_requests<E: Executor>(core: &mut EngineCore<E>) -> HashMap<String, Vec<TokenId>> {
+    let mut expected = HashMap::new();
+    for i in 0..20u32 {
+        let p = prompt(i, 3 + (i as usize * 13) % 70);
+        let max_tokens = 1 + (i * 5) % 17;
+        expected.insert(format!("r{i}"), reference(&p, max_tokens as usize));
+        core.add_request(request(&format!("r{i}"), p, max_tokens, f64::from(i)))
+            .unwrap();
+    }
+    expected
+}
+
+/// Four requests that grow from 6 to 20 tokens (5 blocks of 4 each, in a cache of 12 blocks
+/// without prefix caching: preemption is certain); what each would get alone.
+fn add_growing_requests<E: Executor>(core: &mut EngineCore<E>) -> HashMap<String, Vec<TokenId>> {
+    let mut expected = HashMap::new();
+    for i in 0..4u32 {
+        let p = prompt(i, 6);
+        expected.insert(format!("r{i}"), reference(&p, 14));
+        core.add_request(request(&format!("r{i}"), p, 14, f64::from(i)))
+            .unwrap();
+    }
+    expected
+}
+
+fn tight_config() -> SchedulerConfig {
+    let mut cfg = config(12, 4);
+    cfg.max_model_len = 48;
+    cfg.enable_prefix_caching = false;
+    cfg
+}
+
 /// What the fake model generates for `prompt` with nothing else running.
 fn reference(prompt: &[TokenId], max_tokens: usize) -> Vec<TokenId> {
     let mut ctx = prompt.to_vec();
@@ -249,14 +283,7 @@ fn reference(prompt: &[TokenId], max_tokens: usize) -> Vec<TokenId> {
 #[test]
 fn every_request_completes_with_the_tokens_it_would_get_alone() {
     let mut core = core(config(64, 16));
-    let mut expected = HashMap::new();
-    for i in 0..20u32 {
-        let p = prompt(i, 3 + (i as usize * 13) % 70);
-        let max_tokens = 1 + (i * 5) % 17;
-        expected.insert(format!("r{i}"), reference(&p, max_tokens as usize));
-        core.add_request(request(&format!("r{i}"), p, max_tokens, f64::from(i)))
-            .unwrap();
-    }
+    let expected = add_mixed_requests(&mut core);
     let done = run_to_completion(&mut core);
     assert_eq!(done.len(), 20);
     for (id, (tokens, last)) in &done {
@@ -346,17 +373,8 @@ fn prompt_waits_for_a_full_budget_without_chunked_prefill() {
 #[test]
 fn preemption_when_blocks_run_out_recomputes_to_identical_tokens() {
     // 12 blocks of 4 tokens; each request grows to 6 + 14 = 20 tokens = 5 blocks.
-    let mut cfg = config(12, 4);
-    cfg.max_model_len = 48;
-    cfg.enable_prefix_caching = false;
-    let mut core = core(cfg);
-    let mut expected = HashMap::new();
-    for i in 0..4u32 {
-        let p = prompt(i, 6);
-        expected.insert(format!("r{i}"), reference(&p, 14));
-        core.add_request(request(&format!("r{i}"), p, 14, f64::from(i)))
-            .unwrap();
-    }
+    let mut core = core(tight_config());
+    let expected = add_growing_requests(&mut core);
     let done = run_to_completion(&mut core);
     let stats = core.stats();
     assert!(stats.num_preemptions > 0, "the test must preempt");
@@ -797,14 +815,7 @@ fn pipelined(cfg: SchedulerConfig, depth: usize) -> EngineCore<Pipelined> {
 #[test]
 fn two_batches_in_flight_give_every_request_the_tokens_it_would_get_alone() {
     let mut core = pipelined(config(64, 16), 2);
-    let mut expected = HashMap::new();
-    for i in 0..20u32 {
-        let p = prompt(i, 3 + (i as usize * 13) % 70);
-        let max_tokens = 1 + (i * 5) % 17;
-        expected.insert(format!("r{i}"), reference(&p, max_tokens as usize));
-        core.add_request(request(&format!("r{i}"), p, max_tokens, f64::from(i)))
-            .unwrap();
-    }
+    let expected = add_mixed_requests(&mut core);
     let done = run_to_completion(&mut core);
     assert_eq!(done.len(), 20);
     for (id, (tokens, _)) in &done {
@@ -832,17 +843,8 @@ fn two_batches_in_flight_give_every_request_the_tokens_it_would_get_alone() {
 
 #[test]
 fn preemption_with_batches_in_flight_recomputes_to_identical_tokens() {
-    let mut cfg = config(12, 4);
-    cfg.max_model_len = 48;
-    cfg.enable_prefix_caching = false;
-    let mut core = pipelined(cfg, 2);
-    let mut expected = HashMap::new();
-    for i in 0..4u32 {
-        let p = prompt(i, 6);
-        expected.insert(format!("r{i}"), reference(&p, 14));
-        core.add_request(request(&format!("r{i}"), p, 14, f64::from(i)))
-            .unwrap();
-    }
+    let mut core = pipelined(tight_config(), 2);
+    let expected = add_growing_requests(&mut core);
     let done = run_to_completion(&mut core);
     assert!(core.stats().num_preemptions > 0, "the test must preempt");
     for (id, (tokens, _)) in &done {

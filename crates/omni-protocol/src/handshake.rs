@@ -76,6 +76,21 @@ pub struct WorkerHello {
     pub peers: PeerQueues,
 }
 
+/// Reads one JSON line of this process's stdin (a child's handshake lines); `what` names the
+/// line in errors.
+pub fn read_stdin_json<T: serde::de::DeserializeOwned>(what: &str) -> Result<T, String> {
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::stdin()
+        .lock()
+        .read_line(&mut line)
+        .map_err(|e| format!("reading {what}: {e}"))?;
+    if line.is_empty() {
+        return Err(format!("stdin closed before {what}"));
+    }
+    serde_json::from_str(&line).map_err(|e| format!("{what}: {e}"))
+}
+
 impl WorkerHandshake {
     /// Ranks of the engine.
     pub fn world_size(&self) -> usize {

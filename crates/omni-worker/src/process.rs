@@ -19,7 +19,7 @@
 //! [`serve`] runs this loop around any [`WorkerBase`]; [`run_worker_process`] around the model
 //! [`Worker`].
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::time::Duration;
 
 use omni_ipc::{IpcError, MessageQueue, MessageQueueReader, QueueSpec};
@@ -86,15 +86,7 @@ fn arm_process(name: &str) {
 
 /// One JSON line of stdin (`what` names it in errors).
 fn read_line_json<T: serde::de::DeserializeOwned>(what: &str) -> Result<T, WorkerProcessError> {
-    let mut line = String::new();
-    std::io::stdin()
-        .lock()
-        .read_line(&mut line)
-        .map_err(handshake_err)?;
-    if line.is_empty() {
-        return Err(handshake_err(format!("stdin closed before {what}")));
-    }
-    serde_json::from_str(&line).map_err(|e| handshake_err(format!("{what}: {e}")))
+    omni_protocol::handshake::read_stdin_json(what).map_err(handshake_err)
 }
 
 /// Runs the worker process on this process's stdin and stdout with the model [`Worker`].
