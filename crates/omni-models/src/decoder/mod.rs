@@ -19,6 +19,7 @@
 use omni_backend::attention::{LayerKvCache, paged_attention, reshape_and_cache};
 use omni_backend::linalg::matmul_nt;
 use omni_backend::ops;
+use omni_backend::quant::WeightMatrix;
 use omni_backend::rope::{MropeLayout, Rope};
 
 use crate::batch::ForwardBatch;
@@ -32,7 +33,7 @@ use crate::{CausalLm, KvCacheSpec};
 mod loader;
 mod spec;
 
-pub(crate) use loader::{Loader, load_shaped};
+pub(crate) use loader::{Loader, load_shaped, load_weight};
 pub use spec::{DecoderSpec, HeadLayout, MoeSpec, MropeSpec, TpContext};
 
 /// A weight matrix `[out, in]` (HF layout) with an optional bias.
@@ -61,11 +62,41 @@ impl Linear {
     }
 }
 
+/// A decoder layer's weight `[out, in]` as the checkpoint stores it (f32, or quantized blocks
+/// that the CPU backend multiplies without upcasting), with an optional bias.
+#[derive(Debug, Clone)]
+pub(crate) struct DecoderLinear {
+    pub(crate) w: WeightMatrix,
+    pub(crate) bias: Option<Vec<f32>>,
+}
+
+impl DecoderLinear {
+    /// Output features.
+    pub(crate) fn out(&self) -> usize {
+        self.w.rows()
+    }
+
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        out.clear();
+        out.resize(tokens * self.out(), 0.0);
+        self.w.matmul_nt(x, out, tokens)?;
+        if let Some(b) = &self.bias {
+            ops::add_bias_inplace(out, b)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct DenseMlp {
     /// `[gate rows | up rows]` of this rank, fused: `[2 * inter, hidden]`.
-    pub(crate) gate_up: Linear,
-    pub(crate) down: Linear,
+    pub(crate) gate_up: DecoderLinear,
+    pub(crate) down: DecoderLinear,
     pub(crate) inter: usize,
 }
 
@@ -91,8 +122,8 @@ pub(crate) struct DecoderLayer {
     pub(crate) input_norm: Vec<f32>,
     pub(crate) post_norm: Vec<f32>,
     /// Fused `[q rows | k rows | v rows]` of this rank's heads.
-    pub(crate) qkv: Linear,
-    pub(crate) o: Linear,
+    pub(crate) qkv: DecoderLinear,
+    pub(crate) o: DecoderLinear,
     pub(crate) q_norm: Option<Vec<f32>>,
     pub(crate) k_norm: Option<Vec<f32>>,
     pub(crate) mlp: Mlp,
@@ -132,9 +163,9 @@ pub struct DecoderModel {
     spec: DecoderSpec,
     heads: HeadLayout,
     tp: TpContext,
-    /// `[vocab, hidden]`; empty without `embed_and_head`.
-    embed: Vec<f32>,
-    lm_head: Option<Vec<f32>>,
+    /// `[vocab, hidden]`; no rows without `embed_and_head`.
+    embed: WeightMatrix,
+    lm_head: Option<WeightMatrix>,
     norm: Vec<f32>,
     layers: Vec<DecoderLayer>,
     rope: Rope,
@@ -181,16 +212,13 @@ impl DecoderModel {
         let loader = Loader::new(ws, &spec, tp.rank, tp.size)?;
         let (v, h) = (spec.vocab_size, spec.hidden_size);
         let (embed, lm_head) = if !spec.embed_and_head {
-            (Vec::new(), None)
+            (WeightMatrix::f32(Vec::new(), 0, h)?, None)
         } else if spec.tie_word_embeddings {
-            (
-                load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data,
-                None,
-            )
+            (load_weight(ws, "model.embed_tokens.weight", v, h)?, None)
         } else {
             (
-                load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data,
-                Some(load_shaped(ws, "lm_head.weight", &[v, h])?.data),
+                load_weight(ws, "model.embed_tokens.weight", v, h)?,
+                Some(load_weight(ws, "lm_head.weight", v, h)?),
             )
         };
         let norm = loader.vector("model.norm.weight", h)?;
@@ -240,7 +268,7 @@ impl DecoderModel {
         }
         let h = self.spec.hidden_size;
         let mut x = vec![0.0; ids.len() * h];
-        ops::embedding(&self.embed, h, ids, &mut x)?;
+        self.embed.embedding(ids, &mut x)?;
         Ok(x)
     }
 
@@ -486,7 +514,7 @@ impl DecoderModel {
             }
             None => {
                 let mut x = vec![0.0; t * h];
-                ops::embedding(&self.embed, h, &batch.input_ids, &mut x)?;
+                self.embed.embedding(&batch.input_ids, &mut x)?;
                 x
             }
         };
@@ -559,8 +587,8 @@ impl DecoderModel {
         if self.spec.embed_and_head {
             let v = self.spec.vocab_size;
             let mut logits = vec![0.0; rows.len() * v];
-            let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-            matmul_nt(&sel, head, &mut logits, rows.len(), h, v)?;
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            head.matmul_nt(&sel, &mut logits, rows.len())?;
             out.logits = Some(HostTensor {
                 shape: vec![rows.len(), v],
                 data: logits,
