@@ -16,6 +16,8 @@
 //!   ([`avx2`]) and a portable scalar kernel that gives the same bits otherwise. Weight rows are
 //!   split over the rayon pool. This reads the weight in its quantized size (Q4_1 is 5 bits per
 //!   value: a sixth of f32), which is what bounds batch-1 decode.
+//! - the output head ([`QMatrix::matmul_nt_head`], Q8_0): the same, but against the f32
+//!   activations ([`head`]): the logits are where a rounding flips tokens.
 //! - many rows (prefill, `m >= F32_MIN_ROWS`): tiles of weight rows are dequantized to f32 in a
 //!   scratch buffer of about a megabyte and multiplied by the f32 GEMM ([`crate::linalg`]); the
 //!   dequantization is `n k` work against the product's `m n k`. No f32 copy of the weight stays
@@ -35,6 +37,7 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+pub mod head;
 pub mod q8;
 #[cfg(test)]
 mod tests;
@@ -254,12 +257,17 @@ impl QMatrix {
         out
     }
 
-    /// The linear layer: `out[m, n] = a[m, k] @ self[n, k]^T` (`k = cols`, `n = rows`).
+    /// The linear layer: `out[m, n] = a[m, k] @ self[n, k]^T` (`k = cols`, `n = rows`), by
+    /// the integer kernels below [`F32_MIN_ROWS`] rows of `a`, by f32 tiles from there on.
     pub fn matmul_nt(&self, a: &[f32], out: &mut [f32], m: usize) -> Result<()> {
-        self.matmul_nt_with(a, out, m, Kernel::detect())
+        if m >= F32_MIN_ROWS {
+            self.matmul_nt_f32_tiles(a, out, m)
+        } else {
+            self.matmul_nt_with(a, out, m, Kernel::detect())
+        }
     }
 
-    /// [`QMatrix::matmul_nt`] with a chosen kernel for the integer path.
+    /// [`QMatrix::matmul_nt`] by the integer path whatever `m`, with a chosen kernel.
     pub fn matmul_nt_with(
         &self,
         a: &[f32],
@@ -273,21 +281,60 @@ impl QMatrix {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        if m >= F32_MIN_ROWS {
-            return self.matmul_f32_tiles(a, out, m);
-        }
         let acts = Q8Rows::quantize(a, m, k);
-        let parallel = m * n * k >= PARALLEL_MIN_MACS;
+        let rb = self.row_bytes();
+        self.for_row_chunks(m, out, |rows, t| {
+            let w = &self.data[rows.start * rb..rows.end * rb];
+            kernel.fill(self.ty, w, rb, &acts, t);
+        });
+        Ok(())
+    }
+
+    /// The output head (the logits): Q8_0 weights against the activations kept in f32
+    /// ([`head`]), since the logits pick the tokens and the Q8 rounding of the final hidden
+    /// state can flip a near-tie; a head of another type, or of [`F32_MIN_ROWS`] rows or more,
+    /// goes as [`QMatrix::matmul_nt`].
+    pub fn matmul_nt_head(&self, a: &[f32], out: &mut [f32], m: usize) -> Result<()> {
+        self.matmul_nt_head_with(a, out, m, Kernel::detect())
+    }
+
+    /// [`QMatrix::matmul_nt_head`] with a chosen kernel.
+    pub fn matmul_nt_head_with(
+        &self,
+        a: &[f32],
+        out: &mut [f32],
+        m: usize,
+        kernel: Kernel,
+    ) -> Result<()> {
+        if self.ty != QuantType::Q8_0 || m >= F32_MIN_ROWS {
+            return self.matmul_nt(a, out, m);
+        }
+        let (n, k) = (self.rows, self.cols);
+        check_len("quantized matmul lhs", a.len(), m * k)?;
+        check_len("quantized matmul out", out.len(), m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let rb = self.row_bytes();
+        self.for_row_chunks(m, out, |rows, t| {
+            let w = &self.data[rows.start * rb..rows.end * rb];
+            head::fill_q8_0(kernel, w, rb, a, k, t);
+        });
+        Ok(())
+    }
+
+    /// Splits the weight rows over the rayon pool (for products large enough): `fill(rows, t)`
+    /// fills `t`, `[rows.len(), m]`, out transposed; the pieces land in `out` (`[m, rows]`).
+    fn for_row_chunks(
+        &self,
+        m: usize,
+        out: &mut [f32],
+        fill: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+    ) {
+        let n = self.rows;
+        let parallel = m * n * self.cols >= PARALLEL_MIN_MACS;
         let chunk = chunk_rows(n, parallel);
-        // Fills `t`, `[rows, m]` for the weight rows from `r0` on: out transposed.
-        let fill = |(c, t): (usize, &mut [f32])| {
-            for (j, vals) in t.chunks_exact_mut(m).enumerate() {
-                let w = self.row(c * chunk + j);
-                for (i, v) in vals.iter_mut().enumerate() {
-                    *v = kernel.dot(self.ty, w, &acts, i);
-                }
-            }
-        };
+        let piece = |(c, t): (usize, &mut [f32])| fill(c * chunk..c * chunk + t.len() / m, t);
         let mut transposed = Vec::new();
         let t: &mut [f32] = if m == 1 {
             out
@@ -296,9 +343,9 @@ impl QMatrix {
             &mut transposed
         };
         if parallel {
-            t.par_chunks_mut(chunk * m).enumerate().for_each(fill);
+            t.par_chunks_mut(chunk * m).enumerate().for_each(piece);
         } else {
-            t.chunks_mut(chunk * m).enumerate().for_each(fill);
+            t.chunks_mut(chunk * m).enumerate().for_each(piece);
         }
         if m > 1 {
             for (r, vals) in transposed.chunks_exact(m).enumerate() {
@@ -307,13 +354,17 @@ impl QMatrix {
                 }
             }
         }
-        Ok(())
     }
 
-    /// The GEMM path: tiles of weight rows dequantized into a scratch buffer, each multiplied
-    /// into its columns of `out`.
-    fn matmul_f32_tiles(&self, a: &[f32], out: &mut [f32], m: usize) -> Result<()> {
+    /// [`QMatrix::matmul_nt`] by the GEMM path whatever `m`: tiles of weight rows
+    /// dequantized into a scratch buffer, each multiplied into its columns of `out`.
+    pub fn matmul_nt_f32_tiles(&self, a: &[f32], out: &mut [f32], m: usize) -> Result<()> {
         let (n, k) = (self.rows, self.cols);
+        check_len("quantized matmul lhs", a.len(), m * k)?;
+        check_len("quantized matmul out", out.len(), m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
         let tile_rows = (TILE_ELEMS / k)
             .clamp(16, n.max(16))
             .next_multiple_of(16)
@@ -394,26 +445,27 @@ impl Kernel {
         }
     }
 
-    /// Dot product of one weight row (its blocks, `q.len() / 32` of them) with activation row
-    /// `i` of `acts`.
-    #[inline]
-    pub fn dot(self, ty: QuantType, w: &[u8], acts: &Q8Rows, i: usize) -> f32 {
-        let (q, d, s) = acts.row(i);
+    /// Fills `t` (`[rows, m]`: out transposed) with the products of the weight rows `w` (of
+    /// type `ty`, `rb` bytes each) and every row of `acts`.
+    pub fn fill(self, ty: QuantType, w: &[u8], rb: usize, acts: &Q8Rows, t: &mut [f32]) {
+        let m = acts.rows();
         match self.0 {
-            KernelKind::Scalar => match ty {
-                QuantType::Q4_1 => q8::dot_q4_1(w, q, d, s),
-                QuantType::Q8_0 => q8::dot_q8_0(w, q, d),
-            },
+            KernelKind::Scalar => {
+                let groups = if m == 1 { q8::SINGLE_ROW_GROUPS } else { 1 };
+                for (wr, vals) in w.chunks_exact(rb).zip(t.chunks_exact_mut(m)) {
+                    for (i, v) in vals.iter_mut().enumerate() {
+                        *v = match ty {
+                            QuantType::Q4_1 => q8::dot_q4_1(wr, acts.row(i), groups),
+                            QuantType::Q8_0 => q8::dot_q8_0(wr, acts.row(i), groups),
+                        };
+                    }
+                }
+            }
             #[cfg(target_arch = "x86_64")]
             // SAFETY: a `KernelKind::Avx2` is only made by `Kernel::avx2`, after
-            // `avx2::available()` saw AVX2, FMA and F16C on this CPU. The kernels bound-check
-            // their slices (a row of `ty` blocks and a Q8 row of the same number of blocks).
-            KernelKind::Avx2 => unsafe {
-                match ty {
-                    QuantType::Q4_1 => avx2::dot_q4_1(w, q, d, s),
-                    QuantType::Q8_0 => avx2::dot_q8_0(w, q, d),
-                }
-            },
+            // `avx2::available()` saw AVX2, FMA and F16C on this CPU. The kernel bound-checks
+            // the row lengths against the activation rows before reading.
+            KernelKind::Avx2 => unsafe { avx2::fill(ty, w, rb, acts, t) },
         }
     }
 }

@@ -7,9 +7,9 @@
 //! by at most `sum |w_j| d_b / 2` over blocks `b` (the tests check against that bound).
 //!
 //! The scalar kernels add up each block as the AVX2 kernels do — eight lanes of four products,
-//! `lane = fma(d_w d_a, lane_sum, lane)`, then `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`
-//! — so both give the same bits (integer sums are exact; the float operations are the same in
-//! the same order).
+//! `lane = fma(d_w d_a, lane_sum, lane)` in accumulator groups ([`SINGLE_ROW_GROUPS`]), then
+//! `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))` — so both give the same bits (integer
+//! sums are exact; the float operations are the same in the same order).
 
 use super::{BLOCK, half_at};
 
@@ -54,24 +54,35 @@ impl Q8Rows {
         self.qs.len() / self.k.max(1)
     }
 
-    /// Row `i`: its values, its block scales, its block `d * sum(q)`.
-    pub fn row(&self, i: usize) -> (&[i8], &[f32], &[f32]) {
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> Q8Row<'_> {
         let nb = self.k / BLOCK;
-        (
-            &self.qs[i * self.k..(i + 1) * self.k],
-            &self.d[i * nb..(i + 1) * nb],
-            &self.s[i * nb..(i + 1) * nb],
-        )
+        Q8Row {
+            q: &self.qs[i * self.k..(i + 1) * self.k],
+            d: &self.d[i * nb..(i + 1) * nb],
+            s: &self.s[i * nb..(i + 1) * nb],
+        }
     }
 
     /// Row `i` dequantized (`q * d`), for tests.
     pub fn dequantize_row(&self, i: usize) -> Vec<f32> {
-        let (q, d, _) = self.row(i);
+        let Q8Row { q, d, .. } = self.row(i);
         q.iter()
             .enumerate()
             .map(|(j, &q)| f32::from(q) * d[j / BLOCK])
             .collect()
     }
+}
+
+/// One activation row of [`Q8Rows`]: `q.len() / 32` blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Row<'a> {
+    /// The values, 32 per block.
+    pub q: &'a [i8],
+    /// Each block's scale.
+    pub d: &'a [f32],
+    /// Each block's `d * sum(q)`.
+    pub s: &'a [f32],
 }
 
 /// The lane order of the SIMD kernels' horizontal sum.
@@ -80,6 +91,12 @@ pub(crate) fn hsum8(l: [f32; 8]) -> f32 {
     let t = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
     (t[0] + t[2]) + (t[1] + t[3])
 }
+
+/// Accumulator groups of a batch-1 product: block `b` adds into group `b % 4`, so the SIMD
+/// kernel has four independent FMA chains on one weight row (read front to back, which the
+/// hardware prefetchers follow; interleaving rows instead halved the bandwidth from memory).
+/// Products of several activation rows keep one group per pair: the rows give the chains.
+pub const SINGLE_ROW_GROUPS: usize = 4;
 
 /// Adds one block's eight lane sums (`lane = elements 4i..4i+4`) times `scale` into `acc`.
 #[inline]
@@ -90,11 +107,33 @@ fn add_lanes(acc: &mut [f32; 8], scale: f32, prod: impl Fn(usize) -> i32) {
     }
 }
 
-/// Q4_1 weight row (20-byte blocks) . Q8 activation row: `sum_b d_w d_a sum(nibble q_a) + m_w s_a`.
-pub fn dot_q4_1(w: &[u8], q: &[i8], d: &[f32], s: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let mut summ = 0.0f32;
+/// The groups' lanes added as `(g0 + g1) + (g2 + g3)` (one group: itself), then [`hsum8`];
+/// plus the `m` terms' groups in the same order.
+fn combine(acc: &[[f32; 8]; 4], summ: &[f32; 4], groups: usize, with_m: bool) -> f32 {
+    let (lanes, m) = if groups == 1 {
+        (acc[0], summ[0])
+    } else {
+        let mut l = [0.0f32; 8];
+        for (i, l) in l.iter_mut().enumerate() {
+            *l = (acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]);
+        }
+        (l, (summ[0] + summ[1]) + (summ[2] + summ[3]))
+    };
+    if with_m {
+        hsum8(lanes) + m
+    } else {
+        hsum8(lanes)
+    }
+}
+
+/// Q4_1 weight row (20-byte blocks) . Q8 activation row: `sum_b d_w d_a sum(nibble q_a) + m_w s_a`,
+/// over `groups` (1 or [`SINGLE_ROW_GROUPS`]) accumulator groups.
+pub fn dot_q4_1(w: &[u8], Q8Row { q, d, s }: Q8Row<'_>, groups: usize) -> f32 {
+    debug_assert!(groups == 1 || groups == SINGLE_ROW_GROUPS);
+    let mut acc = [[0.0f32; 8]; 4];
+    let mut summ = [0.0f32; 4];
     for (b, blk) in w.chunks_exact(20).enumerate() {
+        let g = b % groups;
         let (dw, mw) = (half_at(blk, 0), half_at(blk, 2));
         let qa = &q[b * BLOCK..(b + 1) * BLOCK];
         let nibble = |e: usize| {
@@ -104,22 +143,24 @@ pub fn dot_q4_1(w: &[u8], q: &[i8], d: &[f32], s: &[f32]) -> f32 {
                 blk[4 + e - 16] >> 4
             }
         };
-        add_lanes(&mut acc, dw * d[b], |e| {
+        add_lanes(&mut acc[g], dw * d[b], |e| {
             i32::from(nibble(e)) * i32::from(qa[e])
         });
-        summ += mw * s[b];
+        summ[g] += mw * s[b];
     }
-    hsum8(acc) + summ
+    combine(&acc, &summ, groups, true)
 }
 
-/// Q8_0 weight row (34-byte blocks) . Q8 activation row: `sum_b d_w d_a sum(q_w q_a)`.
-pub fn dot_q8_0(w: &[u8], q: &[i8], d: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
+/// Q8_0 weight row (34-byte blocks) . Q8 activation row: `sum_b d_w d_a sum(q_w q_a)`, over
+/// `groups` accumulator groups.
+pub fn dot_q8_0(w: &[u8], Q8Row { q, d, .. }: Q8Row<'_>, groups: usize) -> f32 {
+    debug_assert!(groups == 1 || groups == SINGLE_ROW_GROUPS);
+    let mut acc = [[0.0f32; 8]; 4];
     for (b, blk) in w.chunks_exact(34).enumerate() {
         let qa = &q[b * BLOCK..(b + 1) * BLOCK];
-        add_lanes(&mut acc, half_at(blk, 0) * d[b], |e| {
+        add_lanes(&mut acc[b % groups], half_at(blk, 0) * d[b], |e| {
             i32::from(blk[2 + e] as i8) * i32::from(qa[e])
         });
     }
-    hsum8(acc)
+    combine(&acc, &[0.0; 4], groups, false)
 }

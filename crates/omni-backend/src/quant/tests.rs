@@ -73,7 +73,7 @@ fn check_against_reference(w: &QMatrix, a: &[f32], m: usize, got: &[f32]) {
     let wf = w.dequantize();
     let acts = Q8Rows::quantize(a, m, k);
     for i in 0..m {
-        let (_, d, _) = acts.row(i);
+        let d = acts.row(i).d;
         for r in 0..n {
             let wr = &wf[r * k..(r + 1) * k];
             let bound: f32 = wr
@@ -138,7 +138,13 @@ fn simd_kernels_give_the_scalar_kernels_bits() {
     };
     let mut rng = Rng(3);
     for ty in [QuantType::Q4_1, QuantType::Q8_0] {
-        for &(m, k, n) in &[(1, 576, 200), (5, 1536, 33), (1, 32, 3)] {
+        for &(m, k, n) in &[
+            (1, 576, 203),
+            (2, 64, 9),
+            (3, 96, 5),
+            (7, 1536, 33),
+            (1, 32, 3),
+        ] {
             let w = random_matrix(ty, n, k, &mut rng);
             let a = random_acts(m, k, &mut rng);
             let mut scalar = vec![0.0; m * n];
@@ -148,6 +154,38 @@ fn simd_kernels_give_the_scalar_kernels_bits() {
             w.matmul_nt_with(&a, &mut fast, m, simd).unwrap();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&scalar), bits(&fast), "{ty:?} m={m} k={k} n={n}");
+        }
+    }
+}
+
+#[test]
+fn head_product_keeps_activations_in_f32() {
+    // Q8_0 against f32 activations: only f32 rounding separates it from the dequantized
+    // product, far inside the Q8 activation bound the integer path needs.
+    let mut rng = Rng(6);
+    for &(m, k, n) in &[(1, 576, 301), (3, 96, 40), (1, 32, 1)] {
+        let w = random_matrix(QuantType::Q8_0, n, k, &mut rng);
+        let a = random_acts(m, k, &mut rng);
+        let mut got = vec![f32::NAN; m * n];
+        w.matmul_nt_head(&a, &mut got, m).unwrap();
+        let want = f32_reference(&w, &a, m);
+        let wf = w.dequantize();
+        for (j, (g, e)) in got.iter().zip(&want).enumerate() {
+            let (i, r) = (j / n, j % n);
+            let mag: f32 = wf[r * k..(r + 1) * k]
+                .iter()
+                .zip(&a[i * k..(i + 1) * k])
+                .map(|(w, x)| (w * x).abs())
+                .sum();
+            assert!((g - e).abs() <= 1e-5 * mag + 1e-7, "m={m} {j}: {g} vs {e}");
+        }
+        if let Some(simd) = Kernel::avx2() {
+            let mut scalar = vec![0.0; m * n];
+            let mut fast = vec![0.0; m * n];
+            w.matmul_nt_head_with(&a, &mut scalar, m, Kernel::SCALAR).unwrap();
+            w.matmul_nt_head_with(&a, &mut fast, m, simd).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&scalar), bits(&fast), "m={m} k={k} n={n}");
         }
     }
 }
@@ -179,7 +217,7 @@ fn activation_blocks_round_to_127_steps() {
     a[1] = 1.0;
     a[40] = 0.5;
     let q = Q8Rows::quantize(&a, 1, 64);
-    let (vals, d, s) = q.row(0);
+    let super::q8::Q8Row { q: vals, d, s } = q.row(0);
     assert_eq!((vals[0], vals[1]), (-127, 50));
     assert!((d[0] - 0.02).abs() < 1e-7 && d[1] == 0.5 / 127.0);
     assert_eq!(vals[40], 127);

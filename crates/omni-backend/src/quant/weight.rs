@@ -150,6 +150,15 @@ impl WeightMatrix {
         }
     }
 
+    /// The output head: as [`WeightMatrix::matmul_nt`], with Q8_0 blocks multiplied against the
+    /// f32 activations ([`QMatrix::matmul_nt_head`]).
+    pub fn matmul_nt_head(&self, a: &[f32], out: &mut [f32], m: usize) -> Result<()> {
+        match self {
+            Self::F32 { .. } => self.matmul_nt(a, out, m),
+            Self::Quant(q) => q.matmul_nt_head(a, out, m),
+        }
+    }
+
     /// Gathers rows `ids` into `out` (`[ids.len(), cols]`): the embedding lookup.
     pub fn embedding(&self, ids: &[u32], out: &mut [f32]) -> Result<()> {
         let (rows, cols) = (self.rows(), self.cols());
