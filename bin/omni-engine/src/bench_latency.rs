@@ -205,7 +205,8 @@ fn ceilings_for(
                 kind: "cpu".into(),
                 name: cpu_name(),
             };
-            // The CPU backend keeps weights and KV in f32.
+            // The CPU backend keeps KV in f32, and weights in f32 or (GGUF Q4_1 / Q8_0) in
+            // their blocks; the roofline counts every element as 4 bytes either way.
             Ok((device, ceilings, 4))
         }
     }
@@ -334,9 +335,8 @@ pub fn run(a: LatencyArgs) -> anyhow::Result<()> {
     if a.input_len == 0 {
         anyhow::bail!("--input-len must be at least 1");
     }
-    let Some(model) = a.engine.model.model.clone() else {
-        anyhow::bail!("bench latency needs --model (a Hugging Face directory with config.json)");
-    };
+    // As `serve`: a HF directory, a `.gguf` file, or (none given) the built-in default model.
+    let model = omni_launch::resolve_model(&a.engine)?;
     let max_model_len = a.engine.model.max_model_len as usize;
     if a.input_len + a.output_len > max_model_len {
         anyhow::bail!(
@@ -351,9 +351,9 @@ pub fn run(a: LatencyArgs) -> anyhow::Result<()> {
             a.prefill_len
         );
     }
-    let config = omni_models::registry::read_config(&model).with_context(|| {
+    let config = omni_models::registry::read_model_config(&model).with_context(|| {
         format!(
-            "bench latency needs a HF model directory: {}",
+            "bench latency needs a HF model directory or a .gguf file: {}",
             model.display()
         )
     })?;
@@ -380,9 +380,11 @@ pub fn run(a: LatencyArgs) -> anyhow::Result<()> {
 
     let t_load = std::time::Instant::now();
     // On this (the main) thread: workers die with the thread that spawned them.
+    let mut engine_config = a.engine.clone();
+    engine_config.model.model = Some(model.clone());
     let omni_launch::StartedEngine {
         engine, scheduler, ..
-    } = crate::generate_cmd::start_engine(&a.engine)?;
+    } = crate::generate_cmd::start_engine(&engine_config)?;
     eprintln!(
         "engine ready in {:.2?}: {} rank(s), {} KV blocks of {}, max_num_batched_tokens {}",
         t_load.elapsed(),
@@ -527,6 +529,65 @@ mod tests {
     struct Cli {
         #[command(subcommand)]
         cmd: BenchCommand,
+    }
+
+    /// `bench latency` takes a `.gguf` file as `serve` does: a tiny llama GGUF (metadata only,
+    /// dummy weights of its shapes), one decode batch and a prefill.
+    #[test]
+    fn latency_takes_a_gguf_file() {
+        use omni_gguf::{GgufWriter, Value};
+        let dir = std::env::temp_dir().join(format!("omni-bench-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (gguf, json) = (dir.join("tiny.gguf"), dir.join("latency.json"));
+        let mut w = GgufWriter::new();
+        for (k, v) in [
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.embedding_length", Value::U32(64)),
+            ("llama.feed_forward_length", Value::U32(128)),
+            ("llama.block_count", Value::U32(2)),
+            ("llama.attention.head_count", Value::U32(4)),
+            ("llama.attention.head_count_kv", Value::U32(2)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+            ("llama.context_length", Value::U32(256)),
+            ("llama.vocab_size", Value::U32(320)),
+        ] {
+            w.metadata(k, v);
+        }
+        std::fs::write(&gguf, w.to_bytes()).unwrap();
+        let args = [
+            "bench",
+            "latency",
+            "--model",
+            &gguf.display().to_string(),
+            "--load-format",
+            "dummy",
+            "--device",
+            "cpu",
+            "--executor",
+            "uni",
+            "--batch-sizes",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--prefill-len",
+            "16",
+            "--copy-bw-gbs",
+            "10",
+            "--json",
+            &json.display().to_string(),
+        ]
+        .map(String::from);
+        let cli = Cli::try_parse_from(args).unwrap();
+        crate::bench_cmd::run(cli.cmd).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(v["config"]["num_layers"], 2);
+        assert!(v["model"].as_str().unwrap().ends_with("tiny.gguf"));
+        assert!(v["decode"][0]["decode_tok_per_s"].as_f64().unwrap() > 0.0);
+        assert_eq!(v["prefill"]["tokens"], 16);
     }
 
     /// `bench latency` on the tiny Qwen3 fixture, in-process (`--executor uni`), with given

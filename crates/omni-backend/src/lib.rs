@@ -5,6 +5,8 @@
 //!
 //! - [`linalg`]: matrix products through the `gemm` crate (multi-threaded with rayon for large
 //!   products), never hand-written loops;
+//! - [`quant`]: linear layers over weights kept in ggml's Q4_1 / Q8_0 blocks (integer dot
+//!   products against Q8-quantized activations, AVX2 when present; f32 tiles for prefill);
 //! - [`ops`]: RMSNorm, SiLU-and-mul, softmax, embedding lookup, residual add;
 //! - [`rope`]: rotary position embeddings (Hugging Face `rotate_half` / neox convention), with
 //!   Llama-3 `rope_scaling`;
@@ -35,6 +37,7 @@ mod dense_attention;
 pub mod gelu_tanh;
 pub mod linalg;
 pub mod ops;
+pub mod quant;
 pub mod rope;
 #[cfg(test)]
 mod test_util;

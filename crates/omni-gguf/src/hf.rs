@@ -12,7 +12,8 @@
 use serde_json::{Value as Json, json};
 
 use crate::Error;
-use crate::file::GgufFile;
+use crate::dequant::GgmlType;
+use crate::file::{GgufFile, TensorInfo};
 
 /// A tensor in HF naming and layout: row-major f32 over `shape` (outermost first).
 #[derive(Debug, Clone, PartialEq)]
@@ -21,6 +22,17 @@ pub struct HfTensor {
     pub shape: Vec<usize>,
     /// `shape.iter().product()` values.
     pub data: Vec<f32>,
+}
+
+/// A 2-D tensor as stored (ggml blocks), rows in HF order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HfRawTensor {
+    /// `[rows, cols]` in elements.
+    pub shape: Vec<usize>,
+    /// The block type.
+    pub ggml_type: GgmlType,
+    /// `rows` rows of `cols / block` blocks.
+    pub data: Vec<u8>,
 }
 
 /// Per-layer tensors: llama.cpp suffix and HF suffix (after `blk.{i}.` / `model.layers.{i}.`).
@@ -77,8 +89,12 @@ pub fn hf_to_gguf_name(name: &str) -> Option<String> {
 }
 
 /// Undoes llama.cpp's per-head Q/K row permutation in place: `data` is row-major
-/// `[n_heads * head_dim, row_len]`.
-pub fn unpermute_qk_rows(data: &mut [f32], n_heads: usize, row_len: usize) -> Result<(), Error> {
+/// `[n_heads * head_dim, row_len]` (values, or the bytes of quantized rows).
+pub fn unpermute_qk_rows<T: Copy>(
+    data: &mut [T],
+    n_heads: usize,
+    row_len: usize,
+) -> Result<(), Error> {
     let rows = data.len() / row_len.max(1);
     if row_len == 0
         || n_heads == 0
@@ -219,37 +235,71 @@ impl GgufFile {
         Ok(t.shape())
     }
 
-    /// A tensor named in HF naming, dequantized to f32 in HF layout (Q/K rows un-permuted).
-    pub fn load_hf_tensor(&self, hf_name: &str) -> Result<HfTensor, Error> {
+    /// The llama.cpp tensor of an HF name, and its head count when its rows are in llama.cpp's
+    /// permuted Q/K order.
+    fn hf_source(&self, hf_name: &str) -> Result<(&TensorInfo, Option<usize>), Error> {
         let gguf = hf_to_gguf_name(hf_name).ok_or_else(|| Error::TensorNotFound {
             name: hf_name.into(),
         })?;
         let t = self.tensor(&gguf).ok_or_else(|| Error::TensorNotFound {
             name: hf_name.into(),
         })?;
-        let shape = t.shape();
-        let mut data = self.dequantize(&gguf)?;
         let is_q = gguf.contains(".attn_q.");
         let is_k = gguf.contains(".attn_k.");
-        if is_q || is_k {
-            let arch = self.architecture()?;
-            if arch_info(arch)?.permuted_qk {
-                let n_heads = self.arch_u64(arch, "attention.head_count")?;
-                let n_heads = if is_k {
-                    self.arch_u64_opt(arch, "attention.head_count_kv")
-                        .unwrap_or(n_heads)
-                } else {
-                    n_heads
-                };
-                let row_len = if shape.len() >= 2 {
-                    shape[1..].iter().product()
-                } else {
-                    1
-                };
-                unpermute_qk_rows(&mut data, n_heads as usize, row_len)?;
-            }
+        if !(is_q || is_k) {
+            return Ok((t, None));
+        }
+        let arch = self.architecture()?;
+        if !arch_info(arch)?.permuted_qk {
+            return Ok((t, None));
+        }
+        let n_heads = self.arch_u64(arch, "attention.head_count")?;
+        let n_heads = if is_k {
+            self.arch_u64_opt(arch, "attention.head_count_kv")
+                .unwrap_or(n_heads)
+        } else {
+            n_heads
+        };
+        Ok((t, Some(n_heads as usize)))
+    }
+
+    /// A tensor named in HF naming, dequantized to f32 in HF layout (Q/K rows un-permuted).
+    pub fn load_hf_tensor(&self, hf_name: &str) -> Result<HfTensor, Error> {
+        let (t, permuted) = self.hf_source(hf_name)?;
+        let shape = t.shape();
+        let mut data = self.dequantize(&t.name)?;
+        if let Some(n_heads) = permuted {
+            let row_len = if shape.len() >= 2 {
+                shape[1..].iter().product()
+            } else {
+                1
+            };
+            unpermute_qk_rows(&mut data, n_heads, row_len)?;
         }
         Ok(HfTensor { shape, data })
+    }
+
+    /// A 2-D tensor named in HF naming as its stored blocks, rows in HF order (Q/K rows
+    /// un-permuted: each row is whole blocks, so rows move as bytes). For a quantized weight
+    /// kept quantized; [`GgufFile::load_hf_tensor`] is its f32 view.
+    pub fn load_hf_raw(&self, hf_name: &str) -> Result<HfRawTensor, Error> {
+        let (t, permuted) = self.hf_source(hf_name)?;
+        let shape = t.shape();
+        if shape.len() != 2 {
+            return Err(Error::Malformed {
+                reason: format!("{hf_name}: raw rows of a {}-D tensor", shape.len()),
+            });
+        }
+        let mut data = self.tensor_bytes(&t.name)?.to_vec();
+        if let Some(n_heads) = permuted {
+            let row_bytes = data.len() / shape[0].max(1);
+            unpermute_qk_rows(&mut data, n_heads, row_bytes)?;
+        }
+        Ok(HfRawTensor {
+            shape,
+            ggml_type: t.ggml_type,
+            data,
+        })
     }
 }
 
@@ -422,6 +472,48 @@ mod tests {
             f.load_hf_tensor("lm_head.weight"),
             Err(Error::TensorNotFound { .. })
         ));
+    }
+
+    #[test]
+    fn raw_q_rows_are_unpermuted_as_whole_blocks() {
+        // Q8_0 q_proj of 2 heads x 4 rows, 32 columns: row r's block has scale 1 and values r.
+        let (n_heads, rows, cols) = (2usize, 8usize, 32u64);
+        let hf: Vec<Vec<u8>> = (0..rows)
+            .map(|r| {
+                let mut b = half::f16::from_f32(1.0).to_le_bytes().to_vec();
+                b.extend([r as u8; 32]);
+                b
+            })
+            .collect();
+        let mut w = GgufWriter::new();
+        w.metadata("general.architecture", Value::String("llama".into()));
+        w.metadata("llama.attention.head_count", Value::U32(n_heads as u32));
+        let stored = permute_like_llama_cpp(
+            &hf.iter()
+                .map(|r| r.iter().map(|&b| f32::from(b)).collect())
+                .collect::<Vec<_>>(),
+            n_heads,
+        );
+        let bytes: Vec<u8> = stored
+            .iter()
+            .flat_map(|r| r.iter().map(|&v| v as u8))
+            .collect();
+        w.tensor_raw(
+            "blk.0.attn_q.weight",
+            &[cols, rows as u64],
+            GgmlType::Q8_0,
+            bytes,
+        );
+        let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
+        let name = "model.layers.0.self_attn.q_proj.weight";
+        let raw = f.load_hf_raw(name).unwrap();
+        assert_eq!(
+            (raw.shape.clone(), raw.ggml_type),
+            (vec![8, 32], GgmlType::Q8_0)
+        );
+        assert_eq!(raw.data, hf.concat());
+        let deq = crate::dequantize(raw.ggml_type, &raw.data, 8 * 32).unwrap();
+        assert_eq!(deq, f.load_hf_tensor(name).unwrap().data);
     }
 
     #[test]

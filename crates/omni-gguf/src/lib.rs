@@ -27,7 +27,7 @@ use std::path::PathBuf;
 
 pub use dequant::{DequantizeError, GgmlType, dequantize};
 pub use file::{GgufFile, TensorInfo};
-pub use hf::{HfTensor, gguf_to_hf_name, hf_to_gguf_name};
+pub use hf::{HfRawTensor, HfTensor, gguf_to_hf_name, hf_to_gguf_name};
 pub use value::{Value, ValueType};
 pub use writer::GgufWriter;
 

@@ -1,7 +1,8 @@
-//! CPU speed of a SmolLM2-135M-shaped model with dummy weights: one prefill, then batch-1 and
-//! batch-8 decode steps through the paged KV cache.
+//! CPU speed of a SmolLM2-135M-shaped model with dummy weights (f32), or of a GGUF file's
+//! weights (Q4_1 / Q8_0 kept in blocks): one prefill, then batch-1 and batch-8 decode steps
+//! through the paged KV cache. No engine around it: the model's own time.
 //!
-//! `cargo run --release -p omni-models --example cpu_bench [prompt_len]`
+//! `cargo run --release -p omni-models --example cpu_bench [prompt_len] [model.gguf]`
 
 use std::time::Instant;
 
@@ -18,8 +19,14 @@ fn main() -> Result<(), ModelError> {
         "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
         "rope_theta": 100000, "tie_word_embeddings": true, "hidden_act": "silu"});
     let t0 = Instant::now();
-    let model = build_model(&config, &dummy_weights(&config, 0)?, TpContext::single())?;
-    println!("load (dummy): {:.2?}", t0.elapsed());
+    let model = match std::env::args().nth(2) {
+        Some(path) => {
+            let ws = omni_models::gguf::GgufWeights::open(&path)?;
+            build_model(&ws.hf_config()?, &ws, TpContext::single())?
+        }
+        None => build_model(&config, &dummy_weights(&config, 0)?, TpContext::single())?,
+    };
+    println!("load: {:.2?}", t0.elapsed());
     let block_size = 16;
     let seqs = 8;
     let decode_steps = 32;

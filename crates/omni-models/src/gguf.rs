@@ -4,12 +4,14 @@
 //! (`blk.0.attn_q.weight`) to HF names (`model.layers.0.self_attn.q_proj.weight`), dequantizes
 //! to f32 and undoes llama.cpp's Q/K row permutation, so a model's constructor walks a GGUF file
 //! exactly as it walks a safetensors directory. [`GgufWeights::hf_config`] gives the matching
-//! `config.json`. Tied embeddings: when the file has no `output.weight`, `lm_head.weight` is
+//! `config.json`. 2-D Q4_1 and Q8_0 weights are also served as their blocks
+//! ([`WeightSource::load_quantized`]), so the CPU backend keeps them quantized. Tied embeddings: when the file has no `output.weight`, `lm_head.weight` is
 //! absent and the config says `tie_word_embeddings: true`.
 
 use std::path::Path;
 
-use omni_gguf::GgufFile;
+use omni_backend::quant::{QMatrix, QuantType};
+use omni_gguf::{GgmlType, GgufFile};
 
 use crate::weights::{HostTensor, WeightError, WeightSource};
 
@@ -88,6 +90,27 @@ impl WeightSource for GgufWeights {
             data: t.data,
         })
     }
+
+    fn load_quantized(&self, name: &str) -> Result<Option<QMatrix>, WeightError> {
+        let info = omni_gguf::hf_to_gguf_name(name)
+            .and_then(|g| self.file.tensor(&g))
+            .ok_or_else(|| WeightError::Missing { name: name.into() })?;
+        let ty = match info.ggml_type {
+            GgmlType::Q4_1 => QuantType::Q4_1,
+            GgmlType::Q8_0 => QuantType::Q8_0,
+            _ => return Ok(None),
+        };
+        let [rows, cols] = info.shape()[..] else {
+            return Ok(None);
+        };
+        let raw = self.file.load_hf_raw(name).map_err(|e| convert(name, e))?;
+        QMatrix::new(ty, rows, cols, raw.data)
+            .map(Some)
+            .map_err(|e| WeightError::Invalid {
+                name: name.into(),
+                reason: e.to_string(),
+            })
+    }
 }
 
 #[cfg(test)]
@@ -133,6 +156,33 @@ mod tests {
             w.hf_config().unwrap()["architectures"][0],
             "LlamaForCausalLM"
         );
+    }
+
+    #[test]
+    fn q8_0_weights_are_served_as_blocks_in_hf_row_order() {
+        // One head of dim 4, 32 columns: HF row r is all r (scale 1), stored as rows [0, 2, 1, 3].
+        let mut w = GgufWriter::new();
+        w.metadata("general.architecture", Value::String("llama".into()));
+        w.metadata("llama.attention.head_count", Value::U32(1));
+        let block = |r: u8| {
+            let mut b = half::f16::from_f32(1.0).to_le_bytes().to_vec();
+            b.extend([r; 32]);
+            b
+        };
+        let stored: Vec<u8> = [0, 2, 1, 3].iter().flat_map(|&r| block(r)).collect();
+        w.tensor_raw("blk.0.attn_q.weight", &[32, 4], GgmlType::Q8_0, stored);
+        w.tensor_f32("output_norm.weight", &[4], &[1.0; 4]);
+        let ws = GgufWeights::from_file(GgufFile::from_bytes(w.to_bytes()).unwrap());
+        let name = "model.layers.0.self_attn.q_proj.weight";
+        let q = ws.load_quantized(name).unwrap().unwrap();
+        assert_eq!((q.ty(), q.rows(), q.cols()), (QuantType::Q8_0, 4, 32));
+        assert_eq!(q.dequantize(), ws.load(name).unwrap().data);
+        assert_eq!(q.dequantize()[2 * 32], 2.0);
+        assert!(ws.load_quantized("model.norm.weight").unwrap().is_none());
+        assert!(matches!(
+            ws.load_quantized("lm_head.weight"),
+            Err(WeightError::Missing { .. })
+        ));
     }
 
     #[test]

@@ -126,6 +126,16 @@ pub fn read_config(dir: &Path) -> Result<Value, ModelError> {
     Ok(serde_json::from_str(&text)?)
 }
 
+/// The `config.json` of a model path: `<dir>/config.json` for a HF directory, the config
+/// synthesized from the metadata for a `.gguf` file.
+pub fn read_model_config(path: &Path) -> Result<Value, ModelError> {
+    if path.is_file() {
+        Ok(crate::gguf::GgufWeights::open(path)?.hf_config()?)
+    } else {
+        read_config(path)
+    }
+}
+
 /// Builds rank `tp.rank`'s model from a config and a weight source.
 pub fn build_model(
     config: &Value,

@@ -4,6 +4,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use omni_backend::quant::QMatrix;
+
 /// A host tensor in f32, row-major, in Hugging Face layout (`[out, in]` for linear weights).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
@@ -49,6 +51,13 @@ pub trait WeightSource: Send + Sync {
     fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError>;
     /// The whole tensor, upcast to f32, in HF layout.
     fn load(&self, name: &str) -> Result<HostTensor, WeightError>;
+    /// A 2-D weight in the quantized blocks the CPU backend multiplies without upcasting
+    /// ([`QMatrix`]: Q4_1, Q8_0), rows in HF order; `None` where the source holds the tensor
+    /// otherwise (f32, another block type), and [`WeightSource::load`] then gives it in f32.
+    fn load_quantized(&self, name: &str) -> Result<Option<QMatrix>, WeightError> {
+        let _ = name;
+        Ok(None)
+    }
 }
 
 /// Called after each tensor a model constructor reads: `(tensors read so far, tensors the model
@@ -101,10 +110,24 @@ impl WeightSource for ProgressWeights<'_> {
 
     fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
         let t = self.inner.load(name)?;
+        self.count();
+        Ok(t)
+    }
+
+    fn load_quantized(&self, name: &str) -> Result<Option<QMatrix>, WeightError> {
+        let t = self.inner.load_quantized(name)?;
+        if t.is_some() {
+            self.count();
+        }
+        Ok(t)
+    }
+}
+
+impl ProgressWeights<'_> {
+    fn count(&self) {
         // Relaxed: a counter for display; no other memory is published through it.
         let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
         (self.on_load)(done, self.total);
-        Ok(t)
     }
 }
 
@@ -173,5 +196,9 @@ impl WeightSource for SubmodelWeights<'_> {
 
     fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
         self.inner.load(&self.full(name))
+    }
+
+    fn load_quantized(&self, name: &str) -> Result<Option<QMatrix>, WeightError> {
+        self.inner.load_quantized(&self.full(name))
     }
 }

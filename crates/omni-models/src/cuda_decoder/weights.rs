@@ -5,7 +5,7 @@ use omni_backend::cuda::cudarc::driver::CudaSlice;
 use omni_backend::cuda::{CudaContext, bf16};
 
 use crate::ModelError;
-use crate::decoder::{DecoderLayer, DecoderSpec, HeadLayout, Linear, Mlp};
+use crate::decoder::{DecoderLayer, DecoderLinear, DecoderSpec, HeadLayout, Mlp};
 
 #[derive(Debug)]
 pub(super) struct DLinear {
@@ -73,12 +73,13 @@ impl Uploader<'_> {
         Ok(self.cx.upload_bf16_pinned(&v)?)
     }
 
-    fn linear(&self, l: &Linear) -> Result<DLinear, ModelError> {
+    fn linear(&self, l: &DecoderLinear) -> Result<DLinear, ModelError> {
         Ok(DLinear {
-            w: self.upload(&l.w)?,
+            // Quantized host blocks are dequantized here: the device keeps bf16.
+            w: self.upload(&l.w.to_f32())?,
             b: l.bias.as_deref().map(|b| self.upload(b)).transpose()?,
-            out: l.out,
-            inp: l.inp,
+            out: l.w.rows(),
+            inp: l.w.cols(),
         })
     }
 
@@ -94,8 +95,8 @@ impl Uploader<'_> {
                 let mut w13 = Vec::new();
                 let mut w2 = Vec::new();
                 for e in &m.experts {
-                    w13.extend_from_slice(&e.gate_up.w);
-                    w2.extend_from_slice(&e.down.w);
+                    w13.extend_from_slice(&e.gate_up.w.to_f32());
+                    w2.extend_from_slice(&e.down.w.to_f32());
                 }
                 let shared = match &m.shared {
                     Some((s, gate)) => Some(Box::new(DShared {

@@ -1,7 +1,11 @@
 //! The checkpoint walk: [`Loader`] reads one rank's shard of each layer by HF tensor name
-//! (column-parallel rows, row-parallel columns) into host f32.
+//! (column-parallel rows, row-parallel columns) into host memory: weight matrices in the
+//! quantized blocks the source stores them in when the CPU backend has kernels for those
+//! ([`WeightSource::load_quantized`]), f32 otherwise; vectors in f32.
 
-use super::{DecoderLayer, DecoderSpec, DenseMlp, HeadLayout, Linear, Mlp, MoeMlp};
+use omni_backend::quant::WeightMatrix;
+
+use super::{DecoderLayer, DecoderLinear, DecoderSpec, DenseMlp, HeadLayout, Mlp, MoeMlp};
 use crate::error::ModelError;
 use crate::weights::{HostTensor, WeightError, WeightSource};
 
@@ -21,19 +25,38 @@ pub(crate) fn load_shaped(
     Ok(t)
 }
 
+/// The `[rows, cols]` weight `name`: its quantized blocks where the source keeps them, else f32.
+pub(crate) fn load_weight(
+    ws: &dyn WeightSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<WeightMatrix, ModelError> {
+    if let Some(q) = ws.load_quantized(name)? {
+        if (q.rows(), q.cols()) != (rows, cols) {
+            return Err(WeightError::Invalid {
+                name: name.into(),
+                reason: format!(
+                    "shape [{}, {}], expected [{rows}, {cols}]",
+                    q.rows(),
+                    q.cols()
+                ),
+            }
+            .into());
+        }
+        return Ok(WeightMatrix::Quant(q));
+    }
+    Ok(WeightMatrix::f32(
+        load_shaped(ws, name, &[rows, cols])?.data,
+        rows,
+        cols,
+    )?)
+}
+
 /// Rows `start..start + len` of a 2-D (or 1-D, as a column) tensor.
 fn take_rows(t: &HostTensor, start: usize, len: usize) -> Vec<f32> {
     let cols: usize = t.shape.iter().skip(1).product();
     t.data[start * cols..(start + len) * cols].to_vec()
-}
-
-/// Columns `start..start + len` of a 2-D tensor.
-fn take_cols(t: &HostTensor, start: usize, len: usize) -> Vec<f32> {
-    let cols = t.shape[1];
-    t.data
-        .chunks_exact(cols)
-        .flat_map(|r| r[start..start + len].iter().copied())
-        .collect()
 }
 
 pub(crate) struct Loader<'a> {
@@ -73,23 +96,19 @@ impl<'a> Loader<'a> {
         full_rows: &[usize],
         inp: usize,
         bias: bool,
-    ) -> Result<Linear, ModelError> {
-        let mut w = Vec::new();
+    ) -> Result<DecoderLinear, ModelError> {
+        let mut ws = Vec::with_capacity(parts.len());
         let mut b = Vec::new();
-        let mut out = 0;
         for ((name, per, first, units), &rows) in parts.iter().zip(full_rows) {
-            let t = load_shaped(self.ws, &format!("{name}.weight"), &[rows, inp])?;
-            w.extend(take_rows(&t, first * per, units * per));
+            let w = load_weight(self.ws, &format!("{name}.weight"), rows, inp)?;
+            ws.push(w.take_rows(first * per, units * per)?);
             if bias {
                 let bt = load_shaped(self.ws, &format!("{name}.bias"), &[rows])?;
                 b.extend(take_rows(&bt, first * per, units * per));
             }
-            out += units * per;
         }
-        Ok(Linear {
-            w,
-            out,
-            inp,
+        Ok(DecoderLinear {
+            w: WeightMatrix::stack(ws)?,
             bias: bias.then_some(b),
         })
     }
@@ -103,18 +122,16 @@ impl<'a> Loader<'a> {
         start: usize,
         len: usize,
         bias: bool,
-    ) -> Result<Linear, ModelError> {
-        let t = load_shaped(self.ws, &format!("{name}.weight"), &[out, in_full])?;
+    ) -> Result<DecoderLinear, ModelError> {
+        let w = load_weight(self.ws, &format!("{name}.weight"), out, in_full)?;
         // The partial sums of all ranks are added up: the bias belongs to one of them.
         let bias = if bias && self.rank == 0 {
             Some(self.vector(&format!("{name}.bias"), out)?)
         } else {
             None
         };
-        Ok(Linear {
-            w: take_cols(&t, start, len),
-            out,
-            inp: len,
+        Ok(DecoderLinear {
+            w: w.take_cols(start, len)?,
             bias,
         })
     }

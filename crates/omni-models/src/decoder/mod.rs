@@ -26,6 +26,7 @@
 use omni_backend::attention::{LayerKvCache, paged_attention, reshape_and_cache};
 use omni_backend::linalg::matmul_nt;
 use omni_backend::ops;
+use omni_backend::quant::WeightMatrix;
 use omni_backend::rope::{MropeLayout, Rope};
 
 use crate::batch::ForwardBatch;
@@ -39,7 +40,7 @@ use crate::{CausalLm, KvCacheSpec};
 mod loader;
 mod spec;
 
-pub(crate) use loader::{Loader, load_shaped};
+pub(crate) use loader::{Loader, load_shaped, load_weight};
 pub use spec::{DecoderSpec, HeadLayout, MoeSpec, MropeSpec, PipelineStage, TpContext};
 
 use crate::StageForward;
@@ -70,11 +71,41 @@ impl Linear {
     }
 }
 
+/// A decoder layer's weight `[out, in]` as the checkpoint stores it (f32, or quantized blocks
+/// that the CPU backend multiplies without upcasting), with an optional bias.
+#[derive(Debug, Clone)]
+pub(crate) struct DecoderLinear {
+    pub(crate) w: WeightMatrix,
+    pub(crate) bias: Option<Vec<f32>>,
+}
+
+impl DecoderLinear {
+    /// Output features.
+    pub(crate) fn out(&self) -> usize {
+        self.w.rows()
+    }
+
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        out.clear();
+        out.resize(tokens * self.out(), 0.0);
+        self.w.matmul_nt(x, out, tokens)?;
+        if let Some(b) = &self.bias {
+            ops::add_bias_inplace(out, b)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct DenseMlp {
     /// `[gate rows | up rows]` of this rank, fused: `[2 * inter, hidden]`.
-    pub(crate) gate_up: Linear,
-    pub(crate) down: Linear,
+    pub(crate) gate_up: DecoderLinear,
+    pub(crate) down: DecoderLinear,
     pub(crate) inter: usize,
 }
 
@@ -100,8 +131,8 @@ pub(crate) struct DecoderLayer {
     pub(crate) input_norm: Vec<f32>,
     pub(crate) post_norm: Vec<f32>,
     /// Fused `[q rows | k rows | v rows]` of this rank's heads.
-    pub(crate) qkv: Linear,
-    pub(crate) o: Linear,
+    pub(crate) qkv: DecoderLinear,
+    pub(crate) o: DecoderLinear,
     pub(crate) q_norm: Option<Vec<f32>>,
     pub(crate) k_norm: Option<Vec<f32>>,
     pub(crate) mlp: Mlp,
@@ -141,9 +172,9 @@ pub struct DecoderModel {
     spec: DecoderSpec,
     heads: HeadLayout,
     tp: TpContext,
-    /// `[vocab, hidden]`; empty without `embed_and_head`.
-    embed: Vec<f32>,
-    lm_head: Option<Vec<f32>>,
+    /// `[vocab, hidden]`; no rows without `embed_and_head`.
+    embed: WeightMatrix,
+    lm_head: Option<WeightMatrix>,
     norm: Vec<f32>,
     layers: Vec<DecoderLayer>,
     /// The global index of `layers[0]` (its pipeline stage's first layer).
@@ -201,22 +232,19 @@ impl DecoderModel {
         // A middle stage has neither table; the last stage keeps a tied table as its head.
         let needs_embed = pp.is_first() || (pp.is_last() && spec.tie_word_embeddings);
         let (embed, lm_head) = if !spec.embed_and_head {
-            (Vec::new(), None)
+            (WeightMatrix::f32(Vec::new(), 0, h)?, None)
         } else if !needs_embed {
             let head = pp
                 .is_last()
-                .then(|| load_shaped(ws, "lm_head.weight", &[v, h]))
+                .then(|| load_weight(ws, "lm_head.weight", v, h))
                 .transpose()?;
-            (Vec::new(), head.map(|t| t.data))
+            (WeightMatrix::f32(Vec::new(), 0, h)?, head)
         } else if spec.tie_word_embeddings {
-            (
-                load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data,
-                None,
-            )
+            (load_weight(ws, "model.embed_tokens.weight", v, h)?, None)
         } else {
             (
-                load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data,
-                Some(load_shaped(ws, "lm_head.weight", &[v, h])?.data),
+                load_weight(ws, "model.embed_tokens.weight", v, h)?,
+                Some(load_weight(ws, "lm_head.weight", v, h)?),
             )
         };
         let norm = loader.vector("model.norm.weight", h)?;
@@ -279,7 +307,7 @@ impl DecoderModel {
         }
         let h = self.spec.hidden_size;
         let mut x = vec![0.0; ids.len() * h];
-        ops::embedding(&self.embed, h, ids, &mut x)?;
+        self.embed.embedding(ids, &mut x)?;
         Ok(x)
     }
 
@@ -489,6 +517,26 @@ impl DecoderModel {
         adds: ResidualAdds<'_>,
         kv: &mut [LayerKvCache],
     ) -> Result<ModelOutputs, ModelError> {
+        // On the rayon pool: the step's hundred-odd parallel products then start from a pool
+        // thread (measured on the 2-core VM: 16-20 ms per batch-1 step against 23-29 from the
+        // worker's own thread). Not with tensor parallelism: ranks that are threads of one
+        // process would block in the all-reduce on pool threads, more ranks than threads.
+        if self.tp.size > 1 {
+            return self.run_here(batch, embeds, positions, capture, adds, kv);
+        }
+        omni_backend::linalg::on_pool(|| self.run_here(batch, embeds, positions, capture, adds, kv))
+    }
+
+    /// [`DecoderModel::run`] on the calling thread.
+    fn run_here(
+        &self,
+        batch: &ForwardBatch,
+        embeds: Option<&[f32]>,
+        positions: PositionInputs<'_>,
+        capture: &[Capture],
+        adds: ResidualAdds<'_>,
+        kv: &mut [LayerKvCache],
+    ) -> Result<ModelOutputs, ModelError> {
         let t = batch.input_ids.len();
         let h = self.spec.hidden_size;
         let pp = self.tp.pp;
@@ -563,7 +611,7 @@ impl DecoderModel {
             }
             None => {
                 let mut x = vec![0.0; t * h];
-                ops::embedding(&self.embed, h, &batch.input_ids, &mut x)?;
+                self.embed.embedding(&batch.input_ids, &mut x)?;
                 x
             }
         };
@@ -649,8 +697,8 @@ impl DecoderModel {
         if self.spec.embed_and_head {
             let v = self.spec.vocab_size;
             let mut logits = vec![0.0; rows.len() * v];
-            let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-            matmul_nt(&sel, head, &mut logits, rows.len(), h, v)?;
+            let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+            head.matmul_nt_head(&sel, &mut logits, rows.len())?;
             out.logits = Some(HostTensor {
                 shape: vec![rows.len(), v],
                 data: logits,

@@ -1,0 +1,149 @@
+//! Time of SmolLM2-135M's linear layers on this CPU, per call, for several row counts `m`:
+//! f32 weights resident (the old CPU path), the integer Q8 x Q4_1 / Q8_0 kernels, and f32 tiles
+//! dequantized on the fly. What `quant::F32_MIN_ROWS` is chosen from.
+//!
+//! `cargo run --release -p omni-backend --example quant_bench [m,m,...]`
+
+use std::time::Instant;
+
+use half::f16;
+use omni_backend::quant::q8::Q8Rows;
+use omni_backend::quant::{Kernel, QMatrix, QuantType};
+
+/// `(name, rows, cols, type, uses per decode step)` of one SmolLM2-135M step (30 layers).
+const SHAPES: &[(&str, usize, usize, QuantType, usize)] = &[
+    ("qkv", 960, 576, QuantType::Q4_1, 30),
+    ("o", 576, 576, QuantType::Q4_1, 30),
+    ("gate_up", 3072, 576, QuantType::Q4_1, 30),
+    ("down", 576, 1536, QuantType::Q4_1, 30),
+    ("q8_0 in cache", 960, 576, QuantType::Q8_0, 0),
+    ("lm_head", 49152, 576, QuantType::Q8_0, 1),
+];
+
+fn random_matrix(ty: QuantType, rows: usize, cols: usize, seed: &mut u64) -> QMatrix {
+    let mut next = || {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        *seed
+    };
+    let mut data = Vec::with_capacity(rows * cols / 32 * ty.block_bytes());
+    for _ in 0..rows * cols / 32 {
+        data.extend(f16::from_f32(0.01).to_le_bytes());
+        match ty {
+            QuantType::Q4_1 => {
+                data.extend(f16::from_f32(-0.08).to_le_bytes());
+                data.extend((0..16).map(|_| next() as u8));
+            }
+            QuantType::Q8_0 => data.extend((0..32).map(|_| next() as u8)),
+        }
+    }
+    QMatrix::new(ty, rows, cols, data).expect("sizes match")
+}
+
+/// This thread's CPU seconds: what a kernel costs when the shared machine preempts it.
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant Linux has.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Best of 5 of the thread CPU seconds per call over about 30 ms.
+fn cpu_time(mut f: impl FnMut()) -> f64 {
+    f();
+    let t = thread_cpu_s();
+    f();
+    let once = (thread_cpu_s() - t).max(1e-7);
+    let iters = ((0.03 / once) as usize).clamp(1, 10_000);
+    (0..5)
+        .map(|_| {
+            let t = thread_cpu_s();
+            for _ in 0..iters {
+                f();
+            }
+            (thread_cpu_s() - t) / iters as f64
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Best of 3 of the mean seconds per call over about 60 ms.
+fn time(mut f: impl FnMut()) -> f64 {
+    f();
+    let t = Instant::now();
+    f();
+    let once = t.elapsed().as_secs_f64().max(1e-7);
+    let iters = ((0.06 / once) as usize).clamp(1, 10_000);
+    (0..3)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            t.elapsed().as_secs_f64() / iters as f64
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn main() {
+    let ms: Vec<usize> = std::env::args()
+        .nth(1)
+        .map(|s| s.split(',').filter_map(|v| v.parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 2, 4, 8, 16, 32, 64, 512]);
+    let kernel = Kernel::detect();
+    println!(
+        "kernel {}, {} rayon threads; microseconds per call",
+        kernel.name(),
+        rayon::current_num_threads()
+    );
+    println!("| layer | m | f32 resident | integer | f32 tiles | integer, 1 thread CPU time |");
+    println!("|---|---|---|---|---|---|");
+    let mut seed = 0x1234_5678_9abc_def0u64;
+    let mut step = vec![[0.0f64; 3]; ms.len()];
+    for &(name, n, k, ty, uses) in SHAPES {
+        let q = random_matrix(ty, n, k, &mut seed);
+        let wf = q.dequantize();
+        for (mi, &m) in ms.iter().enumerate() {
+            if name == "lm_head" && m > 64 {
+                continue; // the head runs on the output rows only
+            }
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let mut out = vec![0.0f32; m * n];
+            let f32_s = time(|| {
+                omni_backend::linalg::matmul_nt(&a, &wf, &mut out, m, k, n).expect("shapes");
+            });
+            let int_s = time(|| q.matmul_nt_with(&a, &mut out, m, kernel).expect("shapes"));
+            let tile_s = time(|| q.matmul_nt_f32_tiles(&a, &mut out, m).expect("shapes"));
+            let acts = Q8Rows::quantize(&a, m, k);
+            let rb = q.row_bytes();
+            let kernel_s = cpu_time(|| kernel.fill(ty, q.bytes(), rb, &acts, &mut out));
+            for (acc, s) in step[mi].iter_mut().zip([f32_s, int_s, tile_s]) {
+                *acc += s * uses as f64;
+            }
+            println!(
+                "| {name} | {m} | {:.1} | {:.1} | {:.1} | {:.1} ({:.1} ns/block) |",
+                f32_s * 1e6,
+                int_s * 1e6,
+                tile_s * 1e6,
+                kernel_s * 1e6,
+                kernel_s * 1e9 / (m * n * k / 32) as f64
+            );
+        }
+    }
+    println!("\nall linear layers of one step (30 layers + lm_head where m <= 64), ms:");
+    println!("| m | f32 resident | integer | f32 tiles |");
+    println!("|---|---|---|---|");
+    for (m, s) in ms.iter().zip(&step) {
+        println!(
+            "| {m} | {:.2} | {:.2} | {:.2} |",
+            s[0] * 1e3,
+            s[1] * 1e3,
+            s[2] * 1e3
+        );
+    }
+}
