@@ -182,7 +182,8 @@ fn head_product_keeps_activations_in_f32() {
         if let Some(simd) = Kernel::avx2() {
             let mut scalar = vec![0.0; m * n];
             let mut fast = vec![0.0; m * n];
-            w.matmul_nt_head_with(&a, &mut scalar, m, Kernel::SCALAR).unwrap();
+            w.matmul_nt_head_with(&a, &mut scalar, m, Kernel::SCALAR)
+                .unwrap();
             w.matmul_nt_head_with(&a, &mut fast, m, simd).unwrap();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&scalar), bits(&fast), "m={m} k={k} n={n}");
