@@ -101,6 +101,8 @@ omni_round() {
 
 for r in $(seq 1 "$rounds"); do
     echo "bench-llama-cpp: round $r of $rounds" >&2
+    # The 1-minute load average before the round: other processes on a shared machine.
+    cut -d' ' -f1 /proc/loadavg > "$tmp/load-$r"
     if [ $((r % 2)) = 1 ]; then llama_round "$r"; omni_round "$r"; else omni_round "$r"; llama_round "$r"; fi
 done
 
@@ -113,9 +115,11 @@ for r in range(1, rounds + 1):
     pp = json.load(open(f"{tmp}/llama-pp-{r}.json"))[0]
     o = json.load(open(f"{tmp}/omni-{r}.json"))
     dec = o["decode"][0]["decode_tok_per_s"]
-    ttft = min(o["prefill"]["ttft_s"])
-    rows.append({"round": r, "llama_tg": tg["avg_ts"], "omni_tg": dec,
-                 "llama_pp": pp["avg_ts"], "omni_pp": 512 / ttft})
+    # The mean of the tries' tokens/s, as llama-bench's avg_ts is.
+    pp_ts = statistics.mean(512 / t for t in o["prefill"]["ttft_s"])
+    load = open(f"{tmp}/load-{r}").read().strip()
+    rows.append({"round": r, "load": load, "llama_tg": tg["avg_ts"], "omni_tg": dec,
+                 "llama_pp": pp["avg_ts"], "omni_pp": pp_ts})
     build = tg.get("build_commit", "?")
     cpu = tg.get("cpu_info", "?")
 med = {k: statistics.median(x[k] for x in rows) for k in ("llama_tg", "omni_tg", "llama_pp", "omni_pp")}
@@ -126,12 +130,12 @@ lines.append(f"model: {model}")
 lines.append(f"llama.cpp: llama-bench from llama-cpp-python {version} (llama.cpp {build}), "
              f"-t {threads}, tg128 and pp512, 3 repetitions per round")
 lines.append("omni-engine: bench latency --batch-sizes 1 --input-len 1 --output-len 129 "
-             "--prefill-len 512 (decode tok/s of 128 tokens; prefill = 512 / best TTFT of 3)")
+             "--prefill-len 512 (decode tok/s of 128 tokens; prefill = mean of 512 / TTFT over 3 tries)")
 lines.append("")
-lines.append("| round | llama.cpp tg128 tok/s | omni decode tok/s | ratio | llama.cpp pp512 tok/s | omni prefill tok/s | ratio |")
+lines.append("| round (load avg before) | llama.cpp tg128 tok/s | omni decode tok/s | ratio | llama.cpp pp512 tok/s | omni prefill tok/s | ratio |")
 lines.append("|---|---|---|---|---|---|---|")
 for x in rows:
-    lines.append(f"| {x['round']} | {x['llama_tg']:.1f} | {x['omni_tg']:.1f} | {x['omni_tg'] / x['llama_tg']:.2f} "
+    lines.append(f"| {x['round']} ({x['load']}) | {x['llama_tg']:.1f} | {x['omni_tg']:.1f} | {x['omni_tg'] / x['llama_tg']:.2f} "
                  f"| {x['llama_pp']:.1f} | {x['omni_pp']:.1f} | {x['omni_pp'] / x['llama_pp']:.2f} |")
 lines.append(f"| median | {med['llama_tg']:.1f} | {med['omni_tg']:.1f} | {med['omni_tg'] / med['llama_tg']:.2f} "
              f"| {med['llama_pp']:.1f} | {med['omni_pp']:.1f} | {med['omni_pp'] / med['llama_pp']:.2f} |")
