@@ -10,25 +10,7 @@ mod common;
 use common::*;
 use omni_models::gguf::GgufWeights;
 use omni_models::registry::build_model;
-use omni_models::weights::{HostTensor, WeightError, WeightSource};
 use omni_models::{CausalLm, TpContext};
-
-/// The file's weights, f32 only (`load_quantized` left at its default).
-struct F32View<'a>(&'a GgufWeights);
-
-impl WeightSource for F32View<'_> {
-    fn tensor_names(&self) -> Vec<String> {
-        self.0.tensor_names()
-    }
-
-    fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
-        self.0.shape(name)
-    }
-
-    fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
-        self.0.load(name)
-    }
-}
 
 /// The default chat template's system prompt and "What is the capital of France?" (37 tokens,
 /// up to "assistant\n"), then "The capital of France".

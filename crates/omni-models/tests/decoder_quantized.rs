@@ -108,23 +108,6 @@ impl WeightSource for Quantized {
     }
 }
 
-/// The same weights, f32 only (`load_quantized` left at its default).
-struct F32View<'a>(&'a Quantized);
-
-impl WeightSource for F32View<'_> {
-    fn tensor_names(&self) -> Vec<String> {
-        self.0.tensor_names()
-    }
-
-    fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
-        self.0.shape(name)
-    }
-
-    fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
-        self.0.load(name)
-    }
-}
-
 /// Prefill of all but the last token (38 rows: the f32-tile path), then the last token as a
 /// decode step (1 row: the integer path), on every rank of `tp_size`; rank 0's logits.
 fn logits(ws: &dyn WeightSource, tp_size: usize, ids: &[u32]) -> (Vec<f32>, Vec<f32>) {

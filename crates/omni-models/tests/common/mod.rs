@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 use omni_models::registry::{LoadFormat, load_model_dir, read_config};
+use omni_models::weights::{HostTensor, WeightError, WeightSource};
 use omni_models::{CausalLm, ForwardBatch, LayerKvCache, SeqChunk, TpContext};
 
 pub const ARCHS: &[&str] = &["llama", "llama3-rope-bf16", "qwen3", "qwen3-moe"];
@@ -169,4 +170,22 @@ pub fn fro_err(a: &[f32], b: &[f32]) -> f32 {
         den += f64::from(*y).powi(2);
     }
     (num / den.max(f64::MIN_POSITIVE)).sqrt() as f32
+}
+
+/// Weights as f32 only (`load_quantized` left at its default): the dequantized reference of a
+/// source that keeps quantized blocks.
+pub struct F32View<'a>(pub &'a dyn WeightSource);
+
+impl WeightSource for F32View<'_> {
+    fn tensor_names(&self) -> Vec<String> {
+        self.0.tensor_names()
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<usize>, WeightError> {
+        self.0.shape(name)
+    }
+
+    fn load(&self, name: &str) -> Result<HostTensor, WeightError> {
+        self.0.load(name)
+    }
 }
