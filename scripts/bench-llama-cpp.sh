@@ -6,9 +6,9 @@
 # the medians and the ratios ours / llama.cpp.
 #
 # llama-bench is built from the llama.cpp sources that PyPI's llama-cpp-python sdist vendors
-# (pip download --no-binary; CMake with -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF, native CPU flags,
-# about 4.5 minutes on 2 cores), cached under target/llama-cpp/ (git-ignored). When cmake is not
-# on PATH it is installed from PyPI into target/llama-cpp/venv.
+# (pip download --no-binary; CMake with -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF and the CPU's SIMD
+# extensions but AMX, about 4.5 minutes on 2 cores), cached under target/llama-cpp/
+# (git-ignored). When cmake is not on PATH it is installed from PyPI into target/llama-cpp/venv.
 #
 #   usage: scripts/bench-llama-cpp.sh [--rounds N] [--threads T] [--model FILE.gguf]
 #                                     [--out results.md] [--build-only]
@@ -37,8 +37,25 @@ done
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 cache="$root/target/llama-cpp"
 src="$cache/llama-cpp-python-$version"
-build="$cache/build-$version"
+build="$cache/build-$version-noamx"
 bench_bin="$build/bin/llama-bench"
+
+# ggml's CPU features: every SIMD extension this CPU reports, except AMX. A VM may report AMX
+# tiles that the kernel does not let a process use (llama-bench's pp512 then dies of SIGILL, as
+# on the 2-core machine of 2026-12-02), so the build names its extensions instead of
+# -march=native (GGML_NATIVE).
+cpu_flags() {
+    local have; have=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+    local out="-DGGML_NATIVE=OFF" f
+    for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+             avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+        case "$have" in
+            *" ${f%%:*} "*) out="$out -DGGML_${f#*:}=ON" ;;
+            *) out="$out -DGGML_${f#*:}=OFF" ;;
+        esac
+    done
+    echo "$out"
+}
 
 build_llama_bench() {
     mkdir -p "$cache"
@@ -61,7 +78,7 @@ build_llama_bench() {
     fi
     echo "bench-llama-cpp: building llama-bench in $build (takes minutes)" >&2
     "$cmake" -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
-        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF $(cpu_flags) -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
     "$cmake" --build "$build" --target llama-bench -j "$(nproc)" >&2
 }

@@ -5,7 +5,8 @@
 #   bash scripts/gpu-check.sh [tests|bench|serve|all]...      (default: all)
 #
 #   tests   kernel tests vs the CPU backend, model logits/greedy vs the transformers references,
-#           batched == alone, graphs == eager, engine greedy on 1 GPU and -tp 2 (when 2 GPUs)
+#           batched == alone, graphs == eager, engine greedy on 1 GPU, -pp 2 == -tp 1 (both
+#           stages on one GPU when there is one), -tp 2 (when 2 GPUs)
 #   bench   `omni-engine bench latency` (decode at batch 1/8/32/64 with 1k context, prefill of
 #           2k tokens, roofline fractions) for Qwen3-8B and Qwen3-30B-A3B shapes (dummy
 #           weights), -tp 1 and -tp 2 when there are 2 GPUs
@@ -34,6 +35,8 @@
 #           a 30 s clip)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
+#   cold    cold start to /health and requests 1..10 one at a time (scripts/bench-cold-start.sh)
+#           for the Qwen3-30B-A3B shape (dummy weights): request 1 must be as fast as the rest
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
 #           plus `bench latency` -tp 8 (SERVE_TP / SERVE_MODELS override)
 #
@@ -79,7 +82,7 @@ step() { # name, command...
   timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
-  grep -E '^(SKIP|NCCL|\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  B=|\|)|profile |GPU blocks|captured CUDA graphs' "$LOGS/$name.log" | grep -v 'attention check' | head -100
+  grep -E '^(SKIP|NCCL|\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  B=|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
   [ $rc -ne 0 ] && fail=1
   return 0
 }
@@ -87,7 +90,8 @@ step() { # name, command...
 if want tests; then
   step kernels "$BIN/backend-tests" cuda:: --test-threads=1 --nocapture
   step model "$BIN/model-tests" --test-threads=1 --nocapture
-  OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" --test-threads=1 --nocapture
+  # -pp 2 runs on one GPU too: its two stages then share the device.
+  OMNI_CUDA_SHARE_DEVICES=1 OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" --test-threads=1 --nocapture
 fi
 
 if want mm; then
@@ -151,6 +155,24 @@ if want profile; then
   done
 fi
 
+bench_model_dir() { # model -> a temp dir with its config.json and a tokenizer of its vocabulary
+  local d; d=$(mktemp -d)/$1; mkdir -p "$d"; cp "bench/models/$1/config.json" "$d/"
+  local vocab; vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$d/config.json")
+  python3 scripts/make_bench_tokenizer.py "$vocab" > "$d/tokenizer.json"
+  echo "$d"
+}
+if want cold; then
+  # Without the workers' start-up warm-up (OMNI_CUDA_WARMUP=0), then with it.
+  for m in ${COLD_MODELS:-qwen3-30b-a3b}; do
+    d=$(bench_model_dir "$m")
+    for w in 0 1; do
+      OMNI_CUDA_WARMUP=$w OMNI_BIN=$BIN/omni-engine JSON="$LOGS/cold-$m-warmup$w.json" \
+        step "cold-$m-warmup$w" bash scripts/bench-cold-start.sh \
+        "$d" --load-format dummy --device cuda --max-model-len 4096 --max-num-seqs 64
+    done
+  done
+fi
+
 SERVE_TP=${SERVE_TP:-1}
 if want tp8 && [ "$NGPU" -ge 8 ]; then
   step nccl-8 "$BIN/omni-engine" bench nccl --gpus 8 --json "$LOGS/nccl-8.json"
@@ -161,9 +183,7 @@ if want serve; then
   for m in ${SERVE_MODELS:-qwen3-8b qwen3-30b-a3b}; do
     port=8100
     # config.json of the real shape + a tokenizer with exactly its vocabulary
-    mdir=$(mktemp -d)/$m; mkdir -p "$mdir"; cp "bench/models/$m/config.json" "$mdir/"
-    vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$mdir/config.json")
-    python3 scripts/make_bench_tokenizer.py "$vocab" > "$mdir/tokenizer.json"
+    mdir=$(bench_model_dir "$m")
     "$BIN/omni-engine" serve "$mdir" --served-model-name "$m" --load-format dummy --device cuda --port $port -tp "$SERVE_TP" \
       --max-model-len 2048 --max-num-seqs 64 > "$LOGS/serve-$m.log" 2>&1 &
     pid=$!

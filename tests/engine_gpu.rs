@@ -127,3 +127,34 @@ fn gpu_tp2_greedy_equals_tp1() {
     }
     report_vs_reference("qwen3-moe", "tp=2", &two);
 }
+
+/// `-pp 2` on the CUDA workers: the residual stream goes from stage to stage exactly (f32), so
+/// the tokens equal `-tp 1`'s. One GPU is enough when both stages may share it
+/// (`OMNI_CUDA_SHARE_DEVICES=1`, as `scripts/gpu-check.sh` sets; each takes a part of its
+/// memory); two GPUs give each stage its own.
+#[test]
+fn gpu_pp2_greedy_equals_tp1() {
+    let Some(n) = gpu_count() else {
+        println!("SKIP gpu_pp2_greedy_equals_tp1: no GPU");
+        return;
+    };
+    if n < 2 && std::env::var("OMNI_CUDA_SHARE_DEVICES").as_deref() != Ok("1") {
+        println!("SKIP gpu_pp2_greedy_equals_tp1: one GPU (OMNI_CUDA_SHARE_DEVICES=1 shares it)");
+        return;
+    }
+    let mem = ["--gpu-memory-utilization", "0.3"];
+    for name in ["llama", "qwen3", "qwen3-moe", "llama3-rope-bf16"] {
+        let one = gpu_tokens(name, 1, &mem);
+        let mut pp = mem.to_vec();
+        pp.extend(["-pp", "2"]);
+        let graphs = gpu_tokens(name, 1, &pp);
+        assert_eq!(one, graphs, "{name}: -pp 2 differs from -tp 1 ({n} GPUs)");
+        pp.push("--enforce-eager");
+        let eager = gpu_tokens(name, 1, &pp);
+        assert_eq!(
+            one, eager,
+            "{name}: -pp 2 --enforce-eager differs from -tp 1"
+        );
+        println!("gpu engine {name}: -pp 2 tokens (graphs and eager) equal -tp 1 on {n} GPU(s)");
+    }
+}

@@ -167,10 +167,10 @@ fn stream_completion(
     })
 }
 
-#[test]
-fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
-    let Some(pair) = NodePair::new() else { return };
-    let mut follower = pair.spawn_follower(&engine_bin(), &follower_args(2, 2));
+/// A follower and a leader `serve` (llama fixture, tp 2 x pp 2 over the two nodes) up and
+/// healthy: `(follower, leader, leader pid, leader's address)`.
+fn serve_pair(pair: &NodePair) -> (std::process::Child, std::process::Child, u32, String) {
+    let follower = pair.spawn_follower(&engine_bin(), &follower_args(2, 2));
     let mut args = s(&["serve"]);
     args.push(fixture("llama").display().to_string());
     args.extend(parallel(2, 2));
@@ -190,7 +190,7 @@ fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
         "--max-model-len",
         "256",
     ]));
-    let mut leader = pair.spawn_leader(&engine_bin(), &args);
+    let leader = pair.spawn_leader(&engine_bin(), &args);
     let leader_pid = leader.id();
     let addr = format!("{LEADER_IP}:8000");
     let healthy = {
@@ -223,6 +223,42 @@ fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
         pair.log("leader"),
         pair.log("follower")
     );
+    (follower, leader, leader_pid, addr)
+}
+
+#[test]
+fn sigterm_to_a_follower_stops_it_cleanly_and_breaks_the_group_loudly() {
+    let Some(pair) = NodePair::new() else { return };
+    let (mut follower, mut leader, leader_pid, _addr) = serve_pair(&pair);
+    let nodes = pair.follower_pids("omni-engine");
+    assert_eq!(nodes.len(), 1, "{nodes:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(nodes[0]),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = wait_exit(&mut follower, Duration::from_secs(30), "the follower");
+    let log = pair.log("follower");
+    assert!(
+        status.success(),
+        "a requested stop exits 0: {status}\n{log}"
+    );
+    assert!(log.contains("stopped by a signal"), "{log}");
+    // The group is broken: the leader fails and exits non-zero (LeaderWorkerSet recreates it).
+    let status = wait_exit(&mut leader, Duration::from_secs(30), "the leader");
+    assert!(!status.success(), "the leader must exit non-zero: {status}");
+    assert!(
+        pair.log("leader").contains("node 1"),
+        "the leader does not name node 1: {}",
+        pair.log("leader")
+    );
+    assert_no_segments(&pair, leader_pid);
+}
+
+#[test]
+fn killing_a_follower_worker_fails_every_stream_fast_naming_node_and_rank() {
+    let Some(pair) = NodePair::new() else { return };
+    let (mut follower, mut leader, leader_pid, addr) = serve_pair(&pair);
     let (tx, rx) = mpsc::channel();
     let streams: Vec<_> = (0..3)
         .map(|_| stream_completion(&pair, addr.clone(), tx.clone()))

@@ -1,14 +1,42 @@
 //! `serve --headless --node-rank N`: a follower node of a multi-node group. It runs only this
 //! node's workers, joined to the leader (`--master-addr`, `--master-port`), and exits when the
-//! leader shuts the group down (0) or the group breaks (non-zero).
+//! leader shuts the group down (0), on SIGTERM / SIGINT (0, after telling the leader, stopping
+//! its workers and removing its segments) or when the group breaks (non-zero).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
 
 use omni_config::EngineConfig;
 use omni_core::{HeadlessConfig, NodeConfig};
 
+/// Set by SIGTERM / SIGINT; the follower's loops poll it.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_stop_signal(_: nix::libc::c_int) {
+    // Relaxed: a flag with no data behind it (see `omni_core`'s headless loop).
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Makes SIGTERM and SIGINT set [`STOP`] instead of killing the process.
+fn catch_stop_signals() -> anyhow::Result<()> {
+    let action = SigAction::new(
+        SigHandler::Handler(on_stop_signal),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGTERM, Signal::SIGINT] {
+        // SAFETY: the handler only stores into a static atomic, which is async-signal-safe;
+        // no other code of this process installs a handler for these signals.
+        unsafe { sigaction(sig, &action) }?;
+    }
+    Ok(())
+}
+
 /// Runs the follower until the group ends.
 pub fn run(config: &EngineConfig) -> anyhow::Result<()> {
+    catch_stop_signals()?;
     let p = &config.parallel;
     let cfg = HeadlessConfig {
         worker_exe: crate::current_exe()?,
@@ -23,6 +51,7 @@ pub fn run(config: &EngineConfig) -> anyhow::Result<()> {
             host_ip: p.host_ip,
             join_timeout: Duration::from_secs(p.distributed_timeout_seconds),
         },
+        stop: Some(&STOP),
     };
     tracing::info!(
         node_rank = p.node_rank,
@@ -30,7 +59,10 @@ pub fn run(config: &EngineConfig) -> anyhow::Result<()> {
         leader = %format!("{}:{}", p.master_addr, p.master_port),
         "starting a headless node (workers only; the leader serves the API)"
     );
-    omni_core::run_headless(&cfg)?;
-    tracing::info!("the leader shut the group down");
+    match omni_core::run_headless(&cfg) {
+        Ok(()) => tracing::info!("the leader shut the group down"),
+        Err(e) if e.is_requested_stop() => tracing::info!("{e}: workers stopped, segments removed"),
+        Err(e) => return Err(e.into()),
+    }
     Ok(())
 }

@@ -59,6 +59,30 @@ impl ForwardBatch {
         Ok(b)
     }
 
+    /// A batch for warming a backend up (vLLM's dummy run): sequence `s` computes `q` new
+    /// tokens (id 0) after `ctx` of context, `seqs[s] = (ctx, q)`, reading block 0 for all of
+    /// it and writing nothing into the KV cache (every slot is padding).
+    pub fn dummy(seqs: &[(usize, usize)], block_size: usize) -> Result<Self, ModelError> {
+        let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, q)| vec![0; q]).collect();
+        let tables: Vec<Vec<u32>> = seqs
+            .iter()
+            .map(|&(ctx, q)| vec![0; (ctx + q).div_ceil(block_size.max(1)).max(1)])
+            .collect();
+        let chunks: Vec<SeqChunk<'_>> = seqs
+            .iter()
+            .zip(&tokens)
+            .zip(&tables)
+            .map(|((&(ctx, _), t), bt)| SeqChunk {
+                tokens: t,
+                start_pos: ctx,
+                block_table: bt,
+            })
+            .collect();
+        let mut b = Self::from_chunks(&chunks, block_size)?;
+        b.attn.slot_mapping.iter_mut().for_each(|s| *s = -1);
+        Ok(b)
+    }
+
     /// Asks for the logits of every token, not only the last of each sequence.
     pub fn with_all_logits(mut self) -> Self {
         self.logits_indices = Some((0..self.input_ids.len()).collect());
@@ -108,6 +132,18 @@ mod tests {
         assert_eq!(b.attn.query_start_loc, vec![0, 3, 4]);
         assert_eq!(b.positions, vec![0, 1, 2, 5]);
         assert_eq!(b.output_rows(), vec![2, 3]);
+    }
+
+    #[test]
+    fn a_dummy_batch_reads_block_zero_and_writes_no_slot() {
+        let b = ForwardBatch::dummy(&[(0, 5), (7, 1)], 4).unwrap();
+        assert_eq!(b.input_ids, vec![0; 6]);
+        assert_eq!(b.positions, vec![0, 1, 2, 3, 4, 7]);
+        assert_eq!(b.attn.slot_mapping, vec![-1; 6]);
+        assert_eq!(b.attn.block_tables, vec![vec![0, 0], vec![0, 0]]);
+        assert_eq!(b.attn.seq_lens, vec![5, 8]);
+        assert_eq!(b.output_rows(), vec![4, 5]);
+        b.attn.validate(4, 1).unwrap();
     }
 
     #[test]

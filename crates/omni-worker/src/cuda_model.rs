@@ -1,24 +1,19 @@
-//! The GPU backend of a worker (feature `cuda`): [`CudaStepModel`] runs the decoder on device
-//! `rank` (one GPU per rank), joined to its peers by NCCL.
+//! The GPU backend of a worker (feature `cuda`): [`CudaStepModel`] runs the decoder (its
+//! pipeline stage's layers) on the device of the rank's local index on its node (one GPU per
+//! rank), joined to its tensor-parallel group by NCCL and to the neighbouring pipeline stages by
+//! the worker's peer queues (the residual stream copied to the host and sent as f32, the path
+//! the CPU backend takes; NCCL send/recv would keep it on the device).
 //!
-//! # NCCL set-up
-//! NCCL needs one 128-byte unique id on every rank. Rank 0 makes it and publishes it in the
-//! executor's tensor-parallel segment (`omni.<instance>.allreduce`, created 0600 by the executor
-//! and removed by it; the CPU backend uses the same segment for its shared-memory all-reduce):
-//! bytes `64..192` hold the id, then rank 0 stores `1` into the `u32` at offset 0 with release
-//! ordering. The other ranks poll that word with acquire ordering (so the id bytes they read
-//! after seeing `1` are the ones written before it), for at most [`NCCL_ID_TIMEOUT`].
+//! Its place (device, groups) and NCCL set-up: [`crate::cuda_group`].
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;
 use omni_backend::cuda::{
     CudaContext, CudaError, DeviceAllReduce, DeviceSamplingParams, NcclAllReduce, NcclComm,
 };
-use omni_ipc::shm::ShmSegment;
 use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
 use omni_models::cuda_encoders::{DeviceTowers, TowerWeights};
 use omni_models::gguf::GgufWeights;
@@ -30,10 +25,9 @@ use omni_models::{EncoderOutput, ForwardBatch, MropePositions, MultiModalFeature
 use omni_protocol::{LoadFormat, LoadModelSpec};
 
 use crate::WorkerError;
-use crate::step_model::{DeviceSample, StepModel};
-
-/// How long ranks other than 0 wait for the NCCL id.
-pub const NCCL_ID_TIMEOUT: Duration = Duration::from_secs(120);
+use crate::cuda_group::{CudaPlace, NcclIdSource, group_nccl_id};
+use crate::peers::{PipelineLink, QueueAllReduce};
+use crate::step_model::{DeviceSample, STAGE_INPUT_TIMEOUT, StepModel};
 
 /// Bytes the KV budget leaves free for CUDA graphs, NCCL buffers and allocator slack.
 const GRAPH_AND_NCCL_RESERVE: u64 = 1 << 30;
@@ -65,65 +59,35 @@ pub struct CudaStepModel {
     max_num_seqs: usize,
     /// `[max_num_seqs]` sampled token ids on the device.
     sampled: CudaSlice<i32>,
+    /// The residual stream from the previous pipeline stage and to the next.
+    pipeline: PipelineLink,
     /// Kept alive for the model's all-reduce (dropped after the model).
     _comm: Option<Arc<NcclAllReduce>>,
+    /// The queues the NCCL id came over (kept open until the group shuts down).
+    _id_queues: Option<Box<QueueAllReduce>>,
 }
 
-/// Publishes (rank 0) or reads (other ranks) the NCCL unique id through the tensor-parallel
-/// segment (see the module docs for the protocol).
-fn exchange_nccl_id(segment: &str, rank: usize) -> Result<[u8; 128], WorkerError> {
-    let seg = ShmSegment::open(segment)
-        .map_err(|e| WorkerError::Load(format!("opening {segment} for the NCCL id: {e}")))?;
-    if seg.len() < 192 {
-        return Err(WorkerError::Load(format!(
-            "segment {segment} is too small ({} bytes) for the NCCL id",
-            seg.len()
-        )));
-    }
-    let base = seg.as_ptr();
-    // SAFETY: the mapping is at least 192 bytes and page-aligned, so offset 0 is a valid,
-    // 4-byte-aligned u32 for the segment's lifetime (`seg` outlives `flag`); every process
-    // touches it only atomically.
-    let flag = unsafe { AtomicU32::from_ptr(base.cast::<u32>()) };
-    // SAFETY: bytes 64..192 lie inside the mapping; they are written only by rank 0 before it
-    // publishes the flag (release) and read by the others only after they observe it (acquire).
-    let id_bytes = unsafe { std::slice::from_raw_parts_mut(base.add(64), 128) };
-    if rank == 0 {
-        let id = NcclComm::unique_id().map_err(|e| WorkerError::Load(e.to_string()))?;
-        id_bytes.copy_from_slice(&id);
-        flag.store(1, Ordering::Release);
-        return Ok(id);
-    }
-    let deadline = Instant::now() + NCCL_ID_TIMEOUT;
-    while flag.load(Ordering::Acquire) != 1 {
-        if Instant::now() > deadline {
-            return Err(WorkerError::Load(format!(
-                "rank 0 did not publish the NCCL id in {NCCL_ID_TIMEOUT:?}"
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let mut id = [0u8; 128];
-    id.copy_from_slice(id_bytes);
-    Ok(id)
-}
-
-/// Loads rank `rank` of `world`'s shard on GPU `rank`. `segment` is the executor's
-/// tensor-parallel segment (needed when `world > 1`).
+/// Loads `place`'s shard (its tensor-parallel slice of its pipeline stage's layers) on its GPU,
+/// joined to its group by NCCL (the id from `nccl`) and to its pipeline neighbours by
+/// `pipeline`.
 pub fn load_cuda_model(
     spec: &LoadModelSpec,
-    rank: usize,
-    world: usize,
-    segment: Option<&str>,
+    place: CudaPlace,
+    nccl: NcclIdSource,
+    pipeline: PipelineLink,
     on_layer: &dyn Fn(usize, usize),
 ) -> Result<CudaStepModel, WorkerError> {
-    let cx = Arc::new(CudaContext::new(rank).map_err(|e| WorkerError::Load(e.to_string()))?);
-    let comm = if world > 1 {
-        let segment = segment.ok_or_else(|| {
-            WorkerError::Load("tensor parallelism on CUDA needs the executor's segment".into())
-        })?;
-        let id = exchange_nccl_id(segment, rank)?;
-        let comm = NcclComm::new(&cx, rank, world, &id)
+    let CudaPlace {
+        rank,
+        device,
+        tp_rank,
+        tp_size,
+        stage,
+    } = place;
+    let cx = Arc::new(CudaContext::new(device).map_err(|e| WorkerError::Load(e.to_string()))?);
+    let comm = if tp_size > 1 {
+        let id = group_nccl_id(&place, &nccl)?;
+        let comm = NcclComm::new(&cx, tp_rank, tp_size, &id)
             .map_err(|e| WorkerError::Load(format!("NCCL init on rank {rank}: {e}")))?;
         Some(Arc::new(NcclAllReduce::new(comm)))
     } else {
@@ -178,9 +142,15 @@ pub fn load_cuda_model(
     } else {
         (None, None)
     };
+    if stage.size > 1 && dspec.architecture == omni_models::qwen3_omni::config::ARCHITECTURE {
+        return Err(WorkerError::Load(format!(
+            "{} with pipeline parallelism on CUDA is not supported yet",
+            dspec.architecture
+        )));
+    }
     let view = registry::causal_lm_weights(&config, ws.as_ref())?;
-    let mut model = CudaDecoderModel::load(
-        cx, dspec, &view, init, rank, world, all_reduce, limits, on_layer,
+    let mut model = CudaDecoderModel::load_stage(
+        cx, dspec, &view, init, tp_rank, tp_size, all_reduce, limits, stage, on_layer,
     )?;
     model.enable_profiler(u64::from(spec.cuda_profile_steps));
     Ok(CudaStepModel {
@@ -191,7 +161,12 @@ pub fn load_cuda_model(
         enforce_eager: spec.enforce_eager,
         max_num_seqs: limits.max_seqs,
         sampled,
+        pipeline,
         _comm: comm,
+        _id_queues: match nccl {
+            NcclIdSource::Queues(q) => Some(q),
+            _ => None,
+        },
     })
 }
 
@@ -228,7 +203,7 @@ impl StepModel for CudaStepModel {
                 "captured CUDA graphs for decode"
             );
         }
-        Ok(())
+        self.warm_up()
     }
 
     fn has_cache(&self) -> bool {
@@ -236,7 +211,25 @@ impl StepModel for CudaStepModel {
     }
 
     fn forward(&mut self, batch: &ForwardBatch) -> Result<usize, WorkerError> {
-        Ok(self.model.forward(batch)?)
+        if !self.pipeline.has_prev() && !self.pipeline.has_next() {
+            return Ok(self.model.forward(batch)?);
+        }
+        let t = batch.input_ids.len();
+        let hidden = if self.pipeline.has_prev() {
+            Some(self.pipeline.recv(t, STAGE_INPUT_TIMEOUT)?)
+        } else {
+            None
+        };
+        let rows = self.model.forward_stage(batch, hidden.as_deref())?;
+        if self.pipeline.has_next() {
+            let x = self.model.stage_output_to_host()?;
+            self.pipeline.send(&x, t, self.model.spec().hidden_size)?;
+        }
+        Ok(rows)
+    }
+
+    fn samples(&self) -> bool {
+        !self.pipeline.has_next()
     }
 
     fn logits_host(&mut self) -> Result<Vec<f32>, WorkerError> {
@@ -286,7 +279,78 @@ impl StepModel for CudaStepModel {
     }
 }
 
+/// Prefill sizes of the start-up warm-up (and the step limit's largest).
+const WARM_UP_PREFILLS: [usize; 3] = [16, 128, 1024];
+
+/// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:
+/// `scripts/bench-cold-start.sh`).
+pub const WARM_UP_ENV: &str = "OMNI_CUDA_WARMUP";
+
 impl CudaStepModel {
+    /// Runs each path a first request takes once, so that it is no slower than the tenth (as
+    /// vLLM's dummy runs): NVRTC compiles a kernel source at its first launch and cuBLAS loads
+    /// a GEMM shape's kernels at its first use. Prefills of several sizes up to the largest
+    /// step, a step mixing a prefill chunk after context with decode rows, and on the last
+    /// stage the device sampler (greedy and random) and the logits copy. Nothing is written
+    /// into the KV cache (every slot is padding); every rank of a group runs the same steps,
+    /// so the collectives warm up too; a pipeline stage runs alone (zero input, nothing sent).
+    fn warm_up(&mut self) -> Result<(), WorkerError> {
+        if std::env::var(WARM_UP_ENV).is_ok_and(|v| v == "0") {
+            tracing::info!("{WARM_UP_ENV}=0: no warm-up");
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let limits = self.model.limits();
+        let max_t = limits.max_tokens.min(limits.max_model_len);
+        let mut sizes: Vec<usize> = WARM_UP_PREFILLS.iter().map(|&t| t.min(max_t)).collect();
+        sizes.push(max_t);
+        sizes.dedup();
+        let mut steps: Vec<Vec<(usize, usize)>> = sizes.into_iter().map(|t| vec![(0, t)]).collect();
+        if limits.max_seqs >= 3 && max_t >= 10 && limits.max_model_len >= 40 {
+            steps.push(vec![(32, 8), (16, 1), (16, 1)]);
+        }
+        let h = self.model.spec().hidden_size;
+        let first = self.model.pipeline_stage().is_first();
+        let greedy = DeviceSample {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            offset: 0,
+        };
+        let random = DeviceSample {
+            temperature: 0.8,
+            top_k: 20,
+            top_p: 0.9,
+            min_p: 0.05,
+            seed: 1,
+            ..greedy
+        };
+        for seqs in &steps {
+            let batch = ForwardBatch::dummy(seqs, limits.block_size)?;
+            let zeros = (!first).then(|| vec![0f32; batch.input_ids.len() * h]);
+            let rows = self.model.forward_stage(&batch, zeros.as_deref())?;
+            if rows > 0 {
+                for p in [greedy, random] {
+                    sample_rows(&self.model, &mut self.sampled, &vec![p; rows])?;
+                }
+                self.model.logits_to_host()?;
+            }
+        }
+        self.model
+            .context()
+            .synchronize()
+            .map_err(|e| WorkerError::Model(e.into()))?;
+        tracing::info!(
+            steps = steps.len(),
+            largest = max_t,
+            seconds = t0.elapsed().as_secs_f32(),
+            "warmed up the prefill, sampling and collective paths"
+        );
+        Ok(())
+    }
+
     fn no_mm(&self, what: &str) -> WorkerError {
         WorkerError::Batch(format!(
             "{} on CUDA takes no {what} input (it has no encoder towers)",

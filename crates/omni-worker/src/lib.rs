@@ -26,6 +26,8 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 #[cfg(feature = "cuda")]
+pub mod cuda_group;
+#[cfg(feature = "cuda")]
 pub mod cuda_model;
 pub mod load_progress;
 pub mod mm_inputs;

@@ -324,6 +324,44 @@ pub struct QueueAllReduce {
 /// liveness checks).
 const GATHER_TIMEOUT: Duration = Duration::from_secs(300);
 
+impl QueueAllReduce {
+    /// Sends `bytes` from the group's TP rank 0 to every other rank of the group over its
+    /// partial-sum queue: rank 0 passes `Some` and gets its bytes back, the others pass `None`
+    /// and get rank 0's. For set-up before the first all-reduce (a CUDA group's NCCL id).
+    pub fn broadcast_from_first(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>, PeerLinkError> {
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| PeerLinkError::Malformed("all-reduce state poisoned".into()))?;
+        let GatherState { tx, rx, .. } = &mut *st;
+        match (self.tp_rank, bytes) {
+            (0, Some(b)) => {
+                tx.enqueue(&(b.len() as u64), &[b])
+                    .map_err(ipc("sending to the tensor-parallel group"))?;
+                Ok(b.to_vec())
+            }
+            (0, None) => Err(PeerLinkError::Malformed(
+                "TP rank 0 has nothing to send to its group".into(),
+            )),
+            (_, _) => {
+                let first = self.first;
+                let (_, r) = rx
+                    .iter_mut()
+                    .find(|(peer, _)| *peer == first)
+                    .ok_or(PeerLinkError::MissingHandle(first, "all-reduce"))?;
+                let msg = r
+                    .dequeue(Some(GATHER_TIMEOUT))
+                    .map_err(ipc(format!("receiving from TP rank 0 (rank {first})")))?;
+                Ok(msg
+                    .buffers()
+                    .first()
+                    .map(|b| b.to_vec())
+                    .unwrap_or_default())
+            }
+        }
+    }
+}
+
 impl AllReduce for QueueAllReduce {
     fn all_reduce_sum(&self, x: &mut [f32]) -> omni_backend::Result<()> {
         let err = |e: String| omni_backend::Error::AllReduce(e);
@@ -334,29 +372,43 @@ impl AllReduce for QueueAllReduce {
         let GatherState { tx, rx, parts } = &mut *st;
         tx.enqueue(&(x.len() as u64), &[f32_as_le(x)])
             .map_err(|e| err(format!("sending partial sums: {e}")))?;
+        // `parts[i]` holds TP rank i's partial sums (this rank's own slot stays unused); the
+        // buffers are reused from call to call.
         parts.resize_with(self.size, Vec::new);
         for (peer, r) in rx.iter_mut() {
             let msg = r
-                .dequeue(Some(GATHER_TIMEOUT))
+                .dequeue_borrowed(Some(GATHER_TIMEOUT))
                 .map_err(|e| err(format!("partial sums of rank {peer}: {e}")))?;
-            let bufs = msg.buffers();
-            let part = f32_from_le(bufs.first().map(|b| &b[..]).unwrap_or_default());
-            if part.len() != x.len() {
+            let bytes: &[u8] = if msg.num_buffers() == 1 {
+                msg.buffer(0)
+            } else {
+                &[]
+            };
+            if bytes.len() != x.len() * 4 {
                 return Err(err(format!(
-                    "rank {peer} sent {} partial sums, this rank has {}",
-                    part.len(),
+                    "rank {peer} sent {} bytes of partial sums, this rank has {} values",
+                    bytes.len(),
                     x.len()
                 )));
             }
-            parts[*peer - self.first] = part;
+            let part = &mut parts[*peer - self.first];
+            part.clear();
+            part.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
         }
-        parts[self.tp_rank] = x.to_vec();
-        let (head, rest) = parts
-            .split_first()
-            .ok_or_else(|| err("empty group".into()))?;
-        x.copy_from_slice(head);
-        for p in rest {
-            x.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+        // Sum in rank order (((p0 + p1) + p2) + ...), this rank's own values in its place, so
+        // every rank computes the same bits.
+        let me = self.tp_rank;
+        for (i, v) in x.iter_mut().enumerate() {
+            let at = |j: usize| if j == me { *v } else { parts[j][i] };
+            let mut acc = at(0);
+            for j in 1..self.size {
+                acc += at(j);
+            }
+            *v = acc;
         }
         Ok(())
     }

@@ -18,7 +18,7 @@ use crate::peers::PipelineLink;
 
 /// Longest wait for the previous pipeline stage's activations (a dead stage fails sooner,
 /// through the queue's liveness checks).
-const STAGE_INPUT_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const STAGE_INPUT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Per-row sampling settings a device sampler handles (no penalties, no logprobs).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -221,11 +221,6 @@ impl Worker {
                     }
                 }
             }
-            Device::Cuda if stages > 1 => {
-                return Err(WorkerError::Load(
-                    "pipeline parallelism on CUDA workers is not implemented yet (CPU only)".into(),
-                ));
-            }
             Device::Cuda => self.load_cuda(spec, world, &progress)?,
         };
         let runner = ModelRunner::new(step_model, spec.seed);
@@ -242,33 +237,52 @@ impl Worker {
 impl Worker {
     #[cfg(feature = "cuda")]
     fn load_cuda(
-        &self,
+        &mut self,
         spec: &LoadModelSpec,
         world: usize,
         progress: &LoadProgress,
     ) -> Result<Box<dyn StepModel>, WorkerError> {
-        let segment = match &self.group {
-            TpGroup::Process { segment, .. } => segment.clone(),
-            TpGroup::Given(_) if world == 1 => None,
+        use crate::cuda_group::{CudaPlace, NcclIdSource};
+        use crate::cuda_model::load_cuda_model;
+        let rank = self.rank as usize;
+        let (place, nccl, pipeline) = match &mut self.group {
+            TpGroup::Given(_) if world == 1 => (
+                CudaPlace::single(),
+                NcclIdSource::None,
+                PipelineLink::default(),
+            ),
             TpGroup::Given(_) => {
                 return Err(WorkerError::Load(
                     "CUDA tensor parallelism runs one worker process per GPU (--executor mp)"
                         .into(),
                 ));
             }
+            TpGroup::Process {
+                layout,
+                segment,
+                links,
+            } => {
+                let links = links.take().map(|l| *l).unwrap_or_default();
+                let nccl = match (links.all_reduce, segment.clone()) {
+                    (Some(queues), _) => NcclIdSource::Queues(Box::new(queues)),
+                    (None, Some(name)) => NcclIdSource::Segment(name),
+                    (None, None) => NcclIdSource::None,
+                };
+                (CudaPlace::of(layout, rank)?, nccl, links.pipeline)
+            }
         };
-        Ok(Box::new(crate::cuda_model::load_cuda_model(
+        Ok(Box::new(load_cuda_model(
             spec,
-            self.rank as usize,
-            world,
-            segment.as_deref(),
+            place,
+            nccl,
+            pipeline,
             &|done, total| progress.on_load(done, total),
         )?))
     }
 
     #[cfg(not(feature = "cuda"))]
     fn load_cuda(
-        &self,
+        &mut self,
         _spec: &LoadModelSpec,
         _world: usize,
         _progress: &LoadProgress,

@@ -11,7 +11,7 @@ use omni_backend::cuda::{
 
 use super::buffers::{Activations, StepInputs};
 use super::weights::{DLayer, DLinear, DMlp};
-use super::{CudaDecoderModel, StepShape};
+use super::{CudaDecoderModel, StepProfiler, StepShape};
 use crate::ModelError;
 
 /// One layer's attention core: q/k norm + RoPE + cache write, then paged attention into
@@ -147,6 +147,7 @@ impl CudaDecoderModel {
         self.small_batch_gemv
             && self.fused_small_batch
             && one_rank
+            && self.stage.size <= 1
             && self.residual_adds.is_none()
             && self.capture.is_none()
             && CudaContext::gemv_norm_fits(t, h)
@@ -197,7 +198,14 @@ impl CudaDecoderModel {
             };
         }
         mark!("start");
-        if !st.embeds {
+        let first_stage = self.stage.is_first();
+        if !first_stage {
+            // The previous stage's residual stream is in `proj`: x = 0 + proj below, the same
+            // f32 values the whole model would hold after those layers.
+            stream
+                .memset_zeros(&mut self.act.x.slice_mut(..t * h))
+                .map_err(CudaError::from)?;
+        } else if !st.embeds {
             let table = self.embed.as_ref().ok_or_else(|| {
                 ModelError::Batch(format!("{} has no token embedding", self.spec.architecture))
             })?;
@@ -207,9 +215,9 @@ impl CudaDecoderModel {
         for li in 0..self.layers.len() {
             let a = &mut self.act;
             let l = &self.layers[li];
-            // h = norm(x += proj of the previous sub-block); the first layer starts x from
-            // the embedding.
-            let update = if li == 0 {
+            // h = norm(x += proj of the previous sub-block); the first layer of the model
+            // starts x from the embedding.
+            let update = if li == 0 && first_stage {
                 ResidualUpdate::Set(a.sel_embed.slice(..t * h))
             } else {
                 ResidualUpdate::Add(a.proj.slice(..t * h))
@@ -377,15 +385,18 @@ impl CudaDecoderModel {
             mark!("all_reduce");
             // The deepstack features join the layer's output (every rank holds the whole sum).
             if let Some(adds) = &self.residual_adds
-                && li < adds.levels
+                && self.first_layer + li < adds.levels
             {
                 let (m, lv) = (adds.rows_len, adds.rows_len * h);
-                let src = adds.data.slice(li * lv..(li + 1) * lv);
+                let level = self.first_layer + li;
+                let src = adds.data.slice(level * lv..(level + 1) * lv);
                 cx.add_rows_f32(&mut a.proj, &src, &adds.rows, m, h)?;
                 mark!("deepstack_add");
             }
         }
         let a = &mut self.act;
+        // x += the last layer's output, then the final norm (on a stage before the last, x is
+        // what the next stage starts from and the normed rows go unused).
         cx.fused_add_rms_norm(
             &mut a.x,
             ResidualUpdate::Add(a.proj.slice(..t * h)),
@@ -396,6 +407,9 @@ impl CudaDecoderModel {
             eps,
         )?;
         mark!("rms_norm");
+        if !self.stage.is_last() {
+            return Self::finish_profile(&mut self.profiler, prof, &st, "");
+        }
         if let Some((n, buf)) = self.capture.as_mut()
             && *n == self.layers.len()
         {
@@ -418,14 +432,25 @@ impl CudaDecoderModel {
             )?;
             mark!("lm_head");
         }
+        Self::finish_profile(&mut self.profiler, prof, &st, "")
+    }
+
+    /// Logs a profiled step (when `prof` is some; `path` tells the fused one) and puts the
+    /// profiler back into `slot`.
+    fn finish_profile(
+        slot: &mut Option<StepProfiler>,
+        prof: Option<StepProfiler>,
+        st: &StepShape,
+        path: &str,
+    ) -> Result<(), ModelError> {
         if let Some(mut p) = prof {
             let kind = if st.max_query_len == 1 {
-                format!("{}decode batch {}", p.name(), st.seqs)
+                format!("{}decode batch {}{path}", p.name(), st.seqs)
             } else {
-                format!("{}prefill {} tokens", p.name(), st.tokens)
+                format!("{}prefill {} tokens{path}", p.name(), st.tokens)
             };
             p.finish(kind)?;
-            self.profiler = Some(p);
+            *slot = Some(p);
         }
         Ok(())
     }
@@ -582,15 +607,6 @@ impl CudaDecoderModel {
             )?;
             mark!("lm_head");
         }
-        if let Some(mut p) = prof {
-            let kind = if st.max_query_len == 1 {
-                format!("{}decode batch {} (fused)", p.name(), st.seqs)
-            } else {
-                format!("{}prefill {} tokens (fused)", p.name(), st.tokens)
-            };
-            p.finish(kind)?;
-            self.profiler = Some(p);
-        }
-        Ok(())
+        Self::finish_profile(&mut self.profiler, prof, &st, " (fused)")
     }
 }

@@ -36,7 +36,7 @@ use omni_backend::rope::{MropeLayout, Rope};
 
 use crate::ModelError;
 use crate::batch::ForwardBatch;
-use crate::decoder::{DecoderSpec, HeadLayout, Loader, load_shaped};
+use crate::decoder::{DecoderSpec, HeadLayout, Loader, PipelineStage, load_shaped};
 use crate::weights::WeightSource;
 
 mod buffers;
@@ -120,6 +120,9 @@ enum StepInput {
     Ids,
     /// `[tokens, hidden]` rows already in the input-embedding buffer.
     Embeds,
+    /// The previous pipeline stage's residual stream, `[tokens, hidden]` f32, already in the
+    /// `proj` buffer (a stage after the first).
+    Hidden,
 }
 
 /// The decoder on one device, with its KV cache.
@@ -130,11 +133,18 @@ pub struct CudaDecoderModel {
     heads: HeadLayout,
     rank: usize,
     all_reduce: Option<Arc<dyn DeviceAllReduce>>,
-    /// `[vocab, hidden]`; `None` without `embed_and_head`.
+    /// This rank's pipeline stage: which layers it holds, whether it embeds the tokens (the
+    /// first) and runs the final norm and the head (the last).
+    stage: PipelineStage,
+    /// `[vocab, hidden]`; `None` without `embed_and_head`, and on a pipeline stage that neither
+    /// embeds nor runs a tied head.
     embed: Option<CudaSlice<bf16>>,
     lm_head: Option<CudaSlice<bf16>>,
     norm: CudaSlice<bf16>,
+    /// The stage's layers (all of them without pipeline parallelism); `layers[0]` is decoder
+    /// layer `first_layer`.
     layers: Vec<DLayer>,
+    first_layer: usize,
     inv_freq: CudaSlice<f32>,
     /// `[head_dim / 2]` M-RoPE position row of each frequency, for a spec with M-RoPE.
     mrope_axes: Option<CudaSlice<u8>>,
@@ -183,6 +193,30 @@ impl CudaDecoderModel {
         limits: StepLimits,
         on_layer: &dyn Fn(usize, usize),
     ) -> Result<Self, ModelError> {
+        let whole = PipelineStage::default();
+        Self::load_stage(
+            cx, spec, ws, init, rank, tp_size, all_reduce, limits, whole, on_layer,
+        )
+    }
+
+    /// [`CudaDecoderModel::load`] of one pipeline stage: only the layers of `stage` (vLLM's
+    /// split, [`PipelineStage::layers`]), the embedding on the first stage, the final norm and
+    /// the head on the last. A stage after the first starts from the previous stage's residual
+    /// stream and a stage before the last ends with its own
+    /// ([`CudaDecoderModel::forward_stage`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn load_stage(
+        cx: Arc<CudaContext>,
+        spec: DecoderSpec,
+        ws: &dyn WeightSource,
+        init: DeviceWeightInit,
+        rank: usize,
+        tp_size: usize,
+        all_reduce: Option<Arc<dyn DeviceAllReduce>>,
+        limits: StepLimits,
+        stage: PipelineStage,
+        on_layer: &dyn Fn(usize, usize),
+    ) -> Result<Self, ModelError> {
         let heads = spec.head_layout(rank, tp_size)?;
         match (&all_reduce, tp_size) {
             (_, 1) => {}
@@ -195,50 +229,67 @@ impl CudaDecoderModel {
             }
         }
         let (v, h) = (spec.vocab_size, spec.hidden_size);
-        let total = spec.num_layers;
+        let range = stage.layers(spec.num_layers);
+        if range.is_empty() {
+            return Err(ModelError::TensorParallel(format!(
+                "pipeline stage {} of {} gets none of the {} layers",
+                stage.rank, stage.size, spec.num_layers
+            )));
+        }
+        let total = range.len();
+        // The first stage embeds; the last runs the head, from the embedding table when tied.
+        let tied = spec.tie_word_embeddings;
+        let want_embed = spec.embed_and_head && (stage.is_first() || (stage.is_last() && tied));
+        let want_head = spec.embed_and_head && stage.is_last() && !tied;
         let (embed, lm_head, norm, layers) = match init {
             DeviceWeightInit::Host => {
                 let up = Uploader { cx: &cx };
-                let embed = if spec.embed_and_head {
+                let embed = if want_embed {
                     Some(up.upload(&load_shaped(ws, "model.embed_tokens.weight", &[v, h])?.data)?)
                 } else {
                     None
                 };
-                let lm_head = if spec.tie_word_embeddings || !spec.embed_and_head {
-                    None
-                } else {
+                let lm_head = if want_head {
                     Some(up.upload(&load_shaped(ws, "lm_head.weight", &[v, h])?.data)?)
+                } else {
+                    None
                 };
                 let loader = Loader::new(ws, &spec, rank, tp_size)?;
                 let norm = up.upload(&loader.vector("model.norm.weight", h)?)?;
                 let mut layers = Vec::with_capacity(total);
-                for i in 0..total {
+                for (done, i) in range.clone().enumerate() {
                     layers.push(up.layer(&loader.layer(i)?)?);
-                    on_layer(i + 1, total);
+                    on_layer(done + 1, total);
                 }
                 (embed, lm_head, norm, layers)
             }
             DeviceWeightInit::Dummy { seed } => {
+                // Each tensor's seed depends on its place in the whole model, not in the stage,
+                // so a split model holds the same dummy weights as a whole one.
                 let mut mk = DummyMaker {
                     cx: &cx,
                     seed,
                     next: 0,
                 };
-                let embed = if spec.embed_and_head {
+                let embed = if want_embed {
+                    mk.at(DummyMaker::EMBED);
                     Some(mk.weight(v * h)?)
                 } else {
                     None
                 };
-                let lm_head = if spec.tie_word_embeddings || !spec.embed_and_head {
-                    None
-                } else {
+                let lm_head = if want_head {
+                    mk.at(DummyMaker::LM_HEAD);
                     Some(mk.weight(v * h)?)
+                } else {
+                    None
                 };
+                mk.at(DummyMaker::NORM);
                 let norm = mk.ones(h)?;
                 let mut layers = Vec::with_capacity(total);
-                for i in 0..total {
+                for (done, i) in range.clone().enumerate() {
+                    mk.at(DummyMaker::layer_base(i));
                     layers.push(mk.layer(&spec, &heads, tp_size, i)?);
-                    on_layer(i + 1, total);
+                    on_layer(done + 1, total);
                 }
                 (embed, lm_head, norm, layers)
             }
@@ -260,6 +311,10 @@ impl CudaDecoderModel {
             layers = spec.num_layers,
             tp_rank = rank,
             tp_size,
+            pp_rank = stage.rank,
+            pp_size = stage.size,
+            first_layer = range.start,
+            stage_layers = total,
             device = %cx.info().name,
             "model loaded on the GPU"
         );
@@ -269,10 +324,12 @@ impl CudaDecoderModel {
             heads,
             rank,
             all_reduce,
+            stage,
             embed,
             lm_head,
             norm,
             layers,
+            first_layer: range.start,
             inv_freq,
             mrope_axes,
             residual_adds: None,
@@ -346,13 +403,14 @@ impl CudaDecoderModel {
         self.spec.vocab_size
     }
 
-    /// KV bytes of one block of `block_size` tokens on this rank (all layers, K and V, bf16).
+    /// KV bytes of one block of `block_size` tokens on this rank (its stage's layers, K and V,
+    /// bf16).
     pub fn kv_bytes_per_block(&self, block_size: usize) -> u64 {
         (2 * block_size
             * self.heads.local_kv_heads
             * self.spec.head_dim
             * std::mem::size_of::<bf16>()
-            * self.spec.num_layers) as u64
+            * self.layers.len()) as u64
     }
 
     /// Device bytes the KV cache may take: `gpu_memory_utilization` of the device's memory,
@@ -383,7 +441,7 @@ impl CudaDecoderModel {
         self.embed_graphs.clear();
         self.kv.clear();
         let per_layer = num_blocks * block_size * self.heads.local_kv_heads * self.spec.head_dim;
-        for _ in 0..self.spec.num_layers {
+        for _ in 0..self.layers.len() {
             let k = self.cx.zeros_bf16(per_layer)?;
             let v = self.cx.zeros_bf16(per_layer)?;
             self.kv.push((k, v));
@@ -455,6 +513,67 @@ impl CudaDecoderModel {
         &mut self.act.sel_embed
     }
 
+    /// This rank's pipeline stage.
+    pub fn pipeline_stage(&self) -> PipelineStage {
+        self.stage
+    }
+
+    /// One step of a pipeline stage. The first stage embeds the batch's ids (`hidden` is
+    /// `None`); a later one starts from `hidden`, the previous stage's residual stream
+    /// `[tokens, hidden_size]` (f32, exact: no rounding between stages). The last stage leaves
+    /// the logits of the output rows as [`CudaDecoderModel::forward`] does and returns their
+    /// number; an earlier one returns 0 and leaves its residual stream for the next stage
+    /// ([`CudaDecoderModel::stage_output_to_host`]). Decode steps replay the stage's graphs.
+    pub fn forward_stage(
+        &mut self,
+        batch: &ForwardBatch,
+        hidden: Option<&[f32]>,
+    ) -> Result<usize, ModelError> {
+        let stage = self.stage;
+        match hidden {
+            None if stage.is_first() => self.forward(batch),
+            Some(x) if !stage.is_first() => {
+                let (t, h) = (batch.input_ids.len(), self.spec.hidden_size);
+                if x.len() != t * h || t > self.limits.max_tokens {
+                    return Err(ModelError::Batch(format!(
+                        "{} hidden-state values for {t} tokens of width {h} (at most {} tokens)",
+                        x.len(),
+                        self.limits.max_tokens
+                    )));
+                }
+                self.cx
+                    .stream()
+                    .memcpy_htod(x, &mut self.act.proj.slice_mut(..t * h))
+                    .map_err(CudaError::from)?;
+                self.forward_from(batch, StepInput::Hidden, None)
+            }
+            None => Err(ModelError::Batch(format!(
+                "pipeline stage {} of {} starts from the previous stage's hidden states",
+                stage.rank, stage.size
+            ))),
+            Some(_) => Err(ModelError::Batch(
+                "the first pipeline stage embeds its tokens: it takes no hidden states".into(),
+            )),
+        }
+    }
+
+    /// The residual stream a stage before the last leaves for the next, `[tokens, hidden]` of
+    /// the last forward, on the host (synchronizes).
+    pub fn stage_output_to_host(&self) -> Result<Vec<f32>, ModelError> {
+        if self.stage.is_last() {
+            return Err(ModelError::Batch(
+                "the last pipeline stage ends in logits, not hidden states".into(),
+            ));
+        }
+        let n = self.last_tokens * self.spec.hidden_size;
+        let mut host = vec![0f32; n];
+        self.cx
+            .stream()
+            .memcpy_dtoh(&self.act.x.slice(..n), &mut host)
+            .map_err(CudaError::from)?;
+        Ok(host)
+    }
+
     fn forward_from(
         &mut self,
         batch: &ForwardBatch,
@@ -464,6 +583,23 @@ impl CudaDecoderModel {
         let embeds = input == StepInput::Embeds;
         if self.kv.is_empty() {
             return Err(ModelError::Batch("forward before init_cache".into()));
+        }
+        if (input == StepInput::Hidden) == self.stage.is_first() {
+            return Err(ModelError::Batch(format!(
+                "pipeline stage {} of {}: {}",
+                self.stage.rank,
+                self.stage.size,
+                if self.stage.is_first() {
+                    "the first stage starts from token ids or embeddings"
+                } else {
+                    "a later stage starts from the previous stage's hidden states"
+                }
+            )));
+        }
+        if mm.is_some() && self.stage.size > 1 {
+            return Err(ModelError::Batch(
+                "multimodal inputs with pipeline parallelism on CUDA are not supported yet".into(),
+            ));
         }
         let t = batch.input_ids.len();
         let n = batch.attn.num_seqs();
@@ -540,9 +676,9 @@ impl CudaDecoderModel {
                 .get(&g)
                 .ok_or_else(|| ModelError::Device("graph vanished".into()))?;
             graph.0.launch().map_err(CudaError::from)?;
-            self.last_rows = t;
+            self.last_rows = if self.stage.is_last() { t } else { 0 };
             self.last_tokens = t;
-            return Ok(t);
+            return Ok(self.last_rows);
         }
         let mbps = self.limits.max_blocks_per_seq();
         let mut tables = vec![0i32; n * mbps];
@@ -596,9 +732,9 @@ impl CudaDecoderModel {
         });
         self.residual_adds = None;
         run?;
-        self.last_rows = rows.len();
+        self.last_rows = if self.stage.is_last() { rows.len() } else { 0 };
         self.last_tokens = t;
-        Ok(rows.len())
+        Ok(self.last_rows)
     }
 
     /// The f32 logits of the last forward's rows, `[rows, vocab]`, on the device.
@@ -665,6 +801,11 @@ impl CudaDecoderModel {
     /// `hidden_states[layers]`, no final norm) of every computed token into a buffer each step,
     /// or stops (`None`). Set it before capturing graphs: a graph replays what it captured.
     pub fn set_capture_after_layers(&mut self, layers: Option<usize>) -> Result<(), ModelError> {
+        if self.stage.size > 1 && layers.is_some() {
+            return Err(ModelError::Batch(
+                "the hidden-state export needs the whole model on one pipeline stage".into(),
+            ));
+        }
         if !self.graphs.is_empty() || !self.embed_graphs.is_empty() {
             return Err(ModelError::Batch(
                 "set the capture before capturing decode graphs".into(),

@@ -141,6 +141,24 @@ pub(super) struct DummyMaker<'a> {
 }
 
 impl DummyMaker<'_> {
+    /// Where the embedding's seeds start ([`DummyMaker::at`]).
+    pub(super) const EMBED: u64 = 0;
+    /// Where the head's seeds start.
+    pub(super) const LM_HEAD: u64 = 1 << 20;
+    /// Where the final norm's seeds start.
+    pub(super) const NORM: u64 = 2 << 20;
+
+    /// Where decoder layer `i`'s seeds start (room for 2^20 tensors per part).
+    pub(super) fn layer_base(i: usize) -> u64 {
+        (i as u64 + 3) << 20
+    }
+
+    /// Makes the next tensors from seeds after `base`: a part's seeds do not depend on which
+    /// other parts this rank makes (a pipeline stage makes only its own).
+    pub(super) fn at(&mut self, base: u64) {
+        self.next = base;
+    }
+
     fn tensor(&mut self, len: usize, lo: f32, hi: f32) -> Result<CudaSlice<bf16>, ModelError> {
         let mut t = self.cx.zeros_bf16(len)?;
         self.next += 1;

@@ -10,11 +10,14 @@
 //! 4. Watch: a worker that dies is reported to the leader (`NodeEvent::WorkerDied`) and the
 //!    others are stopped; a lost leader stops every worker. Either way this returns an error
 //!    (the process exits non-zero and LeaderWorkerSet recreates the group); the leader's
-//!    `Shutdown` returns `Ok`. Every segment of the instance on this node is removed.
+//!    `Shutdown` returns `Ok`; a requested stop ([`HeadlessConfig::stop`], SIGTERM) tells the
+//!    leader (`NodeEvent::Failed`) and returns [`HeadlessError::Stopped`]. Every segment of the
+//!    instance on this node is removed.
 
 use std::io::BufReader;
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use omni_ipc::shm::ShmSegment;
@@ -41,6 +44,9 @@ pub struct HeadlessConfig {
     pub pipeline_parallel_size: u32,
     /// Where the leader is, and how long to wait for it.
     pub nodes: NodeConfig,
+    /// Set (by a SIGTERM / SIGINT handler) to stop the node: it tells the leader, stops its
+    /// workers, removes its segments and returns [`HeadlessError::Stopped`].
+    pub stop: Option<&'static AtomicBool>,
 }
 
 /// Why a follower node stopped.
@@ -70,6 +76,25 @@ pub enum HeadlessError {
         /// What the connection said.
         message: String,
     },
+    /// A stop was requested ([`HeadlessConfig::stop`]; the leader was told).
+    #[error("node {node}: stopped by a signal")]
+    Stopped {
+        /// This node.
+        node: u32,
+    },
+}
+
+impl HeadlessError {
+    /// Whether the node stopped because it was asked to (not a failure of the group).
+    pub fn is_requested_stop(&self) -> bool {
+        matches!(self, Self::Stopped { .. })
+    }
+}
+
+/// Whether `stop` is set. Relaxed is enough: the flag carries no data, and the loops that read
+/// it only decide to end; everything they do afterwards is ordered by their own thread.
+fn stop_requested(stop: Option<&AtomicBool>) -> bool {
+    stop.is_some_and(|s| s.load(Ordering::Relaxed))
 }
 
 /// Runs the follower node until the leader shuts it down (`Ok`) or the group fails (`Err`).
@@ -77,7 +102,10 @@ pub fn run_headless(cfg: &HeadlessConfig) -> Result<(), HeadlessError> {
     let node = cfg.node_rank;
     let join_err = |m: String| HeadlessError::Join { node, message: m };
     let deadline = Instant::now() + cfg.nodes.join_timeout;
-    let mut stream = connect(&cfg.nodes, deadline).map_err(join_err)?;
+    let mut stream = connect(&cfg.nodes, deadline, cfg.stop).map_err(|e| match e {
+        None => HeadlessError::Stopped { node },
+        Some(m) => join_err(m),
+    })?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| join_err(e.to_string()))?);
     let host_ip = match cfg.nodes.host_ip {
         Some(ip) => ip,
@@ -194,7 +222,7 @@ impl NodeRun {
             }
         }
         tracing::info!(node, "workers connected; serving");
-        self.watch(stream, reader, &ranks, node)
+        self.watch(stream, reader, &ranks, node, cfg.stop)
     }
 
     /// Until a worker dies, the leader says shut down, or its connection ends.
@@ -204,8 +232,22 @@ impl NodeRun {
         reader: &mut BufReader<TcpStream>,
         ranks: &[usize],
         node: u32,
+        stop: Option<&AtomicBool>,
     ) -> Result<(), HeadlessError> {
         loop {
+            if stop_requested(stop) {
+                tracing::info!(
+                    node,
+                    "stop requested: telling the leader, stopping the workers"
+                );
+                let _ = write_json(
+                    stream,
+                    &NodeEvent::Failed {
+                        message: "stopped by a signal (SIGTERM or SIGINT)".into(),
+                    },
+                );
+                return Err(HeadlessError::Stopped { node });
+            }
             if let Some(e) = self.processes.dead().get() {
                 // The monitor names the rank by its index on this node.
                 let (index, cause) = match &e {
@@ -275,8 +317,13 @@ impl NodeRun {
 /// How often the follower checks its workers while it waits for the leader.
 const POLL: Duration = Duration::from_millis(50);
 
-/// Connects to the leader, retrying every 500 ms until `deadline`.
-fn connect(cfg: &NodeConfig, deadline: Instant) -> Result<TcpStream, String> {
+/// Connects to the leader, retrying every 500 ms until `deadline` (`Err(None)`: `stop` was
+/// set meanwhile).
+fn connect(
+    cfg: &NodeConfig,
+    deadline: Instant,
+    stop: Option<&AtomicBool>,
+) -> Result<TcpStream, Option<String>> {
     let mut last = String::new();
     let mut logged = false;
     loop {
@@ -296,11 +343,14 @@ fn connect(cfg: &NodeConfig, deadline: Instant) -> Result<TcpStream, String> {
                 Err(e) => last = format!("{a}: {e}"),
             }
         }
+        if stop_requested(stop) {
+            return Err(None);
+        }
         if Instant::now() >= deadline {
-            return Err(format!(
+            return Err(Some(format!(
                 "the leader at {}:{} did not answer within {:?} ({last})",
                 cfg.master_addr, cfg.master_port, cfg.join_timeout
-            ));
+            )));
         }
         if !logged {
             tracing::info!(leader = %format!("{}:{}", cfg.master_addr, cfg.master_port), "waiting for the leader ({last})");
