@@ -228,7 +228,11 @@ impl CudaContext {
         unsafe {
             self.launch_programmatic(
                 &f,
-                (narrow("moe route blocks", t * groups)?, threads, smem as u32),
+                (
+                    narrow("moe route blocks", t * groups)?,
+                    threads,
+                    smem as u32,
+                ),
                 &mut args,
             )
         }

@@ -512,7 +512,11 @@ fn emulated_experts_match_the_reference() {
             for q in 0..pairs {
                 let ok = (0..e as i32).contains(&ids[q]);
                 for o in 0..i_n {
-                    assert_eq!(writes[q * i_n + o], u8::from(ok), "{s:?} {name} act[{q}, {o}]");
+                    assert_eq!(
+                        writes[q * i_n + o],
+                        u8::from(ok),
+                        "{s:?} {name} act[{q}, {o}]"
+                    );
                     if !ok {
                         continue;
                     }
@@ -522,7 +526,10 @@ fn emulated_experts_match_the_reference() {
                     let u = dot64(xr, &w13f[(ex * 2 * i_n + i_n + o) * h..][..h]);
                     let want = (g / (1.0 + (-g).exp()) * u) as f32;
                     let got = act[q * i_n + o];
-                    assert!(near_bf16(got, want, 1.5), "{s:?} {name} act {got} vs {want}");
+                    assert!(
+                        near_bf16(got, want, 1.5),
+                        "{s:?} {name} act {got} vs {want}"
+                    );
                 }
             }
             let base = rand_bf16_f32(t * h, 25);
@@ -586,7 +593,9 @@ impl DevOut {
     fn new(cx: &CudaContext, s: MoeShape) -> Self {
         let st = cx.stream();
         Self {
-            h: cx.upload_bf16(&vec![bf16::NAN; s.tokens * s.hidden]).unwrap(),
+            h: cx
+                .upload_bf16(&vec![bf16::NAN; s.tokens * s.hidden])
+                .unwrap(),
             logits: st.alloc_zeros(s.tokens * s.num_experts).unwrap(),
             ids: st.alloc_zeros(s.tokens * s.top_k).unwrap(),
             ws: st.alloc_zeros(s.tokens * s.top_k).unwrap(),
@@ -626,7 +635,10 @@ impl DevOut {
 
 fn dev_layer(cx: &CudaContext, s: MoeShape, seed: u64, normed0: &[f32]) -> DevLayer {
     let (h, i, e) = (s.hidden, s.inter, s.num_experts);
-    let nw: Vec<f32> = rand_bf16_f32(h, seed).iter().map(|v| 1.0 + v / 4.0).collect();
+    let nw: Vec<f32> = rand_bf16_f32(h, seed)
+        .iter()
+        .map(|v| 1.0 + v / 4.0)
+        .collect();
     DevLayer {
         nw: cx.upload_f32_as_bf16(&nw).unwrap(),
         router: cx
@@ -693,7 +705,11 @@ fn small_moe_route_matches_the_unfused_kernels() {
             cx.moe_topk_softmax(&logits_ref, &mut ids_ref, &mut ws_ref, t, e, k, true)
                 .unwrap();
             let hb = bits16(&st.clone_dtoh(&o.h).unwrap());
-            assert_eq!(hb, bits16(&st.clone_dtoh(&h_ref).unwrap()), "t={t} h={h}: h");
+            assert_eq!(
+                hb,
+                bits16(&st.clone_dtoh(&h_ref).unwrap()),
+                "t={t} h={h}: h"
+            );
             let (lg, lr) = (
                 st.clone_dtoh(&o.logits).unwrap(),
                 st.clone_dtoh(&logits_ref).unwrap(),
@@ -740,12 +756,18 @@ fn small_moe_experts_match_the_grouped_gemm_path() {
     let st = cx.stream().clone();
     let (h, i, e, k) = (2048usize, 768usize, 32usize, 8usize);
     let l = dev_layer(&cx, shape(1, h, i, e, k), 41, &[]);
-    let (w13, w2) = (st.clone_dtoh(&l.w13).unwrap(), st.clone_dtoh(&l.w2).unwrap());
+    let (w13, w2) = (
+        st.clone_dtoh(&l.w13).unwrap(),
+        st.clone_dtoh(&l.w2).unwrap(),
+    );
     for t in [1usize, 2, 8] {
         let s = shape(t, h, i, e, k);
         let x = rand_bf16_f32(t * h, 42 + t as u64);
         let logits: Vec<f32> = rand_bf16_f32(t * e, 43).iter().map(|v| 4.0 * v).collect();
-        for (name, logits) in [("router", logits.clone()), ("shared", logits[..e].repeat(t))] {
+        for (name, logits) in [
+            ("router", logits.clone()),
+            ("shared", logits[..e].repeat(t)),
+        ] {
             let (ids, ws) = cpu_topk(&logits, e, k, true);
             let dx = cx.upload_f32_as_bf16(&x).unwrap();
             let dids = st.clone_htod(&ids).unwrap();
@@ -760,7 +782,8 @@ fn small_moe_experts_match_the_grouped_gemm_path() {
             let base = rand_bf16_f32(t * h, 44);
             let mut res = st.clone_htod(&base).unwrap();
             let mut act = st.alloc_zeros::<bf16>(moe_small_act_len(s)).unwrap();
-            cx.moe_small_gate_up(s, &dx, &l.w13, &dids, &mut act).unwrap();
+            cx.moe_small_gate_up(s, &dx, &l.w13, &dids, &mut act)
+                .unwrap();
             cx.moe_small_down(s, &act, &l.w2, &dids, &dws, &mut res)
                 .unwrap();
             let got: Vec<f32> = st
@@ -776,7 +799,10 @@ fn small_moe_experts_match_the_grouped_gemm_path() {
             println!(
                 "moe small experts t={t} {name}: rel err vs grouped GEMM {err:.2e}, vs CPU f32 {err_cpu:.2e}"
             );
-            assert!(err <= 1e-2 && err_cpu <= 2e-2, "t={t} {name}: {err} {err_cpu}");
+            assert!(
+                err <= 1e-2 && err_cpu <= 2e-2,
+                "t={t} {name}: {err} {err_cpu}"
+            );
         }
     }
 }
@@ -804,10 +830,8 @@ fn small_moe_layer_in_a_cuda_graph_is_bit_identical() {
     assert_eq!(b(&eager[0]), b(&eager[1]), "eager runs differ");
     st.memcpy_htod(&x, &mut res).unwrap();
     cx.synchronize().unwrap();
-    st.begin_capture(
-        cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-    )
-    .unwrap();
+    st.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
     o.run(&cx, &l, s, &mut res);
     let graph = st
         .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
@@ -847,7 +871,10 @@ fn small_moe_rejects_bad_shapes() {
     assert!(matches!(r, Err(CudaError::Shape(_))), "short act: {r:?}");
     let mut small_res = st.alloc_zeros::<f32>(64).unwrap();
     let r = cx.moe_small_down(s, &o.act, &l.w2, &o.ids, &o.ws, &mut small_res);
-    assert!(matches!(r, Err(CudaError::Shape(_))), "short residual: {r:?}");
+    assert!(
+        matches!(r, Err(CudaError::Shape(_))),
+        "short residual: {r:?}"
+    );
     o.run(&cx, &l, s, &mut res);
 }
 

@@ -51,8 +51,9 @@ extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
 
 /// Full source of the MoE module (every MoE entry point).
 pub(crate) fn moe_source() -> String {
-    let mut s =
-        format!("{BF16_HELPERS}{PTX_HELPERS}{COMMON}{TOPK_WARP}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}");
+    let mut s = format!(
+        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{TOPK_WARP}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}"
+    );
     for cfg in [SMALL, LARGE] {
         s.push_str(&gemm_entry(&cfg, true));
         s.push_str(&gemm_entry(&cfg, false));
