@@ -87,6 +87,7 @@ step() { # name, command...
 if want tests; then
   step kernels "$BIN/backend-tests" cuda:: --test-threads=1 --nocapture
   step model "$BIN/model-tests" --test-threads=1 --nocapture
+  step moe-small "$BIN/moe-small-tests" --test-threads=1 --nocapture
   OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" --test-threads=1 --nocapture
 fi
 

@@ -327,7 +327,7 @@ impl CudaDecoderModel {
     /// inside o_proj and down_proj, the post-attention norm and SiLU-and-mul inside gate_up,
     /// the final norm gathering the output rows (6 launches per dense layer instead of 9; the
     /// same bits, see [`CudaContext::gemv_fused`]); a MoE layer's MLP is three launches
-    /// instead of eleven (`moe_small.rs`: the same norm bits and routing code, expert sums
+    /// instead of eight (`moe_small.rs`: the same norm bits and routing code, expert sums
     /// rounded where the grouped-GEMM path rounds them). On by default; off runs the unfused
     /// kernels (for comparison). Recapture graphs after changing it.
     pub fn set_fused_small_batch(&mut self, on: bool) {

@@ -1,6 +1,6 @@
 //! A MoE layer's MLP on the fused small-batch path ([`CudaDecoderModel::set_fused_small_batch`]):
 //! after the o_proj GEMV has added the attention output into the f32 residual stream, three
-//! launches instead of eleven: [`CudaContext::moe_small_route`] (post-attention norm, f32 router,
+//! launches instead of eight: [`CudaContext::moe_small_route`] (post-attention norm, f32 router,
 //! top-k softmax), [`CudaContext::moe_small_gate_up`] (gate_up + SiLU-and-mul over the routed
 //! experts) and [`CudaContext::moe_small_down`] (down, the weighted sum over a token's experts
 //! and the residual add), so the next layer's fused QKV GEMV normalises the sum as on a dense

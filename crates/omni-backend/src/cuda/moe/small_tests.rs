@@ -465,7 +465,7 @@ fn emulated_router_matches_the_reference() {
                 checked += 1;
             }
             assert!(checked > 0, "{s:?}: no token with a clear routing");
-            if e > 2 {
+            if e > 2 && k >= 2 {
                 // The tie: experts 1 and e - 1 lead token 0, the lower id first.
                 assert_eq!(a.ids[..2], [1, e as i32 - 1], "{s:?}");
                 assert_eq!(a.ws[0], a.ws[1]);
@@ -740,7 +740,9 @@ fn small_moe_route_matches_the_unfused_kernels() {
             }
             assert!(same > 0);
             assert!(st.clone_dtoh(&o.counters).unwrap().iter().all(|&c| c == 0));
-            println!("moe small route t={t} h={h} e={e}: h bitwise, {same}/{t} routings equal");
+            println!(
+                "moe small-batch route t={t} h={h} e={e}: h bitwise, {same}/{t} routings equal"
+            );
         }
     }
 }
@@ -797,7 +799,7 @@ fn small_moe_experts_match_the_grouped_gemm_path() {
             let cpu = cpu_moe_rows(&x, &w13, &w2, &ids, &ws, s, &(0..t).collect::<Vec<_>>());
             let err_cpu = rel_err(&got, &cpu);
             println!(
-                "moe small experts t={t} {name}: rel err vs grouped GEMM {err:.2e}, vs CPU f32 {err_cpu:.2e}"
+                "moe small-batch experts t={t} {name}: rel err vs grouped GEMM {err:.2e}, vs CPU f32 {err_cpu:.2e}"
             );
             assert!(
                 err <= 1e-2 && err_cpu <= 2e-2,
@@ -917,7 +919,7 @@ fn small_moe_real_shape_timing() {
         });
         let mb = touched as f64 * bytes_per_expert / 1e6;
         println!(
-            "moe small decode T={t}: experts {us_experts:.1} µs ({:.2} TB/s of expert weights, {touched} experts, {mb:.1} MB), route {us_route:.1} µs, all three {us_layer:.1} µs; grouped-GEMM experts {us_grouped:.1} µs ({:.2} TB/s)",
+            "moe decode small-batch T={t}: experts {us_experts:.1} µs ({:.2} TB/s of expert weights, {touched} experts, {mb:.1} MB), route {us_route:.1} µs, all three {us_layer:.1} µs; grouped-GEMM experts {us_grouped:.1} µs ({:.2} TB/s)",
             mb / us_experts / 1e6,
             mb / us_grouped / 1e6,
         );
