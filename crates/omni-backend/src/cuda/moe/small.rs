@@ -22,8 +22,8 @@
 //! rounds (`act`, each pair's `y`, the weighted sum to bf16), so the two paths differ only by the
 //! order of f32 accumulation inside the dot products.
 //!
-//! The functions below the launchers mirror the kernels' indexing on the host; the tests'
-//! emulators (`small_tests.rs`) run the kernels' loops with them.
+//! Beside the launch shapes, test-only functions mirror the kernels' de-duplication of experts
+//! on the host; the tests' emulators (`small_tests.rs`) run the kernels' loops with them.
 
 use std::ffi::c_void;
 
@@ -106,11 +106,13 @@ pub(crate) fn gate_up_col_blocks(inter: usize) -> usize {
     inter.div_ceil(EXPERT_WARPS)
 }
 
+#[cfg(test)]
 /// Whether `id` names an expert.
 fn valid(id: i32, num_experts: usize) -> bool {
     usize::try_from(id).is_ok_and(|e| e < num_experts)
 }
 
+#[cfg(test)]
 /// The pairs the gate_up block of pair `p` computes (`ms_members`): every pair `q >= p` routed
 /// to `p`'s expert, in order, when `p` is the first pair routed to it; otherwise (or when `p`'s
 /// id is no expert) none.
@@ -122,6 +124,7 @@ pub(crate) fn pair_members(ids: &[i32], p: usize, num_experts: usize) -> Vec<usi
     (p..ids.len()).filter(|&q| ids[q] == e).collect()
 }
 
+#[cfg(test)]
 /// The first pair routed to each distinct expert, in pair order (the down kernel's owners).
 pub(crate) fn distinct_owners(ids: &[i32], num_experts: usize) -> Vec<usize> {
     (0..ids.len())
