@@ -26,10 +26,13 @@
 //! Here: the shape and the workspace layout; in `tiles.rs` the two tile configurations, in
 //! `source.rs` the kernels' source (`kernels/moe/*`, with one `extern "C"` entry per tile and
 //! GEMM), in `launch.rs` the launchers. Steps of at most 8 tokens have a three-kernel path of
-//! their own, norm and routing included (`small.rs`, tested in `small_tests.rs`).
+//! their own, norm and routing included (`small.rs`; host emulators in `small_emu.rs`, GPU
+//! tests in `small_tests.rs`).
 
 mod launch;
 pub(super) mod small;
+#[cfg(test)]
+mod small_emu;
 #[cfg(test)]
 mod small_tests;
 pub(super) mod source;
