@@ -20,6 +20,8 @@ t=$(cargo test --release -p omni-backend --features cuda --lib --no-run 2>&1 | e
 cp "$t" "$STAGE/backend-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_reference --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/model-tests"
+t=$(cargo test --release -p omni-models --features cuda --test cuda_moe_small_batch --no-run 2>&1 | exe_of)
+cp "$t" "$STAGE/moe-small-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_talker --no-run 2>&1 | exe_of)
 cp "$t" "$STAGE/talker-tests"
 t=$(cargo test --release -p omni-models --features cuda --test cuda_thinker --no-run 2>&1 | exe_of)

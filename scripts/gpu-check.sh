@@ -90,6 +90,7 @@ step() { # name, command...
 if want tests; then
   step kernels "$BIN/backend-tests" cuda:: --test-threads=1 --nocapture
   step model "$BIN/model-tests" --test-threads=1 --nocapture
+  step moe-small "$BIN/moe-small-tests" --test-threads=1 --nocapture
   # -pp 2 runs on one GPU too: its two stages then share the device.
   OMNI_CUDA_SHARE_DEVICES=1 OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" --test-threads=1 --nocapture
 fi

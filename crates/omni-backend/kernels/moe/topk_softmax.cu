@@ -1,8 +1,8 @@
 // Router top-k softmax.
-// Prepended by the Rust side: bf16.cuh, moe/ptx.cuh, moe/common.cuh (src/cuda/moe/source.rs).
+// Prepended by the Rust side: bf16.cuh, moe/ptx.cuh, moe/common.cuh, moe/topk_warp.cuh
+// (src/cuda/moe/source.rs).
 
-// ---- routing: softmax over E in f32, top-k by probability (ties: lower expert id first),
-// optional renormalisation of the k weights (sum taken in selection order). One warp per token.
+// ---- routing: `moe_topk_warp` (topk_warp.cuh) for each token, one warp per token.
 extern "C" __global__ void __launch_bounds__(128) moe_topk_softmax(
         const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ wts,
         int tokens, int num_experts, int top_k, int renorm) {
@@ -10,45 +10,6 @@ extern "C" __global__ void __launch_bounds__(128) moe_topk_softmax(
     const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (t >= tokens) return;  // warp-uniform; only warp-level synchronisation below
-    const float* row = logits + (size_t)t * num_experts;
-    const float neg_inf = __int_as_float(0xff800000);
-    float mx = neg_inf;
-    for (int i = lane; i < num_experts; i += 32) {
-        const float v = row[i];
-        probs[i] = v;
-        mx = fmaxf(mx, v);
-    }
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float sum = 0.f;
-    for (int i = lane; i < num_experts; i += 32) {
-        const float e = mx == neg_inf ? 0.f : expf(probs[i] - mx);
-        probs[i] = e;
-        sum += e;
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = mx == neg_inf ? 0.f : 1.f / sum;
-    for (int i = lane; i < num_experts; i += 32) probs[i] *= inv;
-    __syncwarp();
-    int* out_ids = ids + (size_t)t * top_k;
-    float* out_w = wts + (size_t)t * top_k;
-    float sel_sum = 0.f;
-    for (int j = 0; j < top_k; ++j) {
-        float bv = -1.f;
-        int bi = num_experts;
-        for (int i = lane; i < num_experts; i += 32) {
-            const float v = probs[i];
-            if (v > bv) { bv = v; bi = i; }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        sel_sum += bv;
-        if (lane == 0) { out_ids[j] = bi; out_w[j] = bv; }
-        if (bi < num_experts && lane == (bi & 31)) probs[bi] = -2.f;  // the owning lane
-        __syncwarp();
-    }
-    if (renorm && lane == 0)
-        for (int j = 0; j < top_k; ++j) out_w[j] = out_w[j] / sel_sum;
+    moe_topk_warp(logits + (size_t)t * num_experts, probs, ids + (size_t)t * top_k,
+                  wts + (size_t)t * top_k, num_experts, top_k, renorm, lane);
 }

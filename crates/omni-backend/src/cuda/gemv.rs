@@ -27,6 +27,8 @@ use super::kernels::{BF16_HELPERS, kernel_file};
 use super::launch::{aligned16, at_least, block_threads, narrow, shape_err};
 use super::{CudaContext, CudaError, CudaResult};
 
+/// The GEMV helpers shared with the small-batch MoE kernels.
+pub(super) const GEMV_COMMON: &str = kernel_file!("gemv_common.cuh");
 const GEMV: &str = kernel_file!("gemv.cu");
 const GEMV_FN: &str = "gemv_fused_bf16";
 const NORM_ROWS_FN: &str = "rms_norm_rows_f32res";
@@ -40,7 +42,7 @@ const NORM_SMEM_MAX: usize = 48 * 1024 - 256;
 
 /// Full source of the gemv module.
 pub(super) fn gemv_source() -> String {
-    format!("{BF16_HELPERS}{GEMV}")
+    format!("{BF16_HELPERS}{GEMV_COMMON}{GEMV}")
 }
 
 /// The input of a [`CudaContext::gemv_fused`].
@@ -485,7 +487,7 @@ impl CudaContext {
     /// # Safety
     /// `args` must point at the kernel's parameters, in order, with their exact types, and the
     /// kernel's memory accesses must be valid for the launch shape.
-    unsafe fn launch_programmatic(
+    pub(super) unsafe fn launch_programmatic(
         &self,
         f: &CudaFunction,
         (grid, block, smem): (u32, u32, u32),

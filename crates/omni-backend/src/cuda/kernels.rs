@@ -175,6 +175,7 @@ mod tests {
                 attention::source::reduce_source(),
             ),
             ("moe".to_string(), moe::source::moe_source()),
+            ("moe small".to_string(), moe::small::moe_small_source()),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),
             ("gemv".to_string(), gemv::gemv_source()),
@@ -235,7 +236,7 @@ mod tests {
                 files += 1;
             }
         }
-        assert!(files >= 14, "found only {files} kernel files");
+        assert!(files >= 21, "found only {files} kernel files");
     }
 
     #[test]

@@ -3,8 +3,8 @@
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;
 use omni_backend::cuda::{
-    AttnShape, CudaContext, CudaError, MoeShape, bf16, fused_moe_workspace_bytes,
-    paged_attention_workspace_len,
+    AttnShape, CudaContext, CudaError, MOE_SMALL_MAX_TOKENS, MoeShape, bf16,
+    fused_moe_workspace_bytes, moe_small_act_len, paged_attention_workspace_len,
 };
 
 use super::weights::{DLayer, DMlp};
@@ -58,6 +58,10 @@ pub(super) struct Activations {
     pub(super) moe_workspace: CudaSlice<u8>,
     /// The shared expert's f32 output before its gate scales it into `proj`.
     pub(super) shared_out: CudaSlice<f32>,
+    /// The small-batch MoE router's per-token counters (zero between launches).
+    pub(super) moe_counters: CudaSlice<i32>,
+    /// The small-batch MoE path's `[tokens * top_k, inter]` expert activations.
+    pub(super) moe_act: CudaSlice<bf16>,
 }
 
 impl CudaDecoderModel {
@@ -153,6 +157,14 @@ impl CudaDecoderModel {
             topk_weights: s.alloc_zeros((t * k).max(1))?,
             moe_workspace: s.alloc_zeros(moe_shape.map_or(1, fused_moe_workspace_bytes))?,
             shared_out: s.alloc_zeros(if shared { t * h } else { 1 })?,
+            moe_counters: s.alloc_zeros(t.min(MOE_SMALL_MAX_TOKENS))?,
+            moe_act: s.alloc_zeros(moe_shape.map_or(1, |m| {
+                moe_small_act_len(MoeShape {
+                    tokens: t.min(MOE_SMALL_MAX_TOKENS),
+                    ..m
+                })
+                .max(1)
+            }))?,
         };
         Ok((inputs, act))
     }

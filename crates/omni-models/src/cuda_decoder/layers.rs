@@ -158,7 +158,7 @@ impl CudaDecoderModel {
                             && down.b.is_none()
                             && CudaContext::gemv_fits(t, down.inp)
                     }
-                    DMlp::Moe { .. } => false,
+                    DMlp::Moe { .. } => Self::small_moe_fits(&l.mlp, t, h),
                 };
                 dense && l.qkv.b.is_none() && l.o.b.is_none() && CudaContext::gemv_fits(t, l.o.inp)
             })
@@ -459,7 +459,8 @@ impl CudaDecoderModel {
     /// checked [`Self::fused_fits`]): per layer QKV (input norm inside; the first layer sets
     /// the residual from the embeddings), q/k norm + RoPE + cache, attention, o_proj adding
     /// into the residual, gate_up (post-attention norm and SiLU-and-mul inside), down_proj
-    /// adding into the residual; then the final norm of the output rows.
+    /// adding into the residual (a MoE layer: router with the norm, routed gate_up, routed
+    /// down adding into the residual; `moe_small.rs`); then the final norm of the output rows.
     fn run_fused_kernels(&mut self, st: StepShape) -> Result<(), ModelError> {
         let cx = self.cx.clone();
         let (h, hd) = (self.spec.hidden_size, self.spec.head_dim);
@@ -498,16 +499,6 @@ impl CudaDecoderModel {
         for li in 0..self.layers.len() {
             let a = &mut self.act;
             let l = &self.layers[li];
-            let DMlp::Dense {
-                gate_up,
-                down,
-                inter,
-            } = &l.mlp
-            else {
-                return Err(ModelError::Batch(
-                    "the fused path has dense layers only".into(),
-                ));
-            };
             let input = if li == 0 {
                 GemvIn::SetNorm {
                     init: a.sel_embed.slice(..t * h),
@@ -560,6 +551,18 @@ impl CudaDecoderModel {
                 h,
             )?;
             mark!("o_proj+residual");
+            let DMlp::Dense {
+                gate_up,
+                down,
+                inter,
+            } = &l.mlp
+            else {
+                Self::small_moe_route(&cx, a, l, t, h, eps)?;
+                mark!("rms_norm+moe_router+topk");
+                Self::small_moe_experts(&cx, a, l, t, h)?;
+                mark!("moe_experts+residual");
+                continue;
+            };
             cx.gemv_fused(
                 &gate_up.w,
                 GemvIn::Norm {

@@ -43,6 +43,7 @@ mod buffers;
 mod graphs;
 mod layers;
 mod mm;
+mod moe_small;
 mod profile;
 mod weights;
 
@@ -172,7 +173,7 @@ pub struct CudaDecoderModel {
     /// Steps of at most 8 tokens run their linear layers as GEMVs
     /// ([`CudaDecoderModel::set_small_batch_gemv`]).
     small_batch_gemv: bool,
-    /// Such steps of an all-dense model take the fused path where they can
+    /// Such steps take the fused path where they can
     /// ([`CudaDecoderModel::set_fused_small_batch`]).
     fused_small_batch: bool,
 }
@@ -377,13 +378,15 @@ impl CudaDecoderModel {
         self.small_batch_gemv
     }
 
-    /// With the small-batch GEMVs on, steps of a model whose layers are all dense and
-    /// bias-free, on one rank with no state capture, run the fused small-batch path: per layer
-    /// the input norm inside the QKV GEMV, the residual add inside o_proj and down_proj, the
-    /// post-attention norm and SiLU-and-mul inside gate_up, the final norm gathering the output
-    /// rows (6 launches per layer instead of 9; the same bits, see
-    /// [`CudaContext::gemv_fused`]). On by default; off runs the unfused kernels (for
-    /// comparison). Recapture graphs after changing it.
+    /// With the small-batch GEMVs on, steps of a model whose layers are bias-free and dense or
+    /// routed-expert MoE without a shared expert, on one rank with no state capture, run the
+    /// fused small-batch path: per layer the input norm inside the QKV GEMV, the residual add
+    /// inside o_proj and down_proj, the post-attention norm and SiLU-and-mul inside gate_up,
+    /// the final norm gathering the output rows (6 launches per dense layer instead of 9; the
+    /// same bits, see [`CudaContext::gemv_fused`]); a MoE layer's MLP is three launches
+    /// instead of eight (`moe_small.rs`: the same norm bits and routing code, expert sums
+    /// rounded where the grouped-GEMM path rounds them). On by default; off runs the unfused
+    /// kernels (for comparison). Recapture graphs after changing it.
     pub fn set_fused_small_batch(&mut self, on: bool) {
         self.fused_small_batch = on;
     }

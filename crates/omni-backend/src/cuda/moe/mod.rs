@@ -25,13 +25,25 @@
 //!
 //! Here: the shape and the workspace layout; in `tiles.rs` the two tile configurations, in
 //! `source.rs` the kernels' source (`kernels/moe/*`, with one `extern "C"` entry per tile and
-//! GEMM), in `launch.rs` the launchers.
+//! GEMM), in `launch.rs` the launchers. Steps of at most 8 tokens have a three-kernel path of
+//! their own, norm and routing included (`small.rs`; host emulators in `small_emu.rs`, GPU
+//! tests in `small_tests.rs`).
 
 mod launch;
+pub(super) mod small;
+#[cfg(test)]
+mod small_emu;
+#[cfg(test)]
+mod small_tests;
 pub(super) mod source;
 #[cfg(test)]
 mod tests;
 mod tiles;
+
+pub use small::{
+    MOE_SMALL_MAX_HIDDEN, MOE_SMALL_MAX_INTER, MOE_SMALL_MAX_PAIRS, MOE_SMALL_MAX_TOKENS,
+    MoeRouteBuffers, moe_small_act_len,
+};
 
 #[cfg(doc)]
 use super::CudaContext;

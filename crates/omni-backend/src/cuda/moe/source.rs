@@ -8,6 +8,8 @@ use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 const PTX_HELPERS: &str = kernel_file!("moe/ptx.cuh");
 /// The dynamic shared memory all MoE kernels use, bf16x2 packing.
 const COMMON: &str = kernel_file!("moe/common.cuh");
+/// One token's routing by one warp (shared with the small-batch router).
+pub(super) const TOPK_WARP: &str = kernel_file!("moe/topk_warp.cuh");
 /// Routing: softmax over the experts, top-k.
 const TOPK_SOFTMAX: &str = kernel_file!("moe/topk_softmax.cu");
 /// Alignment of the (token, slot) pairs into tile-padded row blocks per expert.
@@ -49,8 +51,9 @@ extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
 
 /// Full source of the MoE module (every MoE entry point).
 pub(crate) fn moe_source() -> String {
-    let mut s =
-        format!("{BF16_HELPERS}{PTX_HELPERS}{COMMON}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}");
+    let mut s = format!(
+        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{TOPK_WARP}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}"
+    );
     for cfg in [SMALL, LARGE] {
         s.push_str(&gemm_entry(&cfg, true));
         s.push_str(&gemm_entry(&cfg, false));

@@ -68,7 +68,7 @@ fn moe_workspace_bound_and_tiles() {
 
 /// The CPU routing of omni-models' `DecoderModel::moe`: softmax in f32, experts sorted by
 /// probability (ties: lower id), optional renormalisation.
-fn cpu_topk(logits: &[f32], e: usize, k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
+pub(super) fn cpu_topk(logits: &[f32], e: usize, k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
     let (mut ids, mut ws) = (Vec::new(), Vec::new());
     for row in logits.chunks_exact(e) {
         let mut p = row.to_vec();
@@ -164,7 +164,7 @@ fn moe_topk_softmax_matches_cpu() {
 /// CPU f32 reference of the expert block for token rows `rows` (inputs bf16-exact), from
 /// the CPU building blocks, each expert's weights widened once.
 #[allow(clippy::too_many_arguments)]
-fn cpu_moe_rows(
+pub(super) fn cpu_moe_rows(
     x: &[f32],
     w13: &[bf16],
     w2: &[bf16],
@@ -220,7 +220,7 @@ fn cpu_moe_rows(
     out
 }
 
-fn rand_bf16_scaled(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
+pub(super) fn rand_bf16_scaled(n: usize, seed: u64, scale: f32) -> Vec<bf16> {
     rand_bf16_f32(n, seed)
         .iter()
         .map(|&v| bf16::from_f32(v * scale))
@@ -514,7 +514,7 @@ fn fused_moe_rejects_bad_shapes() {
 }
 
 /// Median time of `per` back-to-back calls of `f`, in µs per call.
-fn time_us(cx: &CudaContext, mut f: impl FnMut()) -> f64 {
+pub(super) fn time_us(cx: &CudaContext, mut f: impl FnMut()) -> f64 {
     for _ in 0..3 {
         f();
     }

@@ -1,0 +1,290 @@
+// The small-batch MoE layer (tokens <= 8; src/cuda/moe/small.rs): three weight-streaming
+// kernels in the style of the fused GEMV (gemv.cu), launched with programmatic dependent launch,
+// that read all routing from device memory (graph capturable), use no float atomics and sum in a
+// fixed order (deterministic):
+//
+//   moe_small_route:   one block per (token, group of experts): the post-attention RMSNorm of
+//                      the f32 residual (the threads and reduction order of
+//                      `fused_add_rmsnorm_f32res`: the same bits), h = bf16 of it (group 0
+//                      writes it), the group's f32 router logits from the unrounded normed row
+//                      (one warp per expert), then the token's last block to finish (an int
+//                      counter per token, left at 0) routes it with `moe_topk_warp`;
+//   moe_small_gate_up: one block per (pair, chunk of 8 intermediate columns): the first pair
+//                      routed to an expert streams that expert's gate and up rows once for every
+//                      pair routed to it (other pairs' blocks exit), one warp per column, and
+//                      writes act[pair] = bf16(silu(gate) * up) (the grouped GEMM's rounding);
+//   moe_small_down:    one block per MS_DOWN_ROWS output rows: for each distinct routed expert
+//                      (pair order) a warp streams its w2 row once, y[pair] = bf16(act[pair] .
+//                      w2 row) for the pairs routed to it, then residual[t, n] += bf16(sum over
+//                      the token's slots in order of w * y) (the rounding of `moe_reduce`).
+//
+// Dot products accumulate in f32 in the order of the plain loop `for (c = lane; c < chunks;
+// c += 32)` over 8-wide chunks, then the xor-shuffle warp reduction (as gemv.cu).
+// Prepended by the Rust side: bf16.cuh, gemv_common.cuh, moe/topk_warp.cuh.
+
+#define MS_MAX_PAIRS 256
+#define MS_DOWN_ROWS 2
+#define MS_ROUTE_UNROLL 16
+
+// Grid: tokens * groups blocks of block_threads(hidden / 4) threads (the unfused norm's); warp
+// w of group g owns expert g * warps + w. Dynamic shared memory: (hidden + num_experts) floats.
+extern "C" __global__ void __launch_bounds__(512) moe_small_route(const float* __restrict__ residual,
+        const unsigned short* __restrict__ norm_w, const float* __restrict__ router,
+        unsigned short* __restrict__ h_out, float* logits, int* __restrict__ ids,
+        float* __restrict__ wts, int* counters, int hidden, int num_experts, int top_k,
+        int groups, int renorm, float eps) {
+    extern __shared__ __align__(16) float ms_route_smem[];
+    __shared__ float sh[32];
+    __shared__ int s_last;
+    float* xs = ms_route_smem;
+    float* probs = ms_route_smem + hidden;
+    gv_launch_dependents();
+    const int t = blockIdx.x / groups, g = blockIdx.x - t * groups;
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int e = g * warps + (threadIdx.x >> 5);
+    const bool live = e < num_experts;
+    const int chunks = hidden >> 2;
+    const float4* wr = reinterpret_cast<const float4*>(router + (size_t)(live ? e : 0) * hidden);
+    float4 wv[MS_ROUTE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < MS_ROUTE_UNROLL; ++u) {
+        const int c = lane + 32 * u;
+        if (live && c < chunks) wv[u] = wr[c];
+    }
+    gv_wait();
+    // The norm: `fused_add_rmsnorm_f32res` after its add (the o_proj epilogue did it).
+    const float* x = residual + (size_t)t * hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x * 4; i < hidden; i += blockDim.x * 4) {
+        const float4 v = *reinterpret_cast<const float4*>(x + i);
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    const float inv = rsqrtf(gv_block_sum(ss, sh) / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = bf2f(norm_w[i]) * (x[i] * inv);
+        xs[i] = v;
+        if (g == 0) h_out[(size_t)t * hidden + i] = f2bf(v);
+    }
+    __syncthreads();
+    if (live) {
+        float acc = 0.f;
+        for (int base = 0; base < chunks; base += 32 * MS_ROUTE_UNROLL) {
+            if (base > 0) {
+#pragma unroll
+                for (int u = 0; u < MS_ROUTE_UNROLL; ++u) {
+                    const int c = base + lane + 32 * u;
+                    if (c < chunks) wv[u] = wr[c];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < MS_ROUTE_UNROLL; ++u) {
+                const int c = base + lane + 32 * u;
+                if (c < chunks) {
+                    const float4 xv = reinterpret_cast<const float4*>(xs)[c];
+                    acc += xv.x * wv[u].x;
+                    acc += xv.y * wv[u].y;
+                    acc += xv.z * wv[u].z;
+                    acc += xv.w * wv[u].w;
+                }
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) logits[(size_t)t * num_experts + e] = acc;
+    }
+    // The last of the token's blocks routes it: every block publishes its logits (fence) before
+    // it counts itself; the one that sees groups - 1 reads them all back past L1.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(counters + t, 1) == groups - 1;
+    __syncthreads();
+    if (!s_last || threadIdx.x >= 32) return;
+    if (lane == 0) counters[t] = 0;
+    __threadfence();
+    const volatile float* row = logits + (size_t)t * num_experts;
+    for (int i = lane; i < num_experts; i += 32) probs[i] = row[i];
+    __syncwarp();
+    moe_topk_warp(probs, probs, ids + (size_t)t * top_k, wts + (size_t)t * top_k, num_experts,
+                  top_k, renorm, lane);
+}
+
+// Warp 0 of the block of pair p: the pairs q >= p routed to p's expert, in order, into
+// members (shared), and their count; 0 when p's id is outside [0, E) or an earlier pair has the
+// same expert (that pair's blocks do the work).
+__device__ __forceinline__ int ms_members(const int* __restrict__ ids, int p, int pairs,
+        int num_experts, int* members) {
+    const int lane = threadIdx.x & 31;
+    const int e = ids[p];
+    if (e < 0 || e >= num_experts) return 0;
+    int n = 0;
+    bool first = true;
+    for (int base = 0; base < pairs; base += 32) {
+        const int q = base + lane;
+        const bool m = q < pairs && ids[q] == e;
+        if (__ballot_sync(0xffffffffu, m && q < p)) first = false;
+        const unsigned after = __ballot_sync(0xffffffffu, m && q >= p);
+        if (m && q >= p) members[n + __popc(after & ((1u << lane) - 1u))] = q;
+        n += __popc(after);
+    }
+    return first ? n : 0;
+}
+
+// Grid: pairs * col_blocks blocks of 256 threads (8 warps); block b serves pair b / col_blocks
+// and columns (b % col_blocks) * 8 + warp. act is [pairs, inter] bf16 (rows of pairs whose id
+// is invalid are not written).
+extern "C" __global__ void __launch_bounds__(256, 2) moe_small_gate_up(
+        const unsigned short* __restrict__ x, const unsigned short* __restrict__ w13,
+        const int* __restrict__ ids, unsigned short* __restrict__ act, int pairs, int top_k,
+        int hidden, int inter, int num_experts, int col_blocks) {
+    __shared__ int s_members[MS_MAX_PAIRS];
+    __shared__ int s_n;
+    gv_launch_dependents();
+    gv_wait();
+    const int p = blockIdx.x / col_blocks, cb = blockIdx.x - p * col_blocks;
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x < 32) {
+        const int n = ms_members(ids, p, pairs, num_experts, s_members);
+        if (lane == 0) s_n = n;
+    }
+    __syncthreads();
+    const int n = s_n;
+    const int o = cb * warps + (threadIdx.x >> 5);
+    if (n == 0 || o >= inter) return;
+    const int e = ids[p];
+    const int chunks = hidden >> 3;
+    const uint4* w0 = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + o) * hidden);
+    const uint4* w1 = w0 + (size_t)inter * chunks;  // up row o
+    const uint4* xb = reinterpret_cast<const uint4*>(x);
+    for (int mb = 0; mb < n; mb += GV_MAX_ROWS) {
+        const int rows = min(GV_MAX_ROWS, n - mb);
+        float acc[GV_MAX_ROWS], accb[GV_MAX_ROWS];
+        int xo[GV_MAX_ROWS];  // the member's token row of x, in uint4 chunks
+#pragma unroll
+        for (int r = 0; r < GV_MAX_ROWS; ++r) {
+            acc[r] = 0.f;
+            accb[r] = 0.f;
+            xo[r] = (s_members[mb + min(r, rows - 1)] / top_k) * chunks;
+        }
+        for (int base = 0; base < chunks; base += 32 * GV_UNROLL) {
+            uint4 wa[GV_UNROLL], wb[GV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GV_UNROLL; ++u) {
+                const int c = base + lane + 32 * u;
+                if (c < chunks) {
+                    wa[u] = w0[c];
+                    wb[u] = w1[c];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < GV_UNROLL; ++u) {
+                const int c = base + lane + 32 * u;
+                if (c < chunks) {
+                    float wf[8], wg[8];
+                    gv_unpack(wa[u], wf);
+                    gv_unpack(wb[u], wg);
+#pragma unroll
+                    for (int r = 0; r < GV_MAX_ROWS; ++r) {
+                        if (r < rows) {
+                            const uint4 xv = xb[xo[r] + c];
+                            acc[r] += gv_dot8(xv, wf);
+                            accb[r] += gv_dot8(xv, wg);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < GV_MAX_ROWS; ++r) {
+            if (r < rows) {
+                float g = acc[r], u = accb[r];
+                for (int s = 16; s > 0; s >>= 1) g += __shfl_xor_sync(0xffffffffu, g, s);
+                for (int s = 16; s > 0; s >>= 1) u += __shfl_xor_sync(0xffffffffu, u, s);
+                if (lane == 0)
+                    act[(size_t)s_members[mb + r] * inter + o] = f2bf(g / (1.0f + expf(-g)) * u);
+            }
+        }
+    }
+}
+
+// Grid: ceil(hidden / MS_DOWN_ROWS) blocks of MS_MAX_PAIRS (256) threads: thread q first owns
+// pair q (its id, whether it is the first pair of its expert), then item i = r * owners + u
+// (row row0 + r, the u-th distinct expert in pair order) goes to warp i % 8, then thread
+// r * tokens + t sums token t's slots of row row0 + r. inter <= 32 * 8 * GV_UNROLL (a lane
+// holds its whole share of a w2 row).
+extern "C" __global__ void __launch_bounds__(256) moe_small_down(
+        const unsigned short* __restrict__ act, const unsigned short* __restrict__ w2,
+        const int* __restrict__ ids, const float* __restrict__ wts,
+        float* __restrict__ residual, int tokens, int top_k, int hidden, int inter,
+        int num_experts) {
+    __shared__ int s_ids[MS_MAX_PAIRS];
+    __shared__ int s_own[MS_MAX_PAIRS];
+    __shared__ int s_wcount[MS_MAX_PAIRS / 32];
+    __shared__ float s_y[MS_DOWN_ROWS][MS_MAX_PAIRS];
+    gv_launch_dependents();
+    gv_wait();
+    const int pairs = tokens * top_k;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, warps = blockDim.x >> 5;
+    int e = -1;
+    if (tid < pairs) {
+        e = ids[tid];
+        if (e < 0 || e >= num_experts) e = -1;
+    }
+    s_ids[tid] = e;
+    __syncthreads();
+    bool first = e >= 0;
+    for (int r = 0; first && r < tid; ++r) first = s_ids[r] != e;
+    const unsigned bal = __ballot_sync(0xffffffffu, first);
+    if (lane == 0) s_wcount[wid] = __popc(bal);
+    __syncthreads();
+    int off = 0, owners = 0;
+    for (int w = 0; w < warps; ++w) {
+        if (w < wid) off += s_wcount[w];
+        owners += s_wcount[w];
+    }
+    if (first) s_own[off + __popc(bal & ((1u << lane) - 1u))] = tid;
+    __syncthreads();
+    const int row0 = blockIdx.x * MS_DOWN_ROWS;
+    const int chunks = inter >> 3;
+    for (int it = wid; it < MS_DOWN_ROWS * owners; it += warps) {
+        const int r = it / owners, u = it - r * owners;
+        const int n = row0 + r;
+        if (n >= hidden) continue;  // warp-uniform
+        const int p = s_own[u], ex = s_ids[p];
+        const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)ex * hidden + n) * inter);
+        uint4 wa[GV_UNROLL];
+#pragma unroll
+        for (int v = 0; v < GV_UNROLL; ++v) {
+            const int c = lane + 32 * v;
+            if (c < chunks) wa[v] = wr[c];
+        }
+        for (int q = p; q < pairs; ++q) {
+            if (s_ids[q] != ex) continue;  // warp-uniform (shared broadcast)
+            const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)q * inter);
+            float acc = 0.f;
+#pragma unroll
+            for (int v = 0; v < GV_UNROLL; ++v) {
+                const int c = lane + 32 * v;
+                if (c < chunks) {
+                    float wf[8];
+                    gv_unpack(wa[v], wf);
+                    acc += gv_dot8(ar[c], wf);
+                }
+            }
+            for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+            if (lane == 0) s_y[r][q] = bf2f(f2bf(acc));
+        }
+    }
+    __syncthreads();
+    if (tid < MS_DOWN_ROWS * tokens) {
+        const int r = tid / tokens, t = tid - r * tokens;
+        const int n = row0 + r;
+        if (n < hidden) {
+            float acc = 0.f;
+            for (int s = 0; s < top_k; ++s) {
+                const int q = t * top_k + s;
+                if (s_ids[q] < 0) continue;
+                acc += wts[q] * s_y[r][q];
+            }
+            residual[(size_t)t * hidden + n] += bf2f(f2bf(acc));
+        }
+    }
+}

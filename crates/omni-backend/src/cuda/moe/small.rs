@@ -1,0 +1,441 @@
+//! The small-batch MoE layer (steps of at most [`MOE_SMALL_MAX_TOKENS`] tokens): three
+//! weight-streaming kernels (`kernels/moe/small.cu`) in place of the post-attention norm, the
+//! router GEMM, the top-k softmax, the four launches of [`CudaContext::fused_moe_bf16`], its
+//! widening to f32 and the residual add:
+//!
+//! 1. [`CudaContext::moe_small_route`]: RMSNorm of the f32 residual (the bits of
+//!    [`CudaContext::fused_add_rms_norm_f32_out`]), the f32 router logits from the unrounded
+//!    normed row, then [`CudaContext::moe_topk_softmax`]'s routing (the same warp code) by the
+//!    last of each token's blocks; grid `tokens * groups` (`groups = ceil(E / warps)`, one warp
+//!    per expert) of the norm's `block_threads(hidden / 4)` threads.
+//! 2. [`CudaContext::moe_small_gate_up`]: `act[pair] = silu(gate_e(h[t])) * up_e(h[t])`; grid
+//!    `pairs * ceil(inter / 8)` blocks of 8 warps, one warp per intermediate column. The first
+//!    pair routed to an expert streams that expert's rows once for every pair routed to it (at
+//!    batch 1 there is one pair per expert; at 8 tokens shared experts are read once).
+//! 3. [`CudaContext::moe_small_down`]: `residual[t] += sum_slot w * down_e(act[pair])`; grid
+//!    `ceil(hidden / 2)` blocks of 256 threads, each owning two output rows and looping over the
+//!    distinct routed experts in pair order, then over each token's slots in order.
+//!
+//! All three read routing from device memory only (CUDA-graph capturable), use no float
+//! atomics and sum in a fixed order (deterministic), and are launched with programmatic
+//! dependent launch like the fused GEMVs. The expert results round where the grouped-GEMM path
+//! rounds (`act`, each pair's `y`, the weighted sum to bf16), so the two paths differ only by the
+//! order of f32 accumulation inside the dot products.
+//!
+//! Beside the launch shapes, test-only functions mirror the kernels' de-duplication of experts
+//! on the host; the tests' emulators (`small_tests.rs`) run the kernels' loops with them.
+
+use std::ffi::c_void;
+
+use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut};
+
+use super::source::TOPK_WARP;
+use super::{MOE_MAX_EXPERTS, MoeShape};
+use crate::cuda::gemv::GEMV_COMMON;
+use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
+use crate::cuda::launch::{aligned16, at_least, block_threads, narrow, shape_err};
+use crate::cuda::{CudaContext, CudaResult, bf16};
+
+/// The most tokens the small-batch MoE kernels take (the GEMV's rows).
+pub const MOE_SMALL_MAX_TOKENS: usize = crate::cuda::GEMV_MAX_ROWS;
+/// The most `(token, slot)` pairs (`tokens * top_k`): one thread per pair in the down kernel.
+pub const MOE_SMALL_MAX_PAIRS: usize = 256;
+/// The largest hidden size: the router block has `hidden / 4` threads (at most 512, so a lane
+/// holds its prefetched router row in registers).
+pub const MOE_SMALL_MAX_HIDDEN: usize = 2048;
+/// The largest expert intermediate size: a lane holds its share of a w2 row in registers.
+pub const MOE_SMALL_MAX_INTER: usize = 8 * 32 * 8;
+
+/// Output rows per block of the down kernel (`MS_DOWN_ROWS`).
+pub(crate) const DOWN_ROWS: usize = 2;
+/// Warps per block of the gate_up and down kernels.
+pub(crate) const EXPERT_WARPS: usize = 8;
+
+const SMALL: &str = kernel_file!("moe/small.cu");
+const ROUTE_FN: &str = "moe_small_route";
+const GATE_UP_FN: &str = "moe_small_gate_up";
+const DOWN_FN: &str = "moe_small_down";
+
+/// Full source of the small-batch MoE module.
+pub(crate) fn moe_small_source() -> String {
+    format!("{BF16_HELPERS}{GEMV_COMMON}{TOPK_WARP}{SMALL}")
+}
+
+/// Elements of the `act` buffer (`[tokens * top_k, inter]` bf16) between
+/// [`CudaContext::moe_small_gate_up`] and [`CudaContext::moe_small_down`].
+pub fn moe_small_act_len(shape: MoeShape) -> usize {
+    shape.tokens * shape.top_k * shape.inter
+}
+
+/// The buffers of [`CudaContext::moe_small_route`].
+#[derive(Debug)]
+pub struct MoeRouteBuffers<'a> {
+    /// The f32 residual stream `[tokens, hidden]`, already holding the attention output (read).
+    pub residual: &'a CudaSlice<f32>,
+    /// The post-attention norm's weight `[hidden]`.
+    pub norm_weight: &'a CudaSlice<bf16>,
+    /// The router `[num_experts, hidden]` in f32.
+    pub router: &'a CudaSlice<f32>,
+    /// Out: the normed rows in bf16 `[tokens, hidden]` (the experts' input).
+    pub h: CudaViewMut<'a, bf16>,
+    /// Out: the f32 router logits `[tokens, num_experts]`.
+    pub logits: CudaViewMut<'a, f32>,
+    /// Out: the routed experts `[tokens, top_k]`, in decreasing probability.
+    pub topk_ids: CudaViewMut<'a, i32>,
+    /// Out: their weights `[tokens, top_k]`.
+    pub topk_weights: CudaViewMut<'a, f32>,
+    /// At least `tokens` counters, zero before the first call (e.g. `alloc_zeros`); every call
+    /// leaves them zero.
+    pub counters: &'a mut CudaSlice<i32>,
+}
+
+/// The router kernel's launch: `(groups per token, threads per block, dynamic shared bytes)`.
+/// Warp `w` of group `g` owns expert `g * warps + w`.
+pub(crate) fn route_launch(hidden: usize, num_experts: usize) -> (usize, u32, usize) {
+    let threads = block_threads(hidden.div_ceil(4), 1024);
+    let warps = threads as usize / 32;
+    (
+        num_experts.div_ceil(warps),
+        threads,
+        (hidden + num_experts) * 4,
+    )
+}
+
+/// Blocks per pair of the gate_up kernel (one warp per intermediate column).
+pub(crate) fn gate_up_col_blocks(inter: usize) -> usize {
+    inter.div_ceil(EXPERT_WARPS)
+}
+
+#[cfg(test)]
+/// Whether `id` names an expert.
+fn valid(id: i32, num_experts: usize) -> bool {
+    usize::try_from(id).is_ok_and(|e| e < num_experts)
+}
+
+#[cfg(test)]
+/// The pairs the gate_up block of pair `p` computes (`ms_members`): every pair `q >= p` routed
+/// to `p`'s expert, in order, when `p` is the first pair routed to it; otherwise (or when `p`'s
+/// id is no expert) none.
+pub(crate) fn pair_members(ids: &[i32], p: usize, num_experts: usize) -> Vec<usize> {
+    let e = ids[p];
+    if !valid(e, num_experts) || ids[..p].contains(&e) {
+        return Vec::new();
+    }
+    (p..ids.len()).filter(|&q| ids[q] == e).collect()
+}
+
+#[cfg(test)]
+/// The first pair routed to each distinct expert, in pair order (the down kernel's owners).
+pub(crate) fn distinct_owners(ids: &[i32], num_experts: usize) -> Vec<usize> {
+    (0..ids.len())
+        .filter(|&q| valid(ids[q], num_experts) && !ids[..q].contains(&ids[q]))
+        .collect()
+}
+
+impl CudaContext {
+    /// Whether [`CudaContext::moe_small_route`], [`CudaContext::moe_small_gate_up`] and
+    /// [`CudaContext::moe_small_down`] take `shape`: `1..=`[`MOE_SMALL_MAX_TOKENS`] tokens,
+    /// at most [`MOE_SMALL_MAX_PAIRS`] pairs, `hidden` and `inter` positive multiples of 8 up
+    /// to [`MOE_SMALL_MAX_HIDDEN`] / [`MOE_SMALL_MAX_INTER`], `1 <= top_k <= num_experts <=`
+    /// [`MOE_MAX_EXPERTS`].
+    pub fn moe_small_fits(shape: &MoeShape) -> bool {
+        check_small(shape).is_ok()
+    }
+
+    /// Post-attention RMSNorm + router + top-k softmax of `shape.tokens` rows in one launch:
+    /// `h = bf16(rms_norm(residual) * norm_weight)` (bit for bit
+    /// [`CudaContext::fused_add_rms_norm_f32_out`]'s), `logits = normed_f32 @ router^T` in f32,
+    /// and the routing of [`CudaContext::moe_topk_softmax`] (the same code; `renormalize` is
+    /// `norm_topk_prob`). The residual already holds the attention output (the o_proj GEMV adds
+    /// it). Errors: a shape outside [`CudaContext::moe_small_fits`] or short buffers.
+    pub fn moe_small_route(
+        &self,
+        shape: MoeShape,
+        renormalize: bool,
+        eps: f32,
+        b: MoeRouteBuffers<'_>,
+    ) -> CudaResult<()> {
+        check_small(&shape)?;
+        let MoeShape {
+            tokens: t,
+            hidden: h,
+            num_experts: e,
+            top_k: k,
+            ..
+        } = shape;
+        let MoeRouteBuffers {
+            residual,
+            norm_weight,
+            router,
+            h: mut h_out,
+            mut logits,
+            mut topk_ids,
+            mut topk_weights,
+            counters,
+        } = b;
+        at_least("moe route residual", residual.len(), t * h)?;
+        crate::check_len("moe route norm weight", norm_weight.len(), h)?;
+        crate::check_len("moe route router", router.len(), e * h)?;
+        at_least("moe route h", h_out.len(), t * h)?;
+        at_least("moe route logits", logits.len(), t * e)?;
+        at_least("moe route topk ids", topk_ids.len(), t * k)?;
+        at_least("moe route topk weights", topk_weights.len(), t * k)?;
+        at_least("moe route counters", counters.len(), t)?;
+        let (groups, threads, smem) = route_launch(h, e);
+        let s = &self.stream;
+        let (res, _g0) = residual.device_ptr(s);
+        let (nw, _g1) = norm_weight.device_ptr(s);
+        let (rw, _g2) = router.device_ptr(s);
+        let (hp, _g3) = h_out.device_ptr_mut(s);
+        let (lp, _g4) = logits.device_ptr_mut(s);
+        let (ip, _g5) = topk_ids.device_ptr_mut(s);
+        let (wp, _g6) = topk_weights.device_ptr_mut(s);
+        let (cp, _g7) = counters.device_ptr_mut(s);
+        aligned16("moe route residual", res)?;
+        aligned16("moe route router", rw)?;
+        let f = self.function(moe_small_source, ROUTE_FN)?;
+        let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5, mut a6, mut a7) =
+            (res, nw, rw, hp, lp, ip, wp, cp);
+        let (mut a8, mut a9, mut a10, mut a11, mut a12, mut a13) = (
+            narrow::<i32>("hidden", h)?,
+            narrow::<i32>("num_experts", e)?,
+            narrow::<i32>("top_k", k)?,
+            narrow::<i32>("moe route groups", groups)?,
+            i32::from(renormalize),
+            eps,
+        );
+        let mut args: [*mut c_void; 14] = [
+            (&raw mut a0).cast(),
+            (&raw mut a1).cast(),
+            (&raw mut a2).cast(),
+            (&raw mut a3).cast(),
+            (&raw mut a4).cast(),
+            (&raw mut a5).cast(),
+            (&raw mut a6).cast(),
+            (&raw mut a7).cast(),
+            (&raw mut a8).cast(),
+            (&raw mut a9).cast(),
+            (&raw mut a10).cast(),
+            (&raw mut a11).cast(),
+            (&raw mut a12).cast(),
+            (&raw mut a13).cast(),
+        ];
+        // SAFETY: the arguments match `moe_small_route(const float*, const u16*, const float*,
+        // u16*, float*, int*, float*, int*, int, int, int, int, int, float)` in order and
+        // type. Every buffer was checked against the shape above (residual and h t * h, router
+        // e * h, logits t * e, ids / weights t * k, counters t); hidden is a multiple of 8 and
+        // the float4-loaded residual and router are 16-byte aligned; the grid is t * groups
+        // blocks of block_threads(h / 4) <= 512 threads (the kernel's launch bounds), with
+        // (h + e) floats of dynamic shared memory (<= 12 KiB by the fits check); warps past
+        // the experts only join the barriers.
+        unsafe {
+            self.launch_programmatic(
+                &f,
+                (
+                    narrow("moe route blocks", t * groups)?,
+                    threads,
+                    smem as u32,
+                ),
+                &mut args,
+            )
+        }
+    }
+
+    /// `act[p] = bf16(silu(gate_e(x[t])) * up_e(x[t]))` for each pair `p = t * top_k + slot`
+    /// with `e = topk_ids[p]` (ids outside `0..num_experts` are skipped: their rows are not
+    /// written), `w13[e]` `[2 * inter, hidden]` (gate rows then up rows) as in
+    /// [`CudaContext::fused_moe_bf16`]. `x` is `[tokens, hidden]` bf16, `act`
+    /// [`moe_small_act_len`] elements. Each routed expert's rows are streamed once per call.
+    pub fn moe_small_gate_up(
+        &self,
+        shape: MoeShape,
+        x: &impl DevicePtr<bf16>,
+        w13: &impl DevicePtr<bf16>,
+        topk_ids: &impl DevicePtr<i32>,
+        act: &mut impl DevicePtrMut<bf16>,
+    ) -> CudaResult<()> {
+        check_small(&shape)?;
+        let MoeShape {
+            tokens: t,
+            hidden: h,
+            inter: i,
+            num_experts: e,
+            top_k: k,
+        } = shape;
+        at_least("moe gate_up x", x.len(), t * h)?;
+        crate::check_len("moe gate_up w13", w13.len(), e * 2 * i * h)?;
+        at_least("moe gate_up topk ids", topk_ids.len(), t * k)?;
+        at_least("moe gate_up act", act.len(), moe_small_act_len(shape))?;
+        let s = &self.stream;
+        let (xp, _g0) = x.device_ptr(s);
+        let (wp, _g1) = w13.device_ptr(s);
+        let (ip, _g2) = topk_ids.device_ptr(s);
+        let (ap, _g3) = act.device_ptr_mut(s);
+        aligned16("moe gate_up x", xp)?;
+        aligned16("moe gate_up w13", wp)?;
+        let col_blocks = gate_up_col_blocks(i);
+        let f = self.function(moe_small_source, GATE_UP_FN)?;
+        let (mut a0, mut a1, mut a2, mut a3) = (xp, wp, ip, ap);
+        let (mut a4, mut a5, mut a6, mut a7, mut a8, mut a9) = (
+            narrow::<i32>("pairs", t * k)?,
+            narrow::<i32>("top_k", k)?,
+            narrow::<i32>("hidden", h)?,
+            narrow::<i32>("inter", i)?,
+            narrow::<i32>("num_experts", e)?,
+            narrow::<i32>("moe gate_up column blocks", col_blocks)?,
+        );
+        let mut args: [*mut c_void; 10] = [
+            (&raw mut a0).cast(),
+            (&raw mut a1).cast(),
+            (&raw mut a2).cast(),
+            (&raw mut a3).cast(),
+            (&raw mut a4).cast(),
+            (&raw mut a5).cast(),
+            (&raw mut a6).cast(),
+            (&raw mut a7).cast(),
+            (&raw mut a8).cast(),
+            (&raw mut a9).cast(),
+        ];
+        // SAFETY: the arguments match `moe_small_gate_up(const u16*, const u16*, const int*,
+        // u16*, int, int, int, int, int, int)` in order and type; x holds t * h, w13 e * 2i * h
+        // and act t * k * i elements, ids t * k (checked above); expert ids are range-checked
+        // by the kernel before they index w13 and pair indices stay below t * k <= 256 (its
+        // shared member list); h and i are multiples of 8 and x, w13 16-byte aligned for the
+        // uint4 loads (act rows of i bf16 stay 2-byte aligned); 256 threads (its launch bounds).
+        unsafe {
+            self.launch_programmatic(
+                &f,
+                (
+                    narrow("moe gate_up blocks", t * k * col_blocks)?,
+                    (EXPERT_WARPS * 32) as u32,
+                    0,
+                ),
+                &mut args,
+            )
+        }
+    }
+
+    /// `residual[t] += bf16(sum_slot topk_weights[p] * bf16(act[p] @ w2[e]^T))` in slot order
+    /// for `p = t * top_k + slot`, `e = topk_ids[p]` (ids outside `0..num_experts` contribute
+    /// nothing), `w2[e]` `[hidden, inter]` as in [`CudaContext::fused_moe_bf16`]: the expert
+    /// block's output added straight into the f32 residual stream (where the next layer's
+    /// fused QKV GEMV normalises it). Each routed expert's rows are streamed once per call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_small_down(
+        &self,
+        shape: MoeShape,
+        act: &impl DevicePtr<bf16>,
+        w2: &impl DevicePtr<bf16>,
+        topk_ids: &impl DevicePtr<i32>,
+        topk_weights: &impl DevicePtr<f32>,
+        residual: &mut CudaSlice<f32>,
+    ) -> CudaResult<()> {
+        check_small(&shape)?;
+        let MoeShape {
+            tokens: t,
+            hidden: h,
+            inter: i,
+            num_experts: e,
+            top_k: k,
+        } = shape;
+        at_least("moe down act", act.len(), moe_small_act_len(shape))?;
+        crate::check_len("moe down w2", w2.len(), e * h * i)?;
+        at_least("moe down topk ids", topk_ids.len(), t * k)?;
+        at_least("moe down topk weights", topk_weights.len(), t * k)?;
+        at_least("moe down residual", residual.len(), t * h)?;
+        let s = &self.stream;
+        let (ap, _g0) = act.device_ptr(s);
+        let (wp, _g1) = w2.device_ptr(s);
+        let (ip, _g2) = topk_ids.device_ptr(s);
+        let (tp, _g3) = topk_weights.device_ptr(s);
+        let (rp, _g4) = residual.device_ptr_mut(s);
+        aligned16("moe down act", ap)?;
+        aligned16("moe down w2", wp)?;
+        let f = self.function(moe_small_source, DOWN_FN)?;
+        let (mut a0, mut a1, mut a2, mut a3, mut a4) = (ap, wp, ip, tp, rp);
+        let (mut a5, mut a6, mut a7, mut a8, mut a9) = (
+            narrow::<i32>("tokens", t)?,
+            narrow::<i32>("top_k", k)?,
+            narrow::<i32>("hidden", h)?,
+            narrow::<i32>("inter", i)?,
+            narrow::<i32>("num_experts", e)?,
+        );
+        let mut args: [*mut c_void; 10] = [
+            (&raw mut a0).cast(),
+            (&raw mut a1).cast(),
+            (&raw mut a2).cast(),
+            (&raw mut a3).cast(),
+            (&raw mut a4).cast(),
+            (&raw mut a5).cast(),
+            (&raw mut a6).cast(),
+            (&raw mut a7).cast(),
+            (&raw mut a8).cast(),
+            (&raw mut a9).cast(),
+        ];
+        // SAFETY: the arguments match `moe_small_down(const u16*, const u16*, const int*, const
+        // float*, float*, int, int, int, int, int)` in order and type; act holds t * k * i, w2
+        // e * h * i, ids / weights t * k and residual t * h elements (checked above); expert
+        // ids are range-checked by the kernel before they index w2; t * k <= 256 = the block
+        // size (one thread per pair) and i <= MOE_SMALL_MAX_INTER (a lane's registers hold its
+        // chunks of a w2 row); i is a multiple of 8 and act, w2 16-byte aligned for the uint4
+        // loads; each residual element is added by one thread of one block.
+        unsafe {
+            self.launch_programmatic(
+                &f,
+                (
+                    narrow("moe down blocks", h.div_ceil(DOWN_ROWS))?,
+                    MOE_SMALL_MAX_PAIRS as u32,
+                    0,
+                ),
+                &mut args,
+            )
+        }
+    }
+}
+
+/// The shape check of every small-batch MoE launcher (see [`CudaContext::moe_small_fits`]).
+fn check_small(s: &MoeShape) -> CudaResult<()> {
+    if s.tokens == 0 || s.tokens > MOE_SMALL_MAX_TOKENS {
+        return Err(shape_err(
+            "small-batch moe tokens (1..=MOE_SMALL_MAX_TOKENS)",
+            MOE_SMALL_MAX_TOKENS,
+            s.tokens,
+        ));
+    }
+    if s.hidden == 0 || !s.hidden.is_multiple_of(8) || s.hidden > MOE_SMALL_MAX_HIDDEN {
+        return Err(shape_err(
+            "small-batch moe hidden (a positive multiple of 8, at most MOE_SMALL_MAX_HIDDEN)",
+            s.hidden.div_ceil(8).clamp(1, MOE_SMALL_MAX_HIDDEN / 8) * 8,
+            s.hidden,
+        ));
+    }
+    if s.inter == 0 || !s.inter.is_multiple_of(8) || s.inter > MOE_SMALL_MAX_INTER {
+        return Err(shape_err(
+            "small-batch moe inter (a positive multiple of 8, at most MOE_SMALL_MAX_INTER)",
+            s.inter.div_ceil(8).clamp(1, MOE_SMALL_MAX_INTER / 8) * 8,
+            s.inter,
+        ));
+    }
+    if s.num_experts == 0 || s.num_experts > MOE_MAX_EXPERTS {
+        return Err(shape_err(
+            "small-batch moe num_experts (1..=MOE_MAX_EXPERTS)",
+            MOE_MAX_EXPERTS,
+            s.num_experts,
+        ));
+    }
+    if s.top_k == 0 || s.top_k > s.num_experts {
+        return Err(shape_err(
+            "small-batch moe top_k (1..=num_experts)",
+            s.num_experts,
+            s.top_k,
+        ));
+    }
+    if s.tokens * s.top_k > MOE_SMALL_MAX_PAIRS {
+        return Err(shape_err(
+            "small-batch moe tokens * top_k (at most MOE_SMALL_MAX_PAIRS)",
+            MOE_SMALL_MAX_PAIRS,
+            s.tokens * s.top_k,
+        ));
+    }
+    Ok(())
+}

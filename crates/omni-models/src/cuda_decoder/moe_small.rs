@@ -1,0 +1,121 @@
+//! A MoE layer's MLP on the fused small-batch path ([`CudaDecoderModel::set_fused_small_batch`]):
+//! after the o_proj GEMV has added the attention output into the f32 residual stream, three
+//! launches instead of eight: [`CudaContext::moe_small_route`] (post-attention norm, f32 router,
+//! top-k softmax), [`CudaContext::moe_small_gate_up`] (gate_up + SiLU-and-mul over the routed
+//! experts) and [`CudaContext::moe_small_down`] (down, the weighted sum over a token's experts
+//! and the residual add), so the next layer's fused QKV GEMV normalises the sum as on a dense
+//! layer. Layers with a shared expert stay on the unfused path.
+
+use omni_backend::cuda::{CudaContext, MoeRouteBuffers, MoeShape};
+
+use super::CudaDecoderModel;
+use super::buffers::Activations;
+use super::weights::{DLayer, DMlp};
+use crate::ModelError;
+
+/// The shape of a routed-expert MLP at `tokens` tokens, if `mlp` is one without a shared
+/// expert.
+fn moe_shape(mlp: &DMlp, tokens: usize, hidden: usize) -> Option<MoeShape> {
+    match mlp {
+        DMlp::Moe {
+            inter,
+            num_experts,
+            top_k,
+            shared: None,
+            ..
+        } => Some(MoeShape {
+            tokens,
+            hidden,
+            inter: *inter,
+            num_experts: *num_experts,
+            top_k: *top_k,
+        }),
+        _ => None,
+    }
+}
+
+impl CudaDecoderModel {
+    /// Whether a MoE layer's MLP runs on the fused small-batch path at `tokens` tokens: no
+    /// shared expert, and a shape the small-batch MoE kernels take.
+    pub(super) fn small_moe_fits(mlp: &DMlp, tokens: usize, hidden: usize) -> bool {
+        moe_shape(mlp, tokens, hidden).is_some_and(|s| CudaContext::moe_small_fits(&s))
+    }
+
+    /// Post-attention norm + router + top-k of layer `l` (a MoE layer that
+    /// [`Self::small_moe_fits`]): `a.h`, `a.router_logits`, `a.topk_ids`, `a.topk_weights`.
+    pub(super) fn small_moe_route(
+        cx: &CudaContext,
+        a: &mut Activations,
+        l: &DLayer,
+        tokens: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<(), ModelError> {
+        let (shape, router, renormalize) = match (&l.mlp, moe_shape(&l.mlp, tokens, hidden)) {
+            (
+                DMlp::Moe {
+                    router,
+                    renormalize,
+                    ..
+                },
+                Some(s),
+            ) => (s, router, *renormalize),
+            _ => return Err(not_small_moe()),
+        };
+        let (t, e, k) = (tokens, shape.num_experts, shape.top_k);
+        cx.moe_small_route(
+            shape,
+            renormalize,
+            eps,
+            MoeRouteBuffers {
+                residual: &a.x,
+                norm_weight: &l.post_norm,
+                router,
+                h: a.h.slice_mut(..t * hidden),
+                logits: a.router_logits.slice_mut(..t * e),
+                topk_ids: a.topk_ids.slice_mut(..t * k),
+                topk_weights: a.topk_weights.slice_mut(..t * k),
+                counters: &mut a.moe_counters,
+            },
+        )?;
+        Ok(())
+    }
+
+    /// The routed experts of layer `l` on the routing [`Self::small_moe_route`] left, added
+    /// into the residual stream `a.x`.
+    pub(super) fn small_moe_experts(
+        cx: &CudaContext,
+        a: &mut Activations,
+        l: &DLayer,
+        tokens: usize,
+        hidden: usize,
+    ) -> Result<(), ModelError> {
+        let (shape, w13, w2) = match (&l.mlp, moe_shape(&l.mlp, tokens, hidden)) {
+            (DMlp::Moe { w13, w2, .. }, Some(s)) => (s, w13, w2),
+            _ => return Err(not_small_moe()),
+        };
+        let pairs = tokens * shape.top_k;
+        cx.moe_small_gate_up(
+            shape,
+            &a.h.slice(..tokens * hidden),
+            w13,
+            &a.topk_ids.slice(..pairs),
+            &mut a.moe_act,
+        )?;
+        cx.moe_small_down(
+            shape,
+            &a.moe_act,
+            w2,
+            &a.topk_ids.slice(..pairs),
+            &a.topk_weights.slice(..pairs),
+            &mut a.x,
+        )?;
+        Ok(())
+    }
+}
+
+fn not_small_moe() -> ModelError {
+    ModelError::Batch(
+        "the fused small-batch MoE path got a layer without routed experts only".into(),
+    )
+}
