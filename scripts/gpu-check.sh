@@ -35,6 +35,7 @@
 #           a 30 s clip)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
+#   ab-gemv bench latency (batch 1/4/8/64) of both shapes with OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
 #   cold    cold start to /health and requests 1..10 one at a time (scripts/bench-cold-start.sh)
 #           for the Qwen3-30B-A3B shape (dummy weights): request 1 must be as fast as the rest
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -44,6 +45,14 @@
 # prints), and logs.tgz with every step's full log. Exit code: non-zero if any step failed.
 set -uo pipefail
 BIN=${GPU_BIN:-.gpu-bin}
+# Binaries packed by scripts/gpu-pack.sh: unpack them first.
+if [ -d .gpu-bin-xz ]; then
+  mkdir -p "$BIN"
+  for f in .gpu-bin-xz/*.xz; do
+    python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],"wb"), 1<<20)' \
+      "$f" "$BIN/$(basename "$f" .xz)" && chmod +x "$BIN/$(basename "$f" .xz)"
+  done
+fi
 OUT=${OUT:-$(mktemp -d)}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
@@ -144,6 +153,18 @@ if want bench; then
   for m in qwen3-8b qwen3-30b-a3b; do
     latency "$m" 1
     [ "$NGPU" -ge 2 ] && latency "$m" 2
+  done
+fi
+
+# The small-batch GEMVs (fused dense and MoE decode layers) against cuBLAS, in one run.
+if want ab-gemv; then
+  for m in qwen3-8b qwen3-30b-a3b; do
+    for g in 0 1; do
+      OMNI_CUDA_SMALL_BATCH_GEMV=$g step "gemv$g-$m" "$BIN/omni-engine" bench latency \
+        --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
+        --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,4,8,64 --input-len 1024 \
+        --output-len 64 --prefill-len 2048 --json "$LOGS/gemv$g-$m.json"
+    done
   done
 fi
 

@@ -54,9 +54,10 @@ __device__ __forceinline__ void gv_norm_row(const float* __restrict__ x,
 }
 
 // Grid: ceil(n / warps) blocks of `warps` warps; warp o of the grid owns output column o.
-// Dynamic shared memory: rows * k bf16 for GV_IN_NORM (none otherwise).
-extern "C" __global__ void gemv_fused_bf16(const unsigned short* __restrict__ x,
-        float* residual, const unsigned short* __restrict__ norm_w,
+// Dynamic shared memory: rows * k bf16 for GV_IN_NORM (none otherwise). A normalising launch
+// takes the norm's threads, up to 1024 (hidden 4096): the bound keeps the registers within them.
+extern "C" __global__ void __launch_bounds__(1024) gemv_fused_bf16(
+        const unsigned short* __restrict__ x, float* residual, const unsigned short* __restrict__ norm_w,
         const unsigned short* __restrict__ w, void* y, int rows, int k, int n, int in_mode,
         int out_mode, int set, float eps) {
     extern __shared__ __align__(16) unsigned short gv_xs[];

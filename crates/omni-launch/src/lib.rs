@@ -345,18 +345,31 @@ pub fn cuda_status() -> Result<CudaStatus, String> {
     Err("this omni-engine was built without the CUDA backend (feature `cuda`)".into())
 }
 
+/// GPUs this node's ranks need: one each (its share of `tp x pp` over `--nnodes`), or, when
+/// devices may be shared (`OMNI_CUDA_SHARE_DEVICES=1`), one per rank of a tensor-parallel group.
+pub fn gpus_needed(config: &EngineConfig, share: bool) -> usize {
+    let p = &config.parallel;
+    let world = (p.tensor_parallel_size.max(1) * p.pipeline_parallel_size.max(1)) as usize;
+    let local = world.div_ceil(p.nnodes.max(1) as usize);
+    if share {
+        local.min(p.tensor_parallel_size.max(1) as usize)
+    } else {
+        local
+    }
+}
+
 /// `--device`: `auto` is CUDA when a driver and enough devices are usable, else the CPU
 /// (logged); `cuda` without a usable driver is a start-up error that says why.
 pub fn resolve_device(config: &EngineConfig) -> Result<Device, LaunchError> {
-    let need =
-        (config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size) as usize;
+    let need = gpus_needed(config, omni_worker::share_devices());
+    let p = &config.parallel;
     match config.device.device {
         DeviceKind::Cpu => Ok(Device::Cpu),
         DeviceKind::Cuda => match cuda_status() {
             Ok(info) if info.device_count >= need => Ok(Device::Cuda),
             Ok(info) => Err(LaunchError::Device(format!(
-                "-tp {need} needs {need} GPUs; this machine has {}",
-                info.device_count
+                "-tp {} -pp {} over {} node(s) needs {need} GPUs on this node; this machine has {}",
+                p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes, info.device_count
             ))),
             Err(e) => Err(LaunchError::Device(e)),
         },
@@ -381,5 +394,31 @@ pub fn resolve_device(config: &EngineConfig) -> Result<Device, LaunchError> {
                 Ok(Device::Cpu)
             }
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gpus_needed;
+
+    #[test]
+    fn a_node_needs_a_gpu_per_local_rank_unless_stages_share_them() {
+        let mut c = omni_config::EngineConfig::default();
+        let set = |c: &mut omni_config::EngineConfig, tp, pp, nnodes| {
+            c.parallel.tensor_parallel_size = tp;
+            c.parallel.pipeline_parallel_size = pp;
+            c.parallel.nnodes = nnodes;
+        };
+        set(&mut c, 1, 1, 1);
+        assert_eq!(gpus_needed(&c, false), 1);
+        set(&mut c, 2, 2, 1);
+        assert_eq!(gpus_needed(&c, false), 4);
+        assert_eq!(gpus_needed(&c, true), 2);
+        set(&mut c, 2, 2, 2);
+        assert_eq!(gpus_needed(&c, false), 2);
+        set(&mut c, 1, 2, 1);
+        assert_eq!(gpus_needed(&c, true), 1);
+        set(&mut c, 8, 1, 1);
+        assert_eq!(gpus_needed(&c, true), 8);
     }
 }

@@ -27,10 +27,7 @@ use crate::peers::QueueAllReduce;
 /// How long ranks other than 0 wait for the NCCL id.
 pub const NCCL_ID_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Set to `1`, ranks beyond a node's device count share its devices round-robin instead of
-/// failing (pipeline parallelism tested on one GPU; NCCL still needs one device per rank of a
-/// tensor-parallel group).
-pub const SHARE_DEVICES_ENV: &str = "OMNI_CUDA_SHARE_DEVICES";
+pub use crate::SHARE_DEVICES_ENV;
 
 /// Where a CUDA rank runs: its device and its places in the tensor- and pipeline-parallel
 /// groups.
@@ -73,8 +70,7 @@ impl CudaPlace {
             let count = omni_backend::cuda::driver_status()
                 .map_err(|e| WorkerError::Load(e.to_string()))?
                 .device_count;
-            let share = std::env::var(SHARE_DEVICES_ENV).is_ok_and(|v| v == "1");
-            device_of_local_rank(local, count, share)?
+            device_of_local_rank(local, count, crate::share_devices())?
         };
         Ok(Self {
             rank,

@@ -153,6 +153,7 @@ pub fn load_cuda_model(
         cx, dspec, &view, init, tp_rank, tp_size, all_reduce, limits, stage, on_layer,
     )?;
     model.enable_profiler(u64::from(spec.cuda_profile_steps));
+    model.set_small_batch_gemv(small_batch_gemv_from_env());
     Ok(CudaStepModel {
         model,
         mm,
@@ -279,8 +280,19 @@ impl StepModel for CudaStepModel {
     }
 }
 
-/// Prefill sizes of the start-up warm-up (and the step limit's largest).
-const WARM_UP_PREFILLS: [usize; 3] = [16, 128, 1024];
+/// Prefill sizes of the start-up warm-up: powers of two from this one up to the step limit
+/// (cuBLAS picks a GEMM's kernels by the token count's range), and the limit itself.
+const WARM_UP_SMALLEST_PREFILL: usize = 16;
+
+/// `1`: steps of at most 8 tokens run their linear layers as weight-streaming GEMVs, and a
+/// one-rank, one-stage model without biases takes the fused small-batch path (dense and MoE
+/// layers; [`CudaDecoderModel::set_small_batch_gemv`]); `0`: cuBLAS for every step.
+pub const SMALL_BATCH_GEMV_ENV: &str = "OMNI_CUDA_SMALL_BATCH_GEMV";
+
+/// Whether [`SMALL_BATCH_GEMV_ENV`] turns the small-batch GEMVs on (default off).
+fn small_batch_gemv_from_env() -> bool {
+    std::env::var(SMALL_BATCH_GEMV_ENV).is_ok_and(|v| v == "1")
+}
 
 /// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:
 /// `scripts/bench-cold-start.sh`).
@@ -289,8 +301,8 @@ pub const WARM_UP_ENV: &str = "OMNI_CUDA_WARMUP";
 impl CudaStepModel {
     /// Runs each path a first request takes once, so that it is no slower than the tenth (as
     /// vLLM's dummy runs): NVRTC compiles a kernel source at its first launch and cuBLAS loads
-    /// a GEMM shape's kernels at its first use. Prefills of several sizes up to the largest
-    /// step, a step mixing a prefill chunk after context with decode rows, and on the last
+    /// a GEMM shape's kernels at its first use. Prefills of every power of two up to the
+    /// largest step, a step mixing a prefill chunk after context with decode rows, and on the last
     /// stage the device sampler (greedy and random) and the logits copy. Nothing is written
     /// into the KV cache (every slot is padding); every rank of a group runs the same steps,
     /// so the collectives warm up too; a pipeline stage runs alone (zero input, nothing sent).
@@ -302,7 +314,11 @@ impl CudaStepModel {
         let t0 = Instant::now();
         let limits = self.model.limits();
         let max_t = limits.max_tokens.min(limits.max_model_len);
-        let mut sizes: Vec<usize> = WARM_UP_PREFILLS.iter().map(|&t| t.min(max_t)).collect();
+        let mut sizes: Vec<usize> =
+            std::iter::successors(Some(WARM_UP_SMALLEST_PREFILL.min(max_t)), |&t| {
+                (t * 2 < max_t).then_some(t * 2)
+            })
+            .collect();
         sizes.push(max_t);
         sizes.dedup();
         let mut steps: Vec<Vec<(usize, usize)>> = sizes.into_iter().map(|t| vec![(0, t)]).collect();

@@ -83,3 +83,13 @@ pub enum WorkerError {
     #[error(transparent)]
     Tensor(#[from] omni_protocol::TensorBufferError),
 }
+
+/// Set to `1`, CUDA ranks beyond a node's device count share its devices round-robin instead of
+/// failing (pipeline stages tested on one GPU; NCCL still needs one device per rank of a
+/// tensor-parallel group).
+pub const SHARE_DEVICES_ENV: &str = "OMNI_CUDA_SHARE_DEVICES";
+
+/// Whether [`SHARE_DEVICES_ENV`] is set to `1`.
+pub fn share_devices() -> bool {
+    std::env::var(SHARE_DEVICES_ENV).is_ok_and(|v| v == "1")
+}

@@ -408,14 +408,7 @@ impl CudaContext {
         let dim_i = narrow::<i32>("dim", dim)?;
         let f = self.function(gemv_source, NORM_ROWS_FN)?;
         let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (x, r, w, o, dim_i, eps);
-        let mut args: [*mut c_void; 6] = [
-            (&raw mut a0).cast(),
-            (&raw mut a1).cast(),
-            (&raw mut a2).cast(),
-            (&raw mut a3).cast(),
-            (&raw mut a4).cast(),
-            (&raw mut a5).cast(),
-        ];
+        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5);
         // SAFETY: the arguments match `rms_norm_rows_f32res(const float*, const int*, const
         // u16*, u16*, int, float)` in order and type; out holds n_rows rows and weight dim
         // values (checked); the row ids index residual by the caller's contract; one block
@@ -452,20 +445,9 @@ impl CudaContext {
             threads,
             smem,
         } = l;
-        let mut args: [*mut c_void; 12] = [
-            (&raw mut x).cast(),
-            (&raw mut residual).cast(),
-            (&raw mut norm_w).cast(),
-            (&raw mut w).cast(),
-            (&raw mut y).cast(),
-            (&raw mut rows).cast(),
-            (&raw mut k).cast(),
-            (&raw mut n).cast(),
-            (&raw mut in_mode).cast(),
-            (&raw mut out_mode).cast(),
-            (&raw mut set).cast(),
-            (&raw mut eps).cast(),
-        ];
+        let mut args = kernel_args!(
+            x, residual, norm_w, w, y, rows, k, n, in_mode, out_mode, set, eps
+        );
         // SAFETY: the arguments match `gemv_fused_bf16(const u16*, float*, const u16*, const
         // u16*, void*, int, int, int, int, int, int, float)` in order and type. The callers
         // checked every buffer against rows, k and n: x (or init) holds rows * k bf16, the

@@ -16,6 +16,14 @@
 //! and audio towers), `gemv` (the small-batch GEMV and the decoder's fused small-batch path);
 //! `launch` holds the checks every launcher makes.
 
+/// `[*mut c_void; N]` pointing at each of the given local variables: a raw kernel launch's
+/// parameter array (the variables must outlive the launch call).
+macro_rules! kernel_args {
+    ($($a:ident),+ $(,)?) => {
+        [$((&raw mut $a).cast::<std::ffi::c_void>()),+]
+    };
+}
+
 mod attention;
 pub mod audio;
 mod collective;

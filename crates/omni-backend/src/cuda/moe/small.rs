@@ -25,8 +25,6 @@
 //! Beside the launch shapes, test-only functions mirror the kernels' de-duplication of experts
 //! on the host; the tests' emulators (`small_tests.rs`) run the kernels' loops with them.
 
-use std::ffi::c_void;
-
 use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::source::TOPK_WARP;
@@ -204,22 +202,7 @@ impl CudaContext {
             i32::from(renormalize),
             eps,
         );
-        let mut args: [*mut c_void; 14] = [
-            (&raw mut a0).cast(),
-            (&raw mut a1).cast(),
-            (&raw mut a2).cast(),
-            (&raw mut a3).cast(),
-            (&raw mut a4).cast(),
-            (&raw mut a5).cast(),
-            (&raw mut a6).cast(),
-            (&raw mut a7).cast(),
-            (&raw mut a8).cast(),
-            (&raw mut a9).cast(),
-            (&raw mut a10).cast(),
-            (&raw mut a11).cast(),
-            (&raw mut a12).cast(),
-            (&raw mut a13).cast(),
-        ];
+        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13);
         // SAFETY: the arguments match `moe_small_route(const float*, const u16*, const float*,
         // u16*, float*, int*, float*, int*, int, int, int, int, int, float)` in order and
         // type. Every buffer was checked against the shape above (residual and h t * h, router
@@ -284,18 +267,7 @@ impl CudaContext {
             narrow::<i32>("num_experts", e)?,
             narrow::<i32>("moe gate_up column blocks", col_blocks)?,
         );
-        let mut args: [*mut c_void; 10] = [
-            (&raw mut a0).cast(),
-            (&raw mut a1).cast(),
-            (&raw mut a2).cast(),
-            (&raw mut a3).cast(),
-            (&raw mut a4).cast(),
-            (&raw mut a5).cast(),
-            (&raw mut a6).cast(),
-            (&raw mut a7).cast(),
-            (&raw mut a8).cast(),
-            (&raw mut a9).cast(),
-        ];
+        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9);
         // SAFETY: the arguments match `moe_small_gate_up(const u16*, const u16*, const int*,
         // u16*, int, int, int, int, int, int)` in order and type; x holds t * h, w13 e * 2i * h
         // and act t * k * i elements, ids t * k (checked above); expert ids are range-checked
@@ -360,18 +332,7 @@ impl CudaContext {
             narrow::<i32>("inter", i)?,
             narrow::<i32>("num_experts", e)?,
         );
-        let mut args: [*mut c_void; 10] = [
-            (&raw mut a0).cast(),
-            (&raw mut a1).cast(),
-            (&raw mut a2).cast(),
-            (&raw mut a3).cast(),
-            (&raw mut a4).cast(),
-            (&raw mut a5).cast(),
-            (&raw mut a6).cast(),
-            (&raw mut a7).cast(),
-            (&raw mut a8).cast(),
-            (&raw mut a9).cast(),
-        ];
+        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9);
         // SAFETY: the arguments match `moe_small_down(const u16*, const u16*, const int*, const
         // float*, float*, int, int, int, int, int)` in order and type; act holds t * k * i, w2
         // e * h * i, ids / weights t * k and residual t * h elements (checked above); expert
