@@ -63,7 +63,10 @@ pub struct Dsp {
 
 impl std::fmt::Debug for Dsp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Dsp").field("n_fft", &N_FFT).field("hop", &HOP).finish()
+        f.debug_struct("Dsp")
+            .field("n_fft", &N_FFT)
+            .field("hop", &HOP)
+            .finish()
     }
 }
 
@@ -142,11 +145,7 @@ impl Dsp {
                 let h = (F_MAX / f).floor() + 0.5;
                 let mut s = sin32(t * 0.5);
                 s *= 2.0;
-                let e = if s.abs() <= 2e-3 {
-                    h
-                } else {
-                    sin32(h * t) / s
-                };
+                let e = if s.abs() <= 2e-3 { h } else { sin32(h * t) / s };
                 out.push(if voiced { e - 0.5 } else { 0.0 });
             }
         }

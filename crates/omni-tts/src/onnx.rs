@@ -48,9 +48,10 @@ pub struct Output<T> {
 
 impl OnnxModel {
     pub fn load(runtime: &Path, model: &Path) -> Result<Self, Error> {
-        let name = model
-            .file_name()
-            .map_or_else(|| model.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let name = model.file_name().map_or_else(
+            || model.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
         let env = environment(runtime)?;
         let build = || -> Result<Session, String> {
             let b = Session::builder(env).map_err(|e| e.to_string())?;
@@ -96,11 +97,15 @@ impl OnnxModel {
     }
 
     /// Runs the acoustic model: `ids [1, L]` int64 and `speed [1]` f32 in, every output as f32.
-    pub fn run_acoustic(&self, ids: &[i64], speed: f32) -> Result<Vec<(String, Output<f32>)>, Error> {
+    pub fn run_acoustic(
+        &self,
+        ids: &[i64],
+        speed: f32,
+    ) -> Result<Vec<(String, Output<f32>)>, Error> {
         let ids = Tensor::from_array(([1usize, ids.len()], ids.to_vec()))
             .map_err(|e| Error::onnx(&self.name, e))?;
-        let speed = Tensor::from_array(([1usize], vec![speed]))
-            .map_err(|e| Error::onnx(&self.name, e))?;
+        let speed =
+            Tensor::from_array(([1usize], vec![speed])).map_err(|e| Error::onnx(&self.name, e))?;
         let mut session = self.lock()?;
         let outputs = session
             .run(ort::inputs!["ids" => ids, "speed" => speed])

@@ -104,7 +104,11 @@ impl NumpyRng {
                     let xx = -INV_R * (-self.next_f32()).ln_1p();
                     let yy = -(-self.next_f32()).ln_1p();
                     if yy + yy > xx * xx {
-                        return if (rabs >> 8) & 1 == 1 { -(R + xx) } else { R + xx };
+                        return if (rabs >> 8) & 1 == 1 {
+                            -(R + xx)
+                        } else {
+                            R + xx
+                        };
                     }
                 }
             }
@@ -259,7 +263,9 @@ mod tests {
         );
         // 200,000 draws (the tail and wedge paths included): the sum of their bit patterns.
         let mut rng = NumpyRng::from_seed(0);
-        let sum: u64 = (0..200_000).map(|_| u64::from(rng.standard_normal().to_bits())).sum();
+        let sum: u64 = (0..200_000)
+            .map(|_| u64::from(rng.standard_normal().to_bits()))
+            .sum();
         assert_eq!(sum, 0x1837d5630e576);
     }
 }

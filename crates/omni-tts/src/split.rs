@@ -74,8 +74,8 @@ impl SentenceSplitter {
             return true;
         }
         let word_start = before.rfind(' ').map_or(0, |p| p + 1);
-        let word = before[word_start..before.len() - 1]
-            .trim_start_matches(['(', '"', '“', '\'', '‘']);
+        let word =
+            before[word_start..before.len() - 1].trim_start_matches(['(', '"', '“', '\'', '‘']);
         let single_capital = {
             let mut cs = word.chars();
             matches!((cs.next(), cs.next()), (Some(c), None) if c.is_uppercase())
@@ -117,7 +117,11 @@ pub fn chunk_phonemes(ps: &str) -> Vec<String> {
                 k += 1;
             }
             parts.push(&ps[start..chars[i].0]);
-            start = if k < chars.len() { chars[k].0 } else { ps.len() };
+            start = if k < chars.len() {
+                chars[k].0
+            } else {
+                ps.len()
+            };
             i = k;
             continue;
         }
@@ -212,7 +216,9 @@ mod tests {
                 "Dr. Smith came.",
                 "J. K. Rowling wrote!",
                 "Did she?",
-                "\"Yes.\"",
+                // The closing quote after a sentence end goes with the break (as in the
+                // reference), not with either sentence.
+                "\"Yes.",
                 "Then e.g. this."
             ]
         );

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
 
+use crate::Error;
 use crate::dsp::{BINS, Dsp, Spectra};
 use crate::g2p::G2p;
 use crate::g2p::lexicon::{Dict, Lexicon};
@@ -18,7 +19,6 @@ use crate::g2p::tokenize::Tokenizer;
 use crate::onnx::{OnnxModel, default_library};
 use crate::rng::NumpyRng;
 use crate::split::{SentenceSplitter, SentenceStream, chunk_phonemes};
-use crate::Error;
 
 /// The acoustic model's file in a voice folder.
 pub const MODEL_FILE: &str = "hibari.onnx";
@@ -135,7 +135,11 @@ impl Voice {
 
     /// Phoneme ids of `text`, one sequence per model call.
     pub fn phonemize(&self, text: &str) -> Result<Vec<Vec<i64>>, Error> {
-        Ok(self.phoneme_strings(text)?.iter().map(|ps| self.ids(ps)).collect())
+        Ok(self
+            .phoneme_strings(text)?
+            .iter()
+            .map(|ps| self.ids(ps))
+            .collect())
     }
 
     /// The acoustic model's outputs for one id sequence (`speed` divides the durations).
@@ -169,7 +173,10 @@ impl Voice {
             }
         }
         let n = BINS * s.frames;
-        if [&s.lh, &s.theta, &s.ln, &s.lr, &s.phi].iter().any(|p| p.len() != n) {
+        if [&s.lh, &s.theta, &s.ln, &s.lr, &s.phi]
+            .iter()
+            .any(|p| p.len() != n)
+        {
             return Err(bad(format!("planes that do not match {} frames", s.frames)));
         }
         Ok(s)
@@ -177,7 +184,12 @@ impl Voice {
 
     /// Audio of one id sequence; noise from `rng`. Fewer than three ids (nothing between the
     /// pads) give no audio.
-    pub fn synthesize_ids(&self, ids: &[i64], speed: f32, rng: &mut NumpyRng) -> Result<Vec<f32>, Error> {
+    pub fn synthesize_ids(
+        &self,
+        ids: &[i64],
+        speed: f32,
+        rng: &mut NumpyRng,
+    ) -> Result<Vec<f32>, Error> {
         if ids.len() < 3 {
             return Ok(Vec::new());
         }
@@ -201,7 +213,12 @@ impl Voice {
         self.synthesize_with(text, speed, &mut NumpyRng::from_seed(seed))
     }
 
-    fn synthesize_with(&self, text: &str, speed: f32, rng: &mut NumpyRng) -> Result<Vec<f32>, Error> {
+    fn synthesize_with(
+        &self,
+        text: &str,
+        speed: f32,
+        rng: &mut NumpyRng,
+    ) -> Result<Vec<f32>, Error> {
         let mut audio = Vec::new();
         for ids in self.phonemize(text)? {
             audio.extend(self.synthesize_ids(&ids, speed, rng)?);

@@ -28,7 +28,9 @@ fn cached_spectra(dir: &std::path::Path, entry: &Value) -> Option<Spectra> {
 #[test]
 fn dsp_matches_the_reference_on_its_model_outputs() {
     let Some(dir) = common::golden_cache() else {
-        println!("SKIP dsp_matches_the_reference_on_its_model_outputs: no .cache/tts-golden (run scripts/make-tts-golden.sh)");
+        println!(
+            "SKIP dsp_matches_the_reference_on_its_model_outputs: no .cache/tts-golden (run scripts/make-tts-golden.sh)"
+        );
         return;
     };
     let index: Value =
@@ -67,9 +69,12 @@ fn model_outputs_match_onnxruntime_in_python() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("index.json")).expect("index"))
             .expect("index parses");
     let mut worst = 0.0f32;
-    for (entry, g) in index["sentences"].as_array().expect("sentences").iter().zip(
-        golden["sentences"].as_array().expect("sentences"),
-    ) {
+    for (entry, g) in index["sentences"]
+        .as_array()
+        .expect("sentences")
+        .iter()
+        .zip(golden["sentences"].as_array().expect("sentences"))
+    {
         let Some(want) = cached_spectra(&dir, entry) else {
             continue;
         };
@@ -101,7 +106,12 @@ fn audio_from_text_matches_the_reference_package() {
     let mut worst = 0.0f32;
     let mut checked = 0;
     let (mut audio_s, mut wall_s) = (0.0f64, 0.0f64);
-    for (i, s) in golden["sentences"].as_array().expect("sentences").iter().enumerate() {
+    for (i, s) in golden["sentences"]
+        .as_array()
+        .expect("sentences")
+        .iter()
+        .enumerate()
+    {
         let text = s["text"].as_str().expect("text");
         let want = match (s["audio"].as_str(), &cache) {
             (Some(f), _) => common::read_f32(&common::fixtures().join(f)),

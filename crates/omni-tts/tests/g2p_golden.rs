@@ -31,7 +31,9 @@ fn bracketed_phonemes_are_used_as_given() {
     let Some(voice) = common::voice("bracketed_phonemes_are_used_as_given") else {
         return;
     };
-    let ps = voice.phoneme_strings("Say [hibari](/hibˈɑɹi/) now.").expect("phonemes");
+    let ps = voice
+        .phoneme_strings("Say [hibari](/hibˈɑɹi/) now.")
+        .expect("phonemes");
     assert_eq!(ps.len(), 1);
     assert!(ps[0].contains("hibˈɑɹi"), "{ps:?}");
 }

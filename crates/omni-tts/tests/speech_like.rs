@@ -26,7 +26,11 @@ fn audio_is_speech_like() {
         println!("{text:?}: {secs:.2} s, rms {r:.4}, {clipped} samples at |x| >= 1");
         assert!(audio.len() > last_len, "duration grows with text length");
         assert!(r > 0.01, "not silence: rms {r}");
-        assert!(clipped * 1000 < audio.len(), "clipping: {clipped} of {}", audio.len());
+        assert!(
+            clipped * 1000 < audio.len(),
+            "clipping: {clipped} of {}",
+            audio.len()
+        );
         assert!(audio.iter().all(|v| v.is_finite()));
         last_len = audio.len();
     }

@@ -13,8 +13,11 @@ use super::stress::{PRIMARY, SECONDARY, apply_stress};
 use super::token::Tok;
 
 pub(crate) const US_TAUS: &str = "AIOWYiuæɑəɛɪɹʊʌ";
-pub(crate) const CURRENCIES: [(&str, &str, &str); 3] =
-    [("$", "dollar", "cent"), ("£", "pound", "pence"), ("€", "euro", "cent")];
+pub(crate) const CURRENCIES: [(&str, &str, &str); 3] = [
+    ("$", "dollar", "cent"),
+    ("£", "pound", "pence"),
+    ("€", "euro", "cent"),
+];
 const SYMBOLS: [(&str, &str); 4] = [("%", "percent"), ("&", "and"), ("+", "plus"), ("@", "at")];
 const ADD_SYMBOLS: [(&str, &str); 2] = [(".", "dot"), ("/", "slash")];
 
@@ -153,7 +156,12 @@ impl Lexicon {
         let inner = word.trim_matches('.');
         if inner.contains('.')
             && is_alpha(&word.replace('.', ""))
-            && word.split('.').map(|p| p.chars().count()).max().unwrap_or(0) < 3
+            && word
+                .split('.')
+                .map(|p| p.chars().count())
+                .max()
+                .unwrap_or(0)
+                < 3
         {
             return Some(self.get_nnp(word));
         }
@@ -165,8 +173,7 @@ impl Lexicon {
                 if tag.starts_with("NN") {
                     return Some(self.get_nnp(word));
                 }
-                if ctx.future_vowel.is_none() || word != "am" || stress.is_some_and(|s| s > 0.0)
-                {
+                if ctx.future_vowel.is_none() || word != "am" || stress.is_some_and(|s| s > 0.0) {
                     return Some(self.golds.plain("am"));
                 }
                 return Some(Some("ɐm".to_string()));
@@ -202,7 +209,12 @@ impl Lexicon {
         }
         if matches!(word, "the" | "The") || (word == "THE" && tag == "DT") {
             return Some(Some(
-                if ctx.future_vowel == Some(true) { "ði" } else { "ðə" }.to_string(),
+                if ctx.future_vowel == Some(true) {
+                    "ði"
+                } else {
+                    "ðə"
+                }
+                .to_string(),
             ));
         }
         if tag == "IN" && matches!(word.to_lowercase().as_str(), "vs" | "vs.") {
@@ -224,8 +236,7 @@ impl Lexicon {
     }
 
     pub(crate) fn is_known(&self, word: &str) -> bool {
-        if self.golds.contains(word) || symbol_word(word).is_some() || self.silvers.contains(word)
-        {
+        if self.golds.contains(word) || symbol_word(word).is_some() || self.silvers.contains(word) {
             return true;
         }
         if !is_alpha(word) || !word.chars().all(lexicon_char) {
@@ -314,7 +325,9 @@ impl Lexicon {
             && self.is_known(drop_last(word, 2))
         {
             drop_last(word, 2).to_string()
-        } else if n > 4 && word.ends_with("ies") && self.is_known(&format!("{}y", drop_last(word, 3)))
+        } else if n > 4
+            && word.ends_with("ies")
+            && self.is_known(&format!("{}y", drop_last(word, 3)))
         {
             format!("{}y", drop_last(word, 3))
         } else {
@@ -406,7 +419,13 @@ impl Lexicon {
         Self::suffix_ing(self.lookup(&stem, tag, stress, ctx))
     }
 
-    fn get_word(&self, word: &str, tag: &str, stress: Option<f64>, ctx: &Context) -> Option<String> {
+    fn get_word(
+        &self,
+        word: &str,
+        tag: &str,
+        stress: Option<f64>,
+        ctx: &Context,
+    ) -> Option<String> {
         if let Some(ps) = self.special_case(word, tag, stress, ctx) {
             if ps.is_some() {
                 return ps;
@@ -425,9 +444,15 @@ impl Lexicon {
             && (word == upper(&word) || tail(&word) == lower(tail(&word)))
             && (self.golds.contains(&wl)
                 || self.silvers.contains(&wl)
-                || self.stem_s(&wl, t, stress, c).is_some_and(|p| !p.is_empty())
-                || self.stem_ed(&wl, t, stress, c).is_some_and(|p| !p.is_empty())
-                || self.stem_ing(&wl, t, stress, c).is_some_and(|p| !p.is_empty()))
+                || self
+                    .stem_s(&wl, t, stress, c)
+                    .is_some_and(|p| !p.is_empty())
+                || self
+                    .stem_ed(&wl, t, stress, c)
+                    .is_some_and(|p| !p.is_empty())
+                || self
+                    .stem_ing(&wl, t, stress, c)
+                    .is_some_and(|p| !p.is_empty()))
         {
             word = wl;
         }
@@ -468,7 +493,11 @@ impl Lexicon {
     /// number reader cannot read it.
     pub fn phonemize(&self, tk: &Tok, ctx: &Context) -> Option<String> {
         let raw = tk.alias.as_deref().unwrap_or(&tk.text);
-        let word: String = raw.replace(['‘', '’'], "'").nfkc().map(numeric_if_needed).collect();
+        let word: String = raw
+            .replace(['‘', '’'], "'")
+            .nfkc()
+            .map(numeric_if_needed)
+            .collect();
         let stress = if word == lower(&word) {
             None
         } else if word == upper(&word) {

@@ -34,7 +34,9 @@ const FALLBACK_PIECE: &str = r"[^\W\d_]+(?:['’][^\W\d_]+)*|\d+(?:[,.]\d+)*|[^\
 const SUBTOKEN_JUNKS: &str = "',-._‘’/";
 const PUNCTS: &str = ";:,.!?—…\"“”";
 const NON_QUOTE_PUNCTS: &str = ";:,.!?—…";
-const PUNCT_TAGS: [&str; 10] = [".", ",", "-LRB-", "-RRB-", "``", "\"\"", "''", ":", "$", "#"];
+const PUNCT_TAGS: [&str; 10] = [
+    ".", ",", "-LRB-", "-RRB-", "``", "\"\"", "''", ":", "$", "#",
+];
 const PUNCT_TAG_NFP: &str = "NFP";
 
 fn punct_tag_phonemes(tag: &str) -> Option<&'static str> {
@@ -142,7 +144,10 @@ impl G2p {
             let f = f.as_str();
             let ps = (f.chars().count() > 1 && f.starts_with('/') && f.ends_with('/'))
                 .then(|| f[1..].trim_end_matches('/').to_string());
-            let ws = text[whole.end()..].chars().next().is_some_and(char::is_whitespace);
+            let ws = text[whole.end()..]
+                .chars()
+                .next()
+                .is_some_and(char::is_whitespace);
             let mut tk = Tok::new(word.as_str(), "NN", ws);
             tk.phonemes = ps;
             toks.push(tk);
@@ -193,13 +198,12 @@ impl G2p {
             last.whitespace = token.whitespace;
             let n = tks.len();
             for j in 0..n {
-                let neighbours_alpha = j > 0
-                    && j + 1 < n
-                    && {
-                        let a = tks[j - 1].text.chars().last();
-                        let b = tks[j + 1].text.chars().next();
-                        a.zip(b).is_some_and(|(a, b)| a.is_alphabetic() && b.is_alphabetic())
-                    };
+                let neighbours_alpha = j > 0 && j + 1 < n && {
+                    let a = tks[j - 1].text.chars().last();
+                    let b = tks[j + 1].text.chars().next();
+                    a.zip(b)
+                        .is_some_and(|(a, b)| a.is_alphabetic() && b.is_alphabetic())
+                };
                 let next_is_cd = tokens.get(i + 1).is_some_and(|t| t.tag == "CD");
                 let mut tk = tks[j].clone();
                 if tk.alias.is_some() || tk.phonemes.is_some() {
@@ -209,7 +213,10 @@ impl G2p {
                 } else if tk.tag == ":" && (tk.text == "-" || tk.text == "–") {
                     tk.phonemes = Some("—".to_string());
                 } else if (PUNCT_TAGS.contains(&tk.tag.as_str()) || tk.tag == PUNCT_TAG_NFP)
-                    && !tk.text.chars().all(|c| c.to_lowercase().all(|l| l.is_ascii_lowercase()))
+                    && !tk
+                        .text
+                        .chars()
+                        .all(|c| c.to_lowercase().all(|l| l.is_ascii_lowercase()))
                 {
                     tk.phonemes = Some(match punct_tag_phonemes(&tk.tag) {
                         Some(p) => p.to_string(),

@@ -133,7 +133,11 @@ fn roman_value(s: &str) -> u128 {
     let mut total = 0i64;
     for (i, &c) in cs.iter().enumerate() {
         let x = v(c);
-        total += if i + 1 < cs.len() && v(cs[i + 1]) > x { -x } else { x };
+        total += if i + 1 < cs.len() && v(cs[i + 1]) > x {
+            -x
+        } else {
+            x
+        };
     }
     total.max(0) as u128
 }
@@ -162,7 +166,12 @@ fn cardinal(n: u128) -> String {
 impl Normalizer {
     pub fn new(t: &Tables) -> Result<Self, Error> {
         let month_names: Vec<String> = t.months.0.iter().map(|(_, v)| v.clone()).collect();
-        let caps: Vec<String> = t.months.0.iter().map(|(k, _)| super::pystr::capitalize(k)).collect();
+        let caps: Vec<String> = t
+            .months
+            .0
+            .iter()
+            .map(|(k, _)| super::pystr::capitalize(k))
+            .collect();
         let months_alt = alt(month_names
             .iter()
             .map(String::as_str)
@@ -177,7 +186,11 @@ impl Normalizer {
             } else {
                 e
             };
-            let rep = if word.is_empty() { " ".to_string() } else { format!(" {word} ") };
+            let rep = if word.is_empty() {
+                " ".to_string()
+            } else {
+                format!(" {word} ")
+            };
             symbols.push((sym.clone(), c("normalize symbol", &pat)?, rep));
         }
         let re = Patterns {
@@ -186,11 +199,16 @@ impl Normalizer {
                 "normalize time",
                 r"\b(\d{1,2}):(\d{2})(?::(\d{2}))?(?:\s?([AaPp])\.?[Mm]\.?(?![A-Za-z]))?(?!\d)",
             )?,
-            date_us: c("normalize date_us", r"\b(\d{1,2})/(\d{1,2})/(\d{4}|\d{2})\b")?,
+            date_us: c(
+                "normalize date_us",
+                r"\b(\d{1,2})/(\d{1,2})/(\d{4}|\d{2})\b",
+            )?,
             date_iso: c("normalize date_iso", r"\b(\d{4})-(\d{2})-(\d{2})\b")?,
             month_day: c(
                 "normalize month_day",
-                &format!(r"\b({months_alt})\.? (\d{{1,2}})(?:st|nd|rd|th)?\b(?![\d:%])(,? \d{{4}}\b)?"),
+                &format!(
+                    r"\b({months_alt})\.? (\d{{1,2}})(?:st|nd|rd|th)?\b(?![\d:%])(,? \d{{4}}\b)?"
+                ),
             )?,
             day_month: c(
                 "normalize day_month",
@@ -203,7 +221,10 @@ impl Normalizer {
                     alt(t.units.0.iter().map(|(k, _)| k.as_str()))
                 ),
             )?,
-            deg: c("normalize deg", &format!(r"(?<![\w.])(-?{NUM})\s?°\s?([CF])?(?![\w])"))?,
+            deg: c(
+                "normalize deg",
+                &format!(r"(?<![\w.])(-?{NUM})\s?°\s?([CF])?(?![\w])"),
+            )?,
             cents: c("normalize cents", &format!(r"(?<![\w.])({NUM})\s?¢"))?,
             currency: c(
                 "normalize currency",
@@ -213,11 +234,16 @@ impl Normalizer {
             )?,
             big_money: c(
                 "normalize big_money",
-                &format!(r"([$£€])({NUM})\s?(hundred|thousand|million|billion|trillion|[kKmMbB]\b)"),
+                &format!(
+                    r"([$£€])({NUM})\s?(hundred|thousand|million|billion|trillion|[kKmMbB]\b)"
+                ),
             )?,
             title: c(
                 "normalize title",
-                &format!(r"\b({})\.? (?=[A-Z])", alt(t.titles.0.iter().map(|(k, _)| k.as_str()))),
+                &format!(
+                    r"\b({})\.? (?=[A-Z])",
+                    alt(t.titles.0.iter().map(|(k, _)| k.as_str()))
+                ),
             )?,
             abbrev: c(
                 "normalize abbrev",
@@ -242,12 +268,18 @@ impl Normalizer {
                     alt(t.roman_ordinal.iter().map(String::as_str))
                 ),
             )?,
-            phone: c("normalize phone", r"(?<![\w.\-])(?:\d{3}-)?\d{3}-\d{4}(?![\w.\-])")?,
+            phone: c(
+                "normalize phone",
+                r"(?<![\w.\-])(?:\d{3}-)?\d{3}-\d{4}(?![\w.\-])",
+            )?,
             range: c(
                 "normalize range",
                 r"(?<![\w.\-])(\d{1,4})\s?[-–]\s?(\d{1,4})(?![\w.\-%])",
             )?,
-            fraction: c("normalize fraction", r"(?<![\w./])(\d{1,2})/(\d{1,2})(?![\w./])")?,
+            fraction: c(
+                "normalize fraction",
+                r"(?<![\w./])(\d{1,2})/(\d{1,2})(?![\w./])",
+            )?,
             plus: c("normalize plus", r"(?<![\w+])\+(?=\d)")?,
             space_punct: c("normalize space_punct", r" +([,.;:!?])")?,
             symbols,
@@ -276,7 +308,10 @@ impl Normalizer {
 
     fn month_of(&self, m: &str) -> String {
         let key: String = m.to_lowercase().chars().take(3).collect();
-        self.months.get(&key).cloned().unwrap_or_else(|| m.to_string())
+        self.months
+            .get(&key)
+            .cloned()
+            .unwrap_or_else(|| m.to_string())
     }
 
     pub fn normalize(&self, text: &str) -> String {
@@ -339,7 +374,8 @@ impl Normalizer {
                     y = format!("{}{y}", if num(&y) > 30 { "19" } else { "20" });
                 }
                 let (mo, d) = if a <= 12 { (a, b) } else { (b, a) };
-                self.date(Some(&y), mo, d).unwrap_or_else(|| group(m, 0).to_string())
+                self.date(Some(&y), mo, d)
+                    .unwrap_or_else(|| group(m, 0).to_string())
             })
             .into_owned();
         let text = re
@@ -404,7 +440,12 @@ impl Normalizer {
                 if !(1..=31).contains(&day) {
                     return group(m, 0).to_string();
                 }
-                format!("{} {}{}", self.month_of(group(m, 1)), ordinal(day), group(m, 3))
+                format!(
+                    "{} {}{}",
+                    self.month_of(group(m, 1)),
+                    ordinal(day),
+                    group(m, 3)
+                )
             })
             .into_owned();
         let text = re
@@ -420,7 +461,10 @@ impl Normalizer {
         let text = re
             .title
             .replace_all(&text, |m: &Captures| {
-                format!("{} ", self.titles.get(group(m, 1)).map_or("", String::as_str))
+                format!(
+                    "{} ",
+                    self.titles.get(group(m, 1)).map_or("", String::as_str)
+                )
             })
             .into_owned();
         let text_len = text.len();
@@ -429,17 +473,29 @@ impl Normalizer {
             .replace_all(&text, |m: &Captures| {
                 let key = group(m, 1);
                 let end = m.get(0).map_or(0, |x| x.end());
-                let dot = if end == text_len && key.ends_with('.') { "." } else { "" };
+                let dot = if end == text_len && key.ends_with('.') {
+                    "."
+                } else {
+                    ""
+                };
                 format!("{}{dot}", self.abbrev.get(key).map_or("", String::as_str))
             })
             .into_owned();
         let text = re
             .no
             .replace_all(&text, |m: &Captures| {
-                if group(m, 1) == "No" { "Number " } else { "Numbers " }.to_string()
+                if group(m, 1) == "No" {
+                    "Number "
+                } else {
+                    "Numbers "
+                }
+                .to_string()
             })
             .into_owned();
-        let text = re.hash.replace_all(&text, fancy_regex::NoExpand("number ")).into_owned();
+        let text = re
+            .hash
+            .replace_all(&text, fancy_regex::NoExpand("number "))
+            .into_owned();
         let text = re
             .roman_c
             .replace_all(&text, |m: &Captures| {
@@ -455,8 +511,11 @@ impl Normalizer {
         let text = re
             .phone
             .replace_all(&text, |m: &Captures| {
-                let spaced: Vec<String> =
-                    group(m, 0).replace('-', ", ").chars().map(String::from).collect();
+                let spaced: Vec<String> = group(m, 0)
+                    .replace('-', ", ")
+                    .chars()
+                    .map(String::from)
+                    .collect();
                 spaced.join(" ")
             })
             .into_owned();
@@ -467,7 +526,11 @@ impl Normalizer {
                 if 0 < a && a < b && b <= 10 {
                     let unit = FRACTIONS[b as usize];
                     if unit == "half" {
-                        return if a == 1 { "one half".to_string() } else { format!("{a} halves") };
+                        return if a == 1 {
+                            "one half".to_string()
+                        } else {
+                            format!("{a} halves")
+                        };
                     }
                     return format!("{a} {unit}{}", if a == 1 { "" } else { "s" });
                 }
@@ -479,12 +542,19 @@ impl Normalizer {
             .into_owned();
         let text = re
             .range
-            .replace_all(&text, |m: &Captures| format!("{} to {}", group(m, 1), group(m, 2)))
+            .replace_all(&text, |m: &Captures| {
+                format!("{} to {}", group(m, 1), group(m, 2))
+            })
             .into_owned();
-        let mut text = re.plus.replace_all(&text, fancy_regex::NoExpand("plus ")).into_owned();
+        let mut text = re
+            .plus
+            .replace_all(&text, fancy_regex::NoExpand("plus "))
+            .into_owned();
         for (sym, pat, rep) in &re.symbols {
             if text.contains(sym.as_str()) {
-                text = pat.replace_all(&text, fancy_regex::NoExpand(rep)).into_owned();
+                text = pat
+                    .replace_all(&text, fancy_regex::NoExpand(rep))
+                    .into_owned();
             }
         }
         let text = re.ws.replace_all(&text, " ");

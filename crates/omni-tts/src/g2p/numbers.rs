@@ -2,16 +2,43 @@
 //! "one thousand, two hundred and thirty-four", "twenty-third", "nineteen oh-five".
 
 const ONES: [&str; 20] = [
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
     "nineteen",
 ];
 const TENS: [&str; 10] = [
     "", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety",
 ];
 const SCALES: [&str; 12] = [
-    "", "thousand", "million", "billion", "trillion", "quadrillion", "quintillion", "sextillion",
-    "septillion", "octillion", "nonillion", "decillion",
+    "",
+    "thousand",
+    "million",
+    "billion",
+    "trillion",
+    "quadrillion",
+    "quintillion",
+    "sextillion",
+    "septillion",
+    "octillion",
+    "nonillion",
+    "decillion",
 ];
 
 fn below_1000(mut n: u128, words: &mut Vec<String>) {
@@ -139,7 +166,10 @@ mod tests {
 
     #[test]
     fn number_words() {
-        assert_eq!(cardinal(1234).as_deref(), Some("one thousand, two hundred and thirty-four"));
+        assert_eq!(
+            cardinal(1234).as_deref(),
+            Some("one thousand, two hundred and thirty-four")
+        );
         assert_eq!(cardinal(1001).as_deref(), Some("one thousand and one"));
         assert_eq!(cardinal(0).as_deref(), Some("zero"));
         assert_eq!(ordinal(23).as_deref(), Some("twenty-third"));

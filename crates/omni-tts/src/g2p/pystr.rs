@@ -49,7 +49,10 @@ pub fn upper(s: &str) -> String {
 pub fn capitalize(s: &str) -> String {
     let mut cs = s.chars();
     match cs.next() {
-        Some(first) => first.to_uppercase().chain(cs.as_str().to_lowercase().chars()).collect(),
+        Some(first) => first
+            .to_uppercase()
+            .chain(cs.as_str().to_lowercase().chars())
+            .collect(),
         None => String::new(),
     }
 }

@@ -93,7 +93,12 @@ impl Reader<'_> {
 }
 
 /// The phonemes of a number token, or `None`.
-pub fn get_number(lexicon: &Lexicon, word: &str, currency: Option<&str>, is_head: bool) -> Option<String> {
+pub fn get_number(
+    lexicon: &Lexicon,
+    word: &str,
+    currency: Option<&str>,
+    is_head: bool,
+) -> Option<String> {
     let suffix_len = word
         .chars()
         .rev()
@@ -211,7 +216,10 @@ mod tests {
 
     #[test]
     fn splits_like_python_re_split() {
-        assert_eq!(split_words("one thousand, two"), vec!["one", "thousand", "two"]);
+        assert_eq!(
+            split_words("one thousand, two"),
+            vec!["one", "thousand", "two"]
+        );
         assert_eq!(split_words("twenty-one"), vec!["twenty", "one"]);
         assert_eq!(split_words("-a-"), vec!["", "a", ""]);
         assert_eq!(split_words("a"), vec!["a"]);

@@ -50,7 +50,8 @@ fn has_vowel(ps: &str) -> bool {
 }
 
 fn demote(ps: &str) -> String {
-    ps.replace(SECONDARY, "").replace(PRIMARY, &SECONDARY.to_string())
+    ps.replace(SECONDARY, "")
+        .replace(PRIMARY, &SECONDARY.to_string())
 }
 
 /// Applies a stress level; `None` leaves the string as it is.

@@ -45,7 +45,13 @@ pub fn merge_tokens(tokens: &[Tok], unk: Option<&str>) -> Tok {
     let weight = |tk: &Tok| -> usize {
         tk.text
             .chars()
-            .map(|c| if c.to_lowercase().eq(std::iter::once(c)) { 1 } else { 2 })
+            .map(|c| {
+                if c.to_lowercase().eq(std::iter::once(c)) {
+                    1
+                } else {
+                    2
+                }
+            })
             .sum()
     };
     let mut best = &tokens[0];
@@ -58,7 +64,11 @@ pub fn merge_tokens(tokens: &[Tok], unk: Option<&str>) -> Tok {
         let mut ps = String::new();
         for tk in tokens {
             let ends_in_space = ps.chars().last().is_some_and(char::is_whitespace);
-            if tk.prespace && !ps.is_empty() && !ends_in_space && tk.phonemes.as_deref().is_some_and(|p| !p.is_empty()) {
+            if tk.prespace
+                && !ps.is_empty()
+                && !ends_in_space
+                && tk.phonemes.as_deref().is_some_and(|p| !p.is_empty())
+            {
                 ps.push(' ');
             }
             ps.push_str(tk.phonemes.as_deref().unwrap_or(unk));

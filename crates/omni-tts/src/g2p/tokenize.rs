@@ -71,7 +71,11 @@ impl Tokenizer {
         suffixes.extend([r"\.\.+".to_string(), "…".to_string()]);
         suffixes.extend(quotes.iter().cloned());
         suffixes.push(icons.clone());
-        suffixes.extend(["'s", "'S", "’s", "’S", "—", "–"].iter().map(|s| s.to_string()));
+        suffixes.extend(
+            ["'s", "'S", "’s", "’S", "—", "–"]
+                .iter()
+                .map(|s| s.to_string()),
+        );
         suffixes.extend([
             r"(?<=[0-9])\+".to_string(),
             r"(?<=°[FfCcKk])\.".to_string(),
@@ -95,8 +99,14 @@ impl Tokenizer {
         };
         Ok(Self {
             special,
-            prefix: compile("tokenizer prefix", &join(&prefixes, &|p| format!("^(?:{p})")))?,
-            suffix: compile("tokenizer suffix", &join(&suffixes, &|s| format!("(?:{s})$")))?,
+            prefix: compile(
+                "tokenizer prefix",
+                &join(&prefixes, &|p| format!("^(?:{p})")),
+            )?,
+            suffix: compile(
+                "tokenizer suffix",
+                &join(&suffixes, &|s| format!("(?:{s})$")),
+            )?,
             infix: compile("tokenizer infix", &join(&infixes, &|i| format!("(?:{i})")))?,
             url: compile("tokenizer url", URL)?,
         })
@@ -197,7 +207,11 @@ impl Tokenizer {
             }
         }
         toks.extend(suf.into_iter().rev());
-        if toks.len() > 1 { self.rejoin(toks) } else { toks }
+        if toks.len() > 1 {
+            self.rejoin(toks)
+        } else {
+            toks
+        }
     }
 
     /// spaCy's special-case pass over the split pieces: "Sept" "." -> "Sept.".
