@@ -194,7 +194,7 @@ fn tables() -> &'static Tables {
     static TABLES: OnceLock<Tables> = OnceLock::new();
     TABLES.get_or_init(|| {
         let m = f64::from(1u32 << 23);
-        let r = 3.654_152_885_361_008_8_f64;
+        let r = 3.654_152_885_361_009_f64;
         let v = 4.928_673_233_99e-3_f64;
         let f = |x: f64| (-0.5 * x * x).exp();
         let mut t = Tables {

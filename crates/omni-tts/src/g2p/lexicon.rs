@@ -287,10 +287,10 @@ impl Lexicon {
                 }
             }
         };
-        if ps.is_none() || (is_nnp && !ps.as_deref().is_some_and(|p| p.contains(PRIMARY))) {
-            if let Some(nnp) = self.get_nnp(&word) {
-                return Some(nnp);
-            }
+        if (ps.is_none() || (is_nnp && !ps.as_deref().is_some_and(|p| p.contains(PRIMARY))))
+            && let Some(nnp) = self.get_nnp(&word)
+        {
+            return Some(nnp);
         }
         ps.map(|p| apply_stress(&p, stress))
     }
@@ -426,10 +426,10 @@ impl Lexicon {
         stress: Option<f64>,
         ctx: &Context,
     ) -> Option<String> {
-        if let Some(ps) = self.special_case(word, tag, stress, ctx) {
-            if ps.is_some() {
-                return ps;
-            }
+        if let Some(ps) = self.special_case(word, tag, stress, ctx)
+            && ps.is_some()
+        {
+            return ps;
         }
         let wl = lower(word);
         let mut word = word.to_string();
@@ -465,10 +465,10 @@ impl Lexicon {
                 return self.lookup(&w, t, stress, c);
             }
         }
-        if let Some(stem) = word.strip_suffix('\'') {
-            if self.is_known(stem) {
-                return self.lookup(stem, t, stress, c);
-            }
+        if let Some(stem) = word.strip_suffix('\'')
+            && self.is_known(stem)
+        {
+            return self.lookup(stem, t, stress, c);
         }
         if let Some(ps) = self.stem_s(&word, t, stress, c) {
             return Some(ps);

@@ -256,16 +256,18 @@ impl G2p {
 
     fn token_context(ctx: &Context, ps: Option<&str>, token: &Tok) -> Context {
         let mut vowel = ctx.future_vowel;
-        if let Some(ps) = ps.filter(|p| !p.is_empty()) {
-            if let Some(c) = ps.chars().find(|&c| {
+        // The first vowel, consonant or punctuation of the phonemes decides.
+        let decisive = ps.and_then(|ps| {
+            ps.chars().find(|&c| {
                 VOWELS.contains(c) || CONSONANTS.contains(c) || NON_QUOTE_PUNCTS.contains(c)
-            }) {
-                vowel = if NON_QUOTE_PUNCTS.contains(c) {
-                    None
-                } else {
-                    Some(VOWELS.contains(c))
-                };
-            }
+            })
+        });
+        if let Some(c) = decisive {
+            vowel = if NON_QUOTE_PUNCTS.contains(c) {
+                None
+            } else {
+                Some(VOWELS.contains(c))
+            };
         }
         let future_to = matches!(token.text.as_str(), "to" | "To")
             || (token.text == "TO" && matches!(token.tag.as_str(), "TO" | "IN"));

@@ -53,7 +53,7 @@ fn below_1000(mut n: u128, words: &mut Vec<String>) {
     }
     if n >= 20 {
         let mut w = TENS[(n / 10) as usize].to_string();
-        if n % 10 != 0 {
+        if !n.is_multiple_of(10) {
             w.push('-');
             w.push_str(ONES[(n % 10) as usize]);
         }

@@ -61,10 +61,11 @@ impl Oov {
         let mut ps = String::new();
         let mut prev = 0;
         for &i in &out.data {
-            if i != prev && i != 0 {
-                if let Some(c) = self.chars_out.get(&i) {
-                    ps.push_str(c);
-                }
+            if i != prev
+                && i != 0
+                && let Some(c) = self.chars_out.get(&i)
+            {
+                ps.push_str(c);
             }
             prev = i;
         }

@@ -6,11 +6,10 @@ pub fn is_alpha(s: &str) -> bool {
     !s.is_empty() && s.chars().all(char::is_alphabetic)
 }
 
-/// `str.isdigit()` for one character: decimal digits and the superscript / subscript digits.
+/// `str.isdigit()` for one character: ASCII digits and the superscript / subscript digits
+/// (other scripts' digits are not read as numbers).
 pub fn is_digit_char(c: char) -> bool {
-    c.is_ascii_digit()
-        || matches!(c, '²' | '³' | '¹' | '⁰' | '⁴'..='⁹' | '₀'..='₉')
-        || (c.is_numeric() && c.to_digit(10).is_some())
+    c.is_ascii_digit() || matches!(c, '²' | '³' | '¹' | '⁰' | '⁴'..='⁹' | '₀'..='₉')
 }
 
 /// Non-empty and ASCII digits only (the lexicon's `^[0-9]+$`).
