@@ -26,6 +26,32 @@ fn phoneme_ids_match_the_reference_package() {
     assert!(report.is_empty(), "mismatches:\n{}", report.join("\n"));
 }
 
+/// The normaliser's and the number reader's cases, acronyms, hyphens, possessives,
+/// part-of-speech readings and unknown words (`g2p_extra` of the golden file).
+#[test]
+fn phoneme_ids_match_on_the_normaliser_and_reader_cases() {
+    let Some(voice) = common::voice("phoneme_ids_match_on_the_normaliser_and_reader_cases") else {
+        return;
+    };
+    let golden = common::golden();
+    let cases = golden["g2p_extra"].as_array().expect("g2p_extra");
+    let mut report = Vec::new();
+    for s in cases {
+        let text = s["text"].as_str().expect("text");
+        let want: Vec<Vec<i64>> = serde_json::from_value(s["ids"].clone()).expect("ids");
+        if voice.phonemize(text).expect("phonemize") != want {
+            let ps = voice.phoneme_strings(text).expect("phonemes");
+            report.push(format!("{text:?}\n  got  {ps:?}\n  want {}", s["phonemes"]));
+        }
+    }
+    println!(
+        "phoneme ids (extra cases): {}/{} match",
+        cases.len() - report.len(),
+        cases.len()
+    );
+    assert!(report.is_empty(), "mismatches:\n{}", report.join("\n"));
+}
+
 #[test]
 fn bracketed_phonemes_are_used_as_given() {
     let Some(voice) = common::voice("bracketed_phonemes_are_used_as_given") else {
