@@ -117,6 +117,19 @@ G2P_EXTRA = [
     "Dogs, cats and mice ran, jumped and played.",
     "He's reading; she's read it; they'll read more.",
     "Hmm... well, I guess so!",
+    # Odd input: nothing to say, symbols only, accents, a long sentence cut at clauses.
+    "...",
+    "🙂🙂",
+    "$",
+    "—",
+    "Ünïcödé façade naïve",
+    "(((hello)))",
+    "#@%&*",
+    "a",
+    "I",
+    "1.2.3.4.5",
+    "9:99pm 99/99/9999",
+    "This sentence, which goes on and on, has many clauses, and commas, " * 12,
 ]
 # Sentences whose audio is committed (short, so the fixtures stay small).
 SMALL = [0, 1, 2]

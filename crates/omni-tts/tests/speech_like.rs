@@ -57,3 +57,45 @@ fn streamed_text_gives_the_same_audio_as_whole_text() {
     assert_eq!(chunks.len(), 3, "one chunk per sentence");
     assert_eq!(chunks.concat(), whole);
 }
+
+#[test]
+fn odd_text_gives_audio_or_nothing_without_failing() {
+    let Some(voice) = common::voice("odd_text_gives_audio_or_nothing_without_failing") else {
+        return;
+    };
+    let long = "This sentence, which goes on and on, has many clauses, and commas, ".repeat(12);
+    let odd = [
+        "",
+        "   \n\n\t ",
+        "...",
+        "🙂🙂",
+        "$",
+        "—",
+        "123456789012345678901234567890123456789012345678901234567890",
+        "Ünïcödé façade naïve",
+        "(((hello)))",
+        "#@%&*",
+        "a",
+        "I",
+        "1.2.3.4.5",
+        "9:99pm 99/99/9999",
+        long.as_str(),
+    ];
+    for text in odd {
+        let ids = voice.phonemize(text).expect("phonemize");
+        assert!(ids.iter().all(|c| c.len() <= crate_max_ids()), "{text:?}");
+        let audio = voice.synthesize(text, 1.0).expect("synthesize");
+        assert!(audio.iter().all(|v| v.is_finite()), "{text:?}");
+    }
+    assert!(voice.synthesize("", 1.0).expect("empty").is_empty());
+    assert!(
+        voice.phonemize(&long).expect("long").len() > 1,
+        "long text is cut at clauses"
+    );
+}
+
+/// A chunk's ids: at most the phoneme limit, plus the two pads (a clause longer than the limit
+/// stays whole, which none of these texts has).
+fn crate_max_ids() -> usize {
+    omni_tts::split::MAX_PHONEMES + 2
+}
