@@ -99,3 +99,9 @@ fn odd_text_gives_audio_or_nothing_without_failing() {
 fn crate_max_ids() -> usize {
     omni_tts::split::MAX_PHONEMES + 2
 }
+
+#[test]
+fn voice_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<omni_tts::Voice>();
+}
