@@ -152,10 +152,15 @@ pub fn chunk_phonemes(ps: &str) -> Vec<String> {
 ///
 /// A sentence is complete once the text after it has started (its end needs the next word to be
 /// told apart from "Dr. Smith"), or at a line break; [`SentenceStream::finish`] hands out the rest.
+///
+/// With [`SentenceStream::flush_clauses_after`], a sentence that grows past a length is also cut
+/// at its last clause break (`,` `;` `:` `—` before whitespace), so that speech can start before
+/// a long sentence ends; the audio then differs from whole-text synthesis at those cuts.
 #[derive(Debug, Clone)]
 pub struct SentenceStream {
     splitter: SentenceSplitter,
     pending: String,
+    clause_flush: Option<usize>,
 }
 
 impl SentenceStream {
@@ -163,7 +168,23 @@ impl SentenceStream {
         Self {
             splitter,
             pending: String::new(),
+            clause_flush: None,
         }
+    }
+
+    /// Also hands out the clauses of an unfinished sentence once it is longer than `chars`.
+    pub fn flush_clauses_after(mut self, chars: usize) -> Self {
+        self.clause_flush = Some(chars);
+        self
+    }
+
+    /// The end of the last clause break of `text` (after its punctuation), if any.
+    fn last_clause_break(text: &str) -> Option<usize> {
+        let chars: Vec<(usize, char)> = text.char_indices().collect();
+        (1..chars.len())
+            .rev()
+            .find(|&i| CLAUSE_END.contains(&chars[i - 1].1) && chars[i].1.is_whitespace())
+            .map(|i| chars[i].0)
     }
 
     /// Appends `text` and returns the sentences completed by it, in order.
@@ -188,6 +209,16 @@ impl SentenceStream {
             }
             let keep_from = lead + cuts[cuts.len() - 1].0;
             self.pending.drain(..keep_from);
+        }
+        if let Some(limit) = self.clause_flush
+            && self.pending.trim().chars().count() > limit
+            && let Some(end) = Self::last_clause_break(&self.pending)
+        {
+            let clause = self.pending[..end].trim().to_string();
+            self.pending.drain(..end);
+            if !clause.is_empty() {
+                out.push(clause);
+            }
         }
         out
     }
@@ -239,6 +270,16 @@ mod tests {
             got.extend(stream.finish());
             assert_eq!(got, whole, "step {step}");
         }
+    }
+
+    #[test]
+    fn a_long_unfinished_sentence_is_flushed_at_clause_breaks() {
+        let mut stream = SentenceStream::new(splitter()).flush_clauses_after(20);
+        let mut got = stream.push("We walked along the river, past the mill");
+        assert_eq!(got, vec!["We walked along the river,"]);
+        got = stream.push(" and the old bridge. Then home.");
+        assert_eq!(got, vec!["past the mill and the old bridge."]);
+        assert_eq!(stream.finish(), vec!["Then home."]);
     }
 
     #[test]

@@ -228,9 +228,20 @@ impl Voice {
 
     /// A speech stream: push text as it arrives, get audio per completed sentence.
     pub fn stream(&self, speed: f32, seed: Option<u64>) -> SpeechStream<'_> {
+        self.stream_with(self.sentence_stream(), speed, seed)
+    }
+
+    /// A speech stream over a configured text splitter (e.g.
+    /// [`SentenceStream::flush_clauses_after`] for earlier audio from long sentences).
+    pub fn stream_with(
+        &self,
+        text: SentenceStream,
+        speed: f32,
+        seed: Option<u64>,
+    ) -> SpeechStream<'_> {
         SpeechStream {
             voice: self,
-            text: self.sentence_stream(),
+            text,
             rng: seed.map_or_else(NumpyRng::from_entropy, NumpyRng::from_seed),
             speed,
         }
