@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command of the README: fetches the built-in default model (so the end-to-end
-# "Paris" checks run) and the built-in voice, validates the Kubernetes manifests (scripts/validate-k8s.sh), then runs
-# every test of the workspace.
+# "Paris" checks run) and the built-in voice (so the omni-tts golden checks run), validates the
+# Kubernetes manifests (scripts/validate-k8s.sh), then runs every test of the workspace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
