@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # The test command of the README: fetches the built-in default model (so the end-to-end
-# "Paris" checks run), validates the Kubernetes manifests (scripts/validate-k8s.sh), then runs
-# every test of the workspace.
+# "Paris" checks run) and the built-in voice (so the omni-tts golden checks run), validates the
+# Kubernetes manifests (scripts/validate-k8s.sh), then runs every test of the workspace.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 scripts/fetch-default-model.sh >/dev/null || echo "warning: default model not fetched; tests that need it will skip" >&2
+# The built-in voice (crates/omni-tts): the hibari model and ONNX Runtime's library from PyPI
+# (~5 s), then the reference package's outputs for all 20 golden sentences into .cache/tts-golden
+# (a small venv of its own, ~25 s the first time); without PyPI the voice tests skip.
+if scripts/fetch-voice.sh >/dev/null; then
+    scripts/make-tts-golden.sh --cache-only >/dev/null 2>&1 \
+        || echo "warning: hibari reference outputs not made; omni-tts checks only the committed ones" >&2
+else
+    echo "warning: voice not fetched; omni-tts tests that need it will skip" >&2
+fi
 # NVRTC (no GPU needed) so every CUDA kernel source is compile-checked for sm_90 here too.
 if NVRTC_DIR=$(scripts/fetch-nvrtc.sh); then
     export LD_LIBRARY_PATH="$NVRTC_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -1,0 +1,139 @@
+//! ONNX Runtime through the `ort` crate, loading `libonnxruntime.so` at run time (`load-dynamic`).
+//!
+//! The library comes from PyPI's `onnxruntime` wheel (`scripts/fetch-voice.sh`): `ort`'s default
+//! build downloads a binary at build time, which a machine that reaches only the package
+//! registries cannot do. The process loads one library, the first one asked for.
+//!
+//! Sessions run on one intra-op and one inter-op thread, like the reference package (the model is
+//! small; one core runs it far faster than real time, and a serving process has other work).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use ort::session::Session;
+use ort::session::builder::GraphOptimizationLevel;
+use ort::value::Tensor;
+
+use crate::Error;
+
+static ENVIRONMENT: OnceLock<Result<ort::environment::Environment, String>> = OnceLock::new();
+
+fn environment(lib: &Path) -> Result<&'static ort::environment::Environment, Error> {
+    let env = ENVIRONMENT.get_or_init(|| {
+        ort::init_from(lib)
+            .map_err(|e| e.to_string())?
+            .with_name("omni-tts")
+            .build()
+            .map_err(|e| e.to_string())
+    });
+    env.as_ref().map_err(|reason| Error::RuntimeLoad {
+        path: lib.to_path_buf(),
+        reason: reason.clone(),
+    })
+}
+
+/// One loaded model; runs are serialised (a session run needs exclusive access in `ort`).
+#[derive(Debug)]
+pub struct OnnxModel {
+    name: String,
+    session: Mutex<Session>,
+}
+
+/// A model output as a flat f32 or i64 buffer with its shape.
+#[derive(Debug, Clone)]
+pub struct Output<T> {
+    pub shape: Vec<i64>,
+    pub data: Vec<T>,
+}
+
+impl OnnxModel {
+    pub fn load(runtime: &Path, model: &Path) -> Result<Self, Error> {
+        let name = model.file_name().map_or_else(
+            || model.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let env = environment(runtime)?;
+        let build = || -> Result<Session, String> {
+            let b = Session::builder(env).map_err(|e| e.to_string())?;
+            let b = b.with_intra_threads(1).map_err(|e| e.to_string())?;
+            let b = b.with_inter_threads(1).map_err(|e| e.to_string())?;
+            let mut b = b
+                .with_optimization_level(GraphOptimizationLevel::All)
+                .map_err(|e| e.to_string())?;
+            b.commit_from_file(model).map_err(|e| e.to_string())
+        };
+        let session = build().map_err(|e| Error::onnx(&name, e))?;
+        Ok(Self {
+            name,
+            session: Mutex::new(session),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Session>, Error> {
+        self.session
+            .lock()
+            .map_err(|_| Error::onnx(&self.name, "a previous run panicked"))
+    }
+
+    /// Runs a model with one `[1, n]` int64 input (the OOV net) and returns its int64 output.
+    pub fn run_ids(&self, input: &str, ids: &[i64]) -> Result<Output<i64>, Error> {
+        let t = Tensor::from_array(([1usize, ids.len()], ids.to_vec()))
+            .map_err(|e| Error::onnx(&self.name, e))?;
+        let mut session = self.lock()?;
+        let outputs = session
+            .run(ort::inputs![input => t])
+            .map_err(|e| Error::onnx(&self.name, e))?;
+        let (shape, data) = outputs[0]
+            .try_extract_tensor::<i64>()
+            .map_err(|e| Error::onnx(&self.name, e))?;
+        Ok(Output {
+            shape: shape.iter().copied().collect(),
+            data: data.to_vec(),
+        })
+    }
+
+    /// Runs the acoustic model: `ids [1, L]` int64 and `speed [1]` f32 in, every output as f32.
+    pub fn run_acoustic(
+        &self,
+        ids: &[i64],
+        speed: f32,
+    ) -> Result<Vec<(String, Output<f32>)>, Error> {
+        let ids = Tensor::from_array(([1usize, ids.len()], ids.to_vec()))
+            .map_err(|e| Error::onnx(&self.name, e))?;
+        let speed =
+            Tensor::from_array(([1usize], vec![speed])).map_err(|e| Error::onnx(&self.name, e))?;
+        let mut session = self.lock()?;
+        let outputs = session
+            .run(ort::inputs!["ids" => ids, "speed" => speed])
+            .map_err(|e| Error::onnx(&self.name, e))?;
+        let mut out = Vec::new();
+        for (name, value) in outputs.iter() {
+            let (shape, data) = value
+                .try_extract_tensor::<f32>()
+                .map_err(|e| Error::onnx(&self.name, e))?;
+            out.push((
+                name.to_string(),
+                Output {
+                    shape: shape.iter().copied().collect(),
+                    data: data.to_vec(),
+                },
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// Where the runtime library is looked for when none is given: next to the voice folder
+/// (`scripts/fetch-voice.sh` puts it there), then inside it.
+pub fn default_library(voice_dir: &Path) -> PathBuf {
+    let name = "libonnxruntime.so";
+    let beside = voice_dir.parent().map(|p| p.join(name));
+    match beside {
+        Some(p) if p.exists() => p,
+        _ => voice_dir.join(name),
+    }
+}
