@@ -20,6 +20,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("omni-gguf", 1),
     ("omni-tokenizer", 1),
     ("omni-mm", 1),
+    ("omni-tts", 2),
     ("omni-models", 2),
     ("omni-core", 2),
     ("omni-worker", 3),
