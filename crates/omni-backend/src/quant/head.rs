@@ -45,9 +45,11 @@ pub(super) fn fill_q8_0(kernel: Kernel, w: &[u8], rb: usize, a: &[f32], k: usize
             *v = match kernel.0 {
                 KernelKind::Scalar => dot_q8_0_f32(wr, x),
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: a `KernelKind::Avx2` is only made by `Kernel::avx2`, after
-                // `avx2::available()` saw AVX2, FMA and F16C on this CPU.
-                KernelKind::Avx2 => unsafe { avx2::dot_q8_0_f32(wr, x) },
+                // SAFETY: every SIMD kind is only made after its `available()` saw AVX2, FMA
+                // and F16C (and more) on this CPU.
+                KernelKind::Avx2 | KernelKind::AvxVnni | KernelKind::Avx512Vnni => unsafe {
+                    avx2::dot_q8_0_f32(wr, x)
+                },
             };
         }
     }
