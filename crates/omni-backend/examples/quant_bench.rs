@@ -197,6 +197,11 @@ impl StepWeights {
     /// The step's linear layers at batch 1, as the decoder calls them (the head against the
     /// f32 activations).
     fn run(&self, kernel: Kernel, a: &[f32], out: &mut [f32]) {
+        self.run_layers(kernel, a, out);
+        self.run_head(kernel, a, out);
+    }
+
+    fn run_layers(&self, kernel: Kernel, a: &[f32], out: &mut [f32]) {
         for layer in &self.layers {
             for q in layer {
                 let (n, k) = (q.rows(), q.cols());
@@ -204,6 +209,9 @@ impl StepWeights {
                     .expect("shapes");
             }
         }
+    }
+
+    fn run_head(&self, kernel: Kernel, a: &[f32], out: &mut [f32]) {
         let (n, k) = (self.head.rows(), self.head.cols());
         self.head
             .matmul_nt_head_with(&a[..k], &mut out[..n], 1, kernel)
@@ -317,38 +325,58 @@ fn variants(names: Option<&str>) {
             / 1e6
     );
     println!(
-        "| kernel | 1 thread: CPU | {threads} threads: wall | {threads} threads: process CPU | \
-         {threads} threads: ideal (1-thread CPU / {threads}) |"
+        "| kernel | 1 thread: CPU (Q4_1 layers + head) | {threads} threads: wall | \
+         {threads} threads: process CPU | {threads} threads: ideal (1-thread CPU / {threads}) |"
     );
     println!("|---|---|---|---|---|");
     for &kernel in &kernels {
-        let [t1, _, _] = one.install(|| clocks(5, 10, || w.run(kernel, &a, &mut out)));
+        let [l1, _, _] = one.install(|| clocks(5, 10, || w.run_layers(kernel, &a, &mut out)));
+        let [h1, _, _] = one.install(|| clocks(5, 10, || w.run_head(kernel, &a, &mut out)));
+        let t1 = l1 + h1;
         let [_, pn, wn] = clocks(5, 10, || w.run(kernel, &a, &mut out));
         println!(
-            "| {} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {:.2} ({:.2} + {:.2}) | {:.2} | {:.2} | {:.2} |",
             kernel.name(),
             t1 * 1e3,
+            l1 * 1e3,
+            h1 * 1e3,
             wn * 1e3,
             pn * 1e3,
             t1 * 1e3 / threads as f64
         );
     }
 
-    // The pool's cost per parallel product: as many tasks as a batch-1 product makes, each
-    // doing nothing but touching its piece.
-    let n = 960usize;
-    let chunk = n.div_ceil(4 * threads).max(16);
-    let mut buf = vec![0.0f32; n];
-    let [_, p, wall] = clocks(5, 2000, || {
-        use rayon::prelude::*;
-        buf.par_chunks_mut(chunk).for_each(|c| c[0] += 1.0);
-    });
+    // The pool's cost per parallel product: as many tasks as a batch-1 product makes (4 per
+    // thread) or one per thread, each doing nothing but touching its piece; back to back, and
+    // after 20 us of work on the calling thread alone (the norms and attention between two
+    // products, when the other threads may have gone to sleep).
+    println!("\nrayon fork-join per parallel product, us (best of 5 x 2000)");
     println!(
-        "\nrayon fork-join of {} empty tasks: {:.1} us wall, {:.1} us process CPU per call \
-         (x 121 products per step: {:.2} ms wall)",
-        n.div_ceil(chunk),
-        wall * 1e6,
-        p * 1e6,
-        wall * 121.0 * 1e3
+        "| tasks | back to back: wall | process CPU | after 20 us alone: wall - 20 us | process CPU - 20 us |"
     );
+    println!("|---|---|---|---|---|");
+    for tasks in [4 * threads, threads] {
+        let n = 960usize;
+        let chunk = n.div_ceil(tasks);
+        let mut buf = vec![0.0f32; n];
+        let mut fork = |gap: f64| {
+            use rayon::prelude::*;
+            if gap > 0.0 {
+                let t = Instant::now();
+                while t.elapsed().as_secs_f64() < gap {
+                    std::hint::spin_loop();
+                }
+            }
+            buf.par_chunks_mut(chunk).for_each(|c| c[0] += 1.0);
+        };
+        let [_, p0, w0] = clocks(5, 2000, || fork(0.0));
+        let [_, p1, w1] = clocks(5, 2000, || fork(20e-6));
+        println!(
+            "| {tasks} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            w0 * 1e6,
+            p0 * 1e6,
+            (w1 - 20e-6) * 1e6,
+            (p1 - 20e-6) * 1e6
+        );
+    }
 }

@@ -77,6 +77,7 @@ mod avx2 {
         assert!(w.len() == nb * 34 && x.len() == nb * BLOCK);
         let mut acc = _mm256_setzero_ps();
         for b in 0..nb {
+            crate::quant::avx2::prefetch(w.as_ptr().wrapping_add(b * 34));
             // SAFETY: `b < nb`: the block's 34 bytes at `34 b` and its 32 activations at `32 b`
             // are inside `w` and `x` (asserted); the loads are unaligned.
             let (d, p) = unsafe {

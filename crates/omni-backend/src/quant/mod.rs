@@ -401,12 +401,16 @@ impl QMatrix {
     }
 }
 
-/// Weight rows per task: about four tasks per thread, at least 16 rows.
+/// Tasks per pool thread of a parallel product.
+const TASKS_PER_THREAD: usize = 4;
+
+/// Weight rows per task: about [`TASKS_PER_THREAD`] tasks per thread, at least 16 rows.
 fn chunk_rows(n: usize, parallel: bool) -> usize {
     if !parallel {
         return n.max(1);
     }
-    n.div_ceil(4 * rayon::current_num_threads()).max(16)
+    n.div_ceil(TASKS_PER_THREAD * rayon::current_num_threads())
+        .max(16)
 }
 
 /// Which integer dot-product kernel runs: the portable one, or a SIMD one this CPU has (only

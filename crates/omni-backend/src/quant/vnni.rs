@@ -192,6 +192,8 @@ pub mod avx512 {
             };
             let mut b = 0;
             while b + 4 <= nb {
+                crate::quant::avx2::prefetch(w.as_ptr().wrapping_add(b * bb));
+                crate::quant::avx2::prefetch(w.as_ptr().wrapping_add(b * bb + 64));
                 pair(b, 0, false);
                 pair(b + 2, 2, false);
                 b += 4;
