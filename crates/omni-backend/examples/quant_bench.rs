@@ -240,6 +240,25 @@ fn clocks(reps: usize, iters: usize, mut f: impl FnMut()) -> [f64; 3] {
     best
 }
 
+/// Rounds of [`interleaved`].
+const ROUNDS: usize = 7;
+
+/// Per kernel, the best over [`ROUNDS`] rounds of `f(kernel)`'s (thread CPU, process CPU, wall)
+/// seconds per call over `iters` calls, every kernel taking its turn in each round (so the
+/// shared machine's slow moments fall on all of them alike).
+fn interleaved(kernels: &[Kernel], iters: usize, mut f: impl FnMut(Kernel)) -> Vec<[f64; 3]> {
+    let mut best = vec![[f64::INFINITY; 3]; kernels.len()];
+    for _ in 0..ROUNDS {
+        for (b, &k) in best.iter_mut().zip(kernels) {
+            let got = clocks(1, iters, || f(k));
+            for (b, g) in b.iter_mut().zip(got) {
+                *b = b.min(g);
+            }
+        }
+    }
+    best
+}
+
 fn variants(names: Option<&str>) {
     let kernels: Vec<Kernel> = match names {
         Some(list) => list
@@ -274,7 +293,10 @@ fn variants(names: Option<&str>) {
         .collect();
     let mut out = vec![0.0f32; 49152];
 
-    println!("\nbatch 1, one thread, in cache: thread CPU ns per block (best of 5 x ~30 ms)");
+    println!(
+        "\nbatch 1, one thread, in cache: thread CPU ns per block (best of {ROUNDS} rounds of \
+         ~10 ms, the kernels taking turns in each round)"
+    );
     let head = kernels.iter().map(|k| k.name()).collect::<Vec<_>>();
     println!("| layer | blocks | {} |", head.join(" | "));
     println!("|---|---|{}", "---|".repeat(kernels.len()));
@@ -282,21 +304,20 @@ fn variants(names: Option<&str>) {
         let q = random_matrix(ty, n, k, &mut seed);
         let acts = Q8Rows::quantize(&a[..k], 1, k);
         let blocks = (n * k / 32) as f64;
-        let cells: Vec<String> = kernels
-            .iter()
-            .map(|&kernel| {
-                let s = if name == "lm_head" {
-                    one.install(|| {
-                        cpu_time(|| {
-                            q.matmul_nt_head_with(&a[..k], &mut out[..n], 1, kernel)
-                                .expect("shapes")
-                        })
-                    })
+        let iters = ((0.01 / (blocks * 3e-9)) as usize).max(1);
+        let best = one.install(|| {
+            interleaved(&kernels, iters, |kernel| {
+                if name == "lm_head" {
+                    q.matmul_nt_head_with(&a[..k], &mut out[..n], 1, kernel)
+                        .expect("shapes")
                 } else {
-                    cpu_time(|| kernel.fill(ty, q.bytes(), q.row_bytes(), &acts, &mut out[..n]))
-                };
-                format!("{:.2}", s * 1e9 / blocks)
+                    kernel.fill(ty, q.bytes(), q.row_bytes(), &acts, &mut out[..n])
+                }
             })
+        });
+        let cells: Vec<String> = best
+            .iter()
+            .map(|[t, _, _]| format!("{:.2}", t * 1e9 / blocks))
             .collect();
         let label = if name == "lm_head" {
             "lm_head (f32 acts)"
@@ -315,7 +336,7 @@ fn variants(names: Option<&str>) {
     let head_blocks = w.head.rows() * w.head.cols() / 32;
     println!(
         "\none decode step's linear layers, distinct weights ({q4_blocks} Q4_1 + {head_blocks} \
-         Q8_0 blocks, {:.0} MB), ms per step (best of 5 x 10 steps)",
+         Q8_0 blocks, {:.0} MB), ms per step (best of {ROUNDS} rounds of 3 steps, the kernels taking turns)",
         (w.layers
             .iter()
             .flatten()
@@ -329,11 +350,13 @@ fn variants(names: Option<&str>) {
          {threads} threads: process CPU | {threads} threads: ideal (1-thread CPU / {threads}) |"
     );
     println!("|---|---|---|---|---|");
-    for &kernel in &kernels {
-        let [l1, _, _] = one.install(|| clocks(5, 10, || w.run_layers(kernel, &a, &mut out)));
-        let [h1, _, _] = one.install(|| clocks(5, 10, || w.run_head(kernel, &a, &mut out)));
+    let layers = one.install(|| interleaved(&kernels, 3, |k| w.run_layers(k, &a, &mut out)));
+    let heads = one.install(|| interleaved(&kernels, 3, |k| w.run_head(k, &a, &mut out)));
+    let pooled = interleaved(&kernels, 3, |k| w.run(k, &a, &mut out));
+    for (i, kernel) in kernels.iter().enumerate() {
+        let (l1, h1) = (layers[i][0], heads[i][0]);
+        let [_, pn, wn] = pooled[i];
         let t1 = l1 + h1;
-        let [_, pn, wn] = clocks(5, 10, || w.run(kernel, &a, &mut out));
         println!(
             "| {} | {:.2} ({:.2} + {:.2}) | {:.2} | {:.2} | {:.2} |",
             kernel.name(),
