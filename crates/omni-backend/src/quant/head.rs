@@ -45,9 +45,11 @@ pub(super) fn fill_q8_0(kernel: Kernel, w: &[u8], rb: usize, a: &[f32], k: usize
             *v = match kernel.0 {
                 KernelKind::Scalar => dot_q8_0_f32(wr, x),
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: a `KernelKind::Avx2` is only made by `Kernel::avx2`, after
-                // `avx2::available()` saw AVX2, FMA and F16C on this CPU.
-                KernelKind::Avx2 => unsafe { avx2::dot_q8_0_f32(wr, x) },
+                // SAFETY: every SIMD kind is only made after its `available()` saw AVX2, FMA
+                // and F16C (and more) on this CPU.
+                KernelKind::Avx2 | KernelKind::AvxVnni | KernelKind::Avx512Vnni => unsafe {
+                    avx2::dot_q8_0_f32(wr, x)
+                },
             };
         }
     }
@@ -75,6 +77,7 @@ mod avx2 {
         assert!(w.len() == nb * 34 && x.len() == nb * BLOCK);
         let mut acc = _mm256_setzero_ps();
         for b in 0..nb {
+            crate::quant::avx2::prefetch(w.as_ptr().wrapping_add(b * 34));
             // SAFETY: `b < nb`: the block's 34 bytes at `34 b` and its 32 activations at `32 b`
             // are inside `w` and `x` (asserted); the loads are unaligned.
             let (d, p) = unsafe {

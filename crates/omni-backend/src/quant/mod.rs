@@ -12,8 +12,9 @@
 //! - few rows (decode): each row of `a` is quantized to Q8 blocks ([`q8::Q8Rows`]: 32 values,
 //!   an f32 scale `d = max|x| / 127`, and `s = d * sum(q)` for Q4_1's offset), then every
 //!   (weight row, activation row) pair is a sum over blocks of integer dot products
-//!   (`d_w d_a sum(q_w q_a)`, plus `m_w s_a` for Q4_1), with AVX2 when the CPU has it
-//!   ([`avx2`]) and a portable scalar kernel that gives the same bits otherwise. Weight rows are
+//!   (`d_w d_a sum(q_w q_a)`, plus `m_w s_a` for Q4_1), with AVX-512 VNNI, AVX-VNNI or AVX2
+//!   when the CPU has them ([`vnni`], [`avx2`]: [`Kernel::detect`] picks once per process) and
+//!   a portable scalar kernel that gives the same bits otherwise. Weight rows are
 //!   split over the rayon pool. This reads the weight in its quantized size (Q4_1 is 5 bits per
 //!   value: a sixth of f32), which is what bounds batch-1 decode.
 //! - the output head ([`QMatrix::matmul_nt_head`], Q8_0): the same, but against the f32
@@ -41,6 +42,8 @@ pub mod head;
 pub mod q8;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+pub mod vnni;
 mod weight;
 
 use half::f16;
@@ -398,16 +401,20 @@ impl QMatrix {
     }
 }
 
-/// Weight rows per task: about four tasks per thread, at least 16 rows.
+/// Tasks per pool thread of a parallel product.
+const TASKS_PER_THREAD: usize = 4;
+
+/// Weight rows per task: about [`TASKS_PER_THREAD`] tasks per thread, at least 16 rows.
 fn chunk_rows(n: usize, parallel: bool) -> usize {
     if !parallel {
         return n.max(1);
     }
-    n.div_ceil(4 * rayon::current_num_threads()).max(16)
+    n.div_ceil(TASKS_PER_THREAD * rayon::current_num_threads())
+        .max(16)
 }
 
 /// Which integer dot-product kernel runs: the portable one, or a SIMD one this CPU has (only
-/// [`Kernel::detect`] and [`Kernel::avx2`] make one, after checking the CPU).
+/// [`Kernel::detect`] and the constructors that check the CPU make one). All give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Kernel(KernelKind);
 
@@ -416,15 +423,44 @@ enum KernelKind {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
 }
 
 impl Kernel {
     /// Portable Rust: the same bits as every SIMD kernel.
     pub const SCALAR: Self = Self(KernelKind::Scalar);
 
-    /// The fastest kernel this CPU runs.
+    /// The fastest kernel this CPU runs (AVX-512 VNNI, then AVX-VNNI, then AVX2), chosen on the
+    /// first call and kept.
     pub fn detect() -> Self {
-        Self::avx2().unwrap_or(Self::SCALAR)
+        static CHOSEN: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            Self::avx512_vnni()
+                .or_else(Self::avx_vnni)
+                .or_else(Self::avx2)
+                .unwrap_or(Self::SCALAR)
+        })
+    }
+
+    /// Every kernel this CPU runs, the portable one first.
+    pub fn available() -> Vec<Self> {
+        [
+            Some(Self::SCALAR),
+            Self::avx2(),
+            Self::avx_vnni(),
+            Self::avx512_vnni(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// The kernel of this [`Kernel::name`], when this CPU runs it.
+    pub fn by_name(name: &str) -> Option<Self> {
+        Self::available().into_iter().find(|k| k.name() == name)
     }
 
     /// AVX2 + FMA + F16C, when this CPU has them (checked at run time).
@@ -436,12 +472,34 @@ impl Kernel {
         None
     }
 
-    /// `scalar` or `avx2`.
+    /// AVX-VNNI (256-bit `dpbusd`) on top of [`Kernel::avx2`]'s features, when this CPU has it.
+    pub fn avx_vnni() -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        if vnni::avx::available() {
+            return Some(Self(KernelKind::AvxVnni));
+        }
+        None
+    }
+
+    /// AVX-512 F/BW/VL/VNNI on top of [`Kernel::avx2`]'s features, when this CPU has them.
+    pub fn avx512_vnni() -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        if vnni::avx512::available() {
+            return Some(Self(KernelKind::Avx512Vnni));
+        }
+        None
+    }
+
+    /// `scalar`, `avx2`, `avxvnni` or `avx512vnni`.
     pub fn name(self) -> &'static str {
         match self.0 {
             KernelKind::Scalar => "scalar",
             #[cfg(target_arch = "x86_64")]
             KernelKind::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            KernelKind::AvxVnni => "avxvnni",
+            #[cfg(target_arch = "x86_64")]
+            KernelKind::Avx512Vnni => "avx512vnni",
         }
     }
 
@@ -466,6 +524,16 @@ impl Kernel {
             // `avx2::available()` saw AVX2, FMA and F16C on this CPU. The kernel bound-checks
             // the row lengths against the activation rows before reading.
             KernelKind::Avx2 => unsafe { avx2::fill(ty, w, rb, acts, t) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a `KernelKind::AvxVnni` is only made by `Kernel::avx_vnni`, after
+            // `vnni::avx::available()` saw AVX2, FMA, F16C and AVX-VNNI on this CPU; the kernel
+            // bound-checks the row lengths as the AVX2 one.
+            KernelKind::AvxVnni => unsafe { vnni::avx::fill(ty, w, rb, acts, t) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a `KernelKind::Avx512Vnni` is only made by `Kernel::avx512_vnni`, after
+            // `vnni::avx512::available()` saw AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI on this
+            // CPU; the kernel bound-checks the row lengths as the AVX2 one.
+            KernelKind::Avx512Vnni => unsafe { vnni::avx512::fill(ty, w, rb, acts, t) },
         }
     }
 }

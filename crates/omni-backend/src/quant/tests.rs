@@ -130,32 +130,109 @@ fn quantized_matmul_equals_the_exact_dot_of_the_q8_activations() {
     }
 }
 
+/// The SIMD kernels this CPU runs; prints a line for each one it does not.
+fn simd_kernels() -> Vec<Kernel> {
+    let all = [
+        ("avx2", Kernel::avx2()),
+        ("avxvnni", Kernel::avx_vnni()),
+        ("avx512vnni", Kernel::avx512_vnni()),
+    ];
+    for (name, k) in &all {
+        if k.is_none() {
+            println!("SKIPPED: this CPU does not run the {name} kernel");
+        }
+    }
+    all.into_iter().filter_map(|(_, k)| k).collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 #[test]
 fn simd_kernels_give_the_scalar_kernels_bits() {
-    let Some(simd) = Kernel::avx2() else {
-        println!("SKIPPED: this CPU has no AVX2 + FMA + F16C");
-        return;
-    };
     let mut rng = Rng(3);
+    let kernels = simd_kernels();
     for ty in [QuantType::Q4_1, QuantType::Q8_0] {
+        // Rows of 1 to 7 blocks and the model's 18 and 48: every tail of the 4-group and
+        // 2-blocks-per-vector loops.
         for &(m, k, n) in &[
             (1, 576, 203),
+            (1, 1536, 17),
+            (1, 32, 3),
+            (1, 64, 5),
+            (1, 96, 5),
+            (1, 128, 4),
+            (1, 160, 6),
+            (1, 192, 3),
+            (1, 224, 7),
             (2, 64, 9),
             (3, 96, 5),
+            (5, 160, 4),
             (7, 1536, 33),
-            (1, 32, 3),
         ] {
             let w = random_matrix(ty, n, k, &mut rng);
             let a = random_acts(m, k, &mut rng);
             let mut scalar = vec![0.0; m * n];
-            let mut fast = vec![0.0; m * n];
             w.matmul_nt_with(&a, &mut scalar, m, Kernel::SCALAR)
                 .unwrap();
-            w.matmul_nt_with(&a, &mut fast, m, simd).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&scalar), bits(&fast), "{ty:?} m={m} k={k} n={n}");
+            for &simd in &kernels {
+                let mut fast = vec![f32::NAN; m * n];
+                w.matmul_nt_with(&a, &mut fast, m, simd).unwrap();
+                assert_eq!(
+                    bits(&scalar),
+                    bits(&fast),
+                    "{} {ty:?} m={m} k={k} n={n}",
+                    simd.name()
+                );
+            }
         }
     }
+}
+
+#[test]
+fn simd_kernels_give_the_scalar_bits_at_the_extremes() {
+    // Weights of -128 (Q8_0) and 15 (Q4_1), activations of +-127 everywhere: the largest
+    // pair sums `maddubs` and `dpbusd` see.
+    let kernels = simd_kernels();
+    let k = 224;
+    let a: Vec<f32> = (0..k)
+        .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    for (ty, byte) in [(QuantType::Q8_0, 0x80u8), (QuantType::Q4_1, 0xff)] {
+        let mut data = Vec::new();
+        for _ in 0..k / BLOCK {
+            data.extend(f16::from_f32(0.5).to_le_bytes());
+            if ty == QuantType::Q4_1 {
+                data.extend(f16::from_f32(-1.0).to_le_bytes());
+                data.extend([byte; 16]);
+            } else {
+                data.extend([byte; 32]);
+            }
+        }
+        let w = QMatrix::new(ty, 1, k, data).unwrap();
+        let mut scalar = [0.0f32];
+        w.matmul_nt_with(&a, &mut scalar, 1, Kernel::SCALAR)
+            .unwrap();
+        for &simd in &kernels {
+            let mut fast = [f32::NAN];
+            w.matmul_nt_with(&a, &mut fast, 1, simd).unwrap();
+            assert_eq!(
+                scalar[0].to_bits(),
+                fast[0].to_bits(),
+                "{} {ty:?}",
+                simd.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn detect_picks_a_kernel_this_cpu_runs() {
+    let k = Kernel::detect();
+    assert!(Kernel::available().contains(&k));
+    assert_eq!(Kernel::by_name(k.name()), Some(k));
+    assert_eq!(Kernel::detect(), k);
 }
 
 #[test]
@@ -179,14 +256,18 @@ fn head_product_keeps_activations_in_f32() {
                 .sum();
             assert!((g - e).abs() <= 1e-5 * mag + 1e-7, "m={m} {j}: {g} vs {e}");
         }
-        if let Some(simd) = Kernel::avx2() {
-            let mut scalar = vec![0.0; m * n];
-            let mut fast = vec![0.0; m * n];
-            w.matmul_nt_head_with(&a, &mut scalar, m, Kernel::SCALAR)
-                .unwrap();
+        let mut scalar = vec![0.0; m * n];
+        w.matmul_nt_head_with(&a, &mut scalar, m, Kernel::SCALAR)
+            .unwrap();
+        for simd in simd_kernels() {
+            let mut fast = vec![f32::NAN; m * n];
             w.matmul_nt_head_with(&a, &mut fast, m, simd).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&scalar), bits(&fast), "m={m} k={k} n={n}");
+            assert_eq!(
+                bits(&scalar),
+                bits(&fast),
+                "{} m={m} k={k} n={n}",
+                simd.name()
+            );
         }
     }
 }
