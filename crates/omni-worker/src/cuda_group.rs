@@ -27,7 +27,7 @@ use crate::peers::QueueAllReduce;
 /// How long ranks other than 0 wait for the NCCL id.
 pub const NCCL_ID_TIMEOUT: Duration = Duration::from_secs(120);
 
-pub use crate::SHARE_DEVICES_ENV;
+use crate::SHARE_DEVICES_ENV;
 
 /// Where a CUDA rank runs: its device and its places in the tensor- and pipeline-parallel
 /// groups.
