@@ -30,12 +30,14 @@ fn spec(kind: StageKind, replica: u32, async_chunk: bool) -> StageSpec {
         StageKind::Thinker => 0,
         StageKind::Talker => 1,
         StageKind::Code2Wav => 2,
+        StageKind::Tts => 1,
     };
     StageSpec {
         stage_id,
         replica,
         kind,
         model: fixture().display().to_string(),
+        tokenizer: String::new(),
         device: omni_protocol::Device::Cpu,
         device_ordinal: 0,
         gpu_memory_utilization: 0.9,

@@ -1,6 +1,8 @@
 //! `serve --omni`: an omni model (Qwen3-Omni) served as its pipeline of stage processes, set by
 //! a deploy profile (`--deploy-config FILE`, else the built-in one of the model's
-//! `model_type`), edited by `--stage-overrides` and `--no-async-chunk`.
+//! `model_type`), edited by `--stage-overrides` and `--no-async-chunk`. A text LLM (the
+//! built-in model when none is given, a GGUF file, a text decoder directory) gets the
+//! `text_speech` profile: the model, then the built-in voice as a TTS stage.
 //!
 //! Each stage's engine config is this command line's with the profile's keys for that stage as
 //! a layer under the environment and the CLI; the profile's `platforms` delta is the one of
@@ -29,24 +31,32 @@ pub struct StartedOmni {
 
 /// Reads the profile, starts every stage replica and returns the pipeline.
 pub fn start(args: &Args, engine: &EngineConfig, model: &Path) -> anyhow::Result<StartedOmni> {
-    anyhow::ensure!(
-        model.join("config.json").is_file(),
-        "--omni serves a Hugging Face model directory; {} has no config.json",
-        model.display()
-    );
-    let config = omni_models::registry::read_config(model)?;
-    let model_type = config
-        .get("model_type")
-        .and_then(|v| v.as_str())
-        .unwrap_or_default()
-        .to_string();
+    let model_type = if model.is_dir() {
+        let config = omni_models::registry::read_config(model)?;
+        config
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_string()
+    } else {
+        String::new()
+    };
+    // A model type without a profile of its own is a text LLM: it speaks through the voice.
+    let profile = if omni_config::DEFAULT_PROFILES
+        .iter()
+        .any(|(t, _, _)| *t == model_type)
+    {
+        model_type.as_str()
+    } else {
+        omni_config::TEXT_SPEECH_PROFILE
+    };
     let platform = match omni_launch::resolve_device(engine)? {
         omni_protocol::Device::Cuda => "cuda",
         omni_protocol::Device::Cpu => "cpu",
     };
     let source = match &args.omni.deploy_config {
         Some(p) => DeploySource::File(p),
-        None => DeploySource::Builtin(&model_type),
+        None => DeploySource::Builtin(profile),
     };
     let overrides = DeployOverrides {
         platform,
@@ -84,8 +94,16 @@ pub fn start(args: &Args, engine: &EngineConfig, model: &Path) -> anyhow::Result
         block_size: specs[0][0].block_size,
         num_gpu_blocks: specs[0][0].num_blocks,
     };
+    let speaks = specs.iter().any(|s| {
+        s.first()
+            .is_some_and(|r| r.kind == omni_protocol::StageKind::Tts)
+    });
     let pipeline = omni_launch::omni::start_pipeline(&crate::current_exe()?, specs)?;
-    let speakers = omni_launch::omni::speakers(model)?;
+    let speakers = if speaks {
+        vec![omni_tts::builtin::VOICE.to_string()]
+    } else {
+        omni_launch::omni::speakers(model)?
+    };
     let default_speaker = if speakers.iter().any(|s| s == "ethan") {
         "ethan".to_string()
     } else {

@@ -28,15 +28,29 @@ use crate::layers::{find_long, mapping_to_args};
 
 /// The default profiles shipped in the binary, by `config.json`'s `model_type`: (model type,
 /// file name, text).
-pub const DEFAULT_PROFILES: &[(&str, &str, &str)] = &[(
-    "qwen3_omni_moe",
-    "deploy/qwen3_omni_moe.yaml",
-    include_str!("../../../deploy/qwen3_omni_moe.yaml"),
-)];
+pub const DEFAULT_PROFILES: &[(&str, &str, &str)] = &[
+    (
+        "qwen3_omni_moe",
+        "deploy/qwen3_omni_moe.yaml",
+        include_str!("../../../deploy/qwen3_omni_moe.yaml"),
+    ),
+    (
+        TEXT_SPEECH_PROFILE,
+        "deploy/text_speech.yaml",
+        include_str!("../../../deploy/text_speech.yaml"),
+    ),
+];
+
+/// The key in [`DEFAULT_PROFILES`] of the profile for a text LLM without a speech network of
+/// its own (the built-in SmolLM2, any GGUF or text decoder): the model as stage 0, the
+/// built-in voice as a TTS stage 1.
+pub const TEXT_SPEECH_PROFILE: &str = "text_speech";
 
 /// Stage keys the deploy layer reads itself.
 const WRAPPER_KEYS: &[&str] = &[
     "stage_id",
+    "model_stage",
+    "model",
     "devices",
     "num_replicas",
     "env",
@@ -102,6 +116,12 @@ impl ConnectorConfig {
 pub struct StageDeployConfig {
     /// Position in the pipeline (0 = Thinker, 1 = Talker, 2 = Code2Wav for Qwen3-Omni).
     pub stage_id: u32,
+    /// What it runs (`thinker`, `talker`, `code2wav`, `tts`; vLLM-Omni's `model_stage`);
+    /// `None`: Qwen3-Omni's stage of this `stage_id`.
+    pub model_stage: Option<String>,
+    /// Its own model (a TTS stage's voice folder; `~/` is the home directory); `None`: the
+    /// served model (a TTS stage: the built-in voice).
+    pub model: Option<PathBuf>,
     /// Device ordinals the stage's replicas share out (`"0,1"`); empty: device 0.
     pub devices: Vec<u32>,
     /// Replicas (each a process with its own engine core and workers).
@@ -539,6 +559,18 @@ fn stage(
             devices.len()
         ));
     }
+    let mut text = |key: &str| match m.get(key) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        Some(other) => {
+            p.push(format!(
+                "stage {id}: `{key}` must be a string, got {other:?}"
+            ));
+            None
+        }
+    };
+    let model_stage = text("model_stage");
+    let model = text("model").map(|m| expand_home(&m));
     let env = string_map(m.get("env"), "env", id, &mut p);
     let input_connectors = string_map(m.get("input_connectors"), "input_connectors", id, &mut p);
     let output_connectors = string_map(m.get("output_connectors"), "output_connectors", id, &mut p);
@@ -592,6 +624,8 @@ fn stage(
     if p.is_empty() {
         Ok(StageDeployConfig {
             stage_id: id as u32,
+            model_stage,
+            model,
             devices,
             num_replicas,
             env,
@@ -602,5 +636,13 @@ fn stage(
         })
     } else {
         Err(p)
+    }
+}
+
+/// `path` with a leading `~/` replaced by `$HOME/`.
+fn expand_home(path: &str) -> PathBuf {
+    match (path.strip_prefix("~/"), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => PathBuf::from(path),
     }
 }

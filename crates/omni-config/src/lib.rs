@@ -31,7 +31,7 @@ mod media;
 
 pub use deploy::{
     CodecChunking, ConnectorConfig, DEFAULT_PROFILES, DeployConfig, DeployOverrides, DeploySource,
-    OmniArgs, StageDeployConfig,
+    OmniArgs, StageDeployConfig, TEXT_SPEECH_PROFILE,
 };
 pub use engine::{
     CacheConfig, DeviceConfig, DeviceKind, Dtype, EngineConfig, ExecutorKind, IpcConfig,

@@ -1,21 +1,27 @@
-//! [`OmniPipeline`]: an omni model's stages (Thinker -> Talker -> Code2Wav), each replica a
-//! process of its own ([`StageClient`]), behind one [`EngineCoreClient`].
+//! [`OmniPipeline`]: an omni model's stages (Thinker -> Talker -> Code2Wav, or a text LLM ->
+//! TTS), each replica a process of its own ([`StageClient`]), behind one [`EngineCoreClient`].
 //!
 //! ```text
 //!  add_request ─▶ dispatcher ─Add──────────────▶ thinker[r0] ─text──────────────▶ request stream
 //!                     │                              └─ThinkerToTalker─▶ talker[r1]
 //!                     └─Add (voice, sampling)──────────────────────────▶ talker[r1] ─CodecChunk─▶ code2wav[r2]
 //!                                                                        code2wav[r2] ─audio──▶ request stream
+//!
+//!  add_request ─▶ dispatcher ─Add (prompt, seed)─▶ tts[r1]
+//!                     └─Add─▶ thinker[r0] ─text──▶ request stream
+//!                                 └─TextDelta (new token ids)─▶ tts[r1] ─audio──▶ request stream
 //! ```
 //!
+//! * The topology comes from the stages' kinds: `[Thinker, Talker, Code2Wav]` (Qwen3-Omni) or
+//!   `[Thinker, Tts]` (a text model and a voice).
 //! * Each request is bound to one replica per stage for its life, the least loaded at
-//!   admission. The dispatcher thread sends a Talker's `Add` before the Thinker's, so the
-//!   Talker knows the request before the Thinker's first chunk reaches it.
+//!   admission. The dispatcher thread sends the later stages' `Add` before the Thinker's, so
+//!   they know the request before the Thinker's first chunk reaches them.
 //! * The readers of the stages' output queues route what they receive: Thinker text to the
 //!   request's stream (when audio follows, the Thinker's finish reason moves to
 //!   `text_finish_reason` and the stream stays open), Thinker states to the request's Talker,
-//!   codec windows to its Code2Wav, audio to the stream; Code2Wav's output for the last window
-//!   ends the request.
+//!   codec windows to its Code2Wav, Thinker tokens to its TTS replica, audio to the stream; the
+//!   audio stage's last output ends the request.
 //! * Dropping a stream (client gone) or [`EngineCoreClient::abort`] aborts the request in every
 //!   stage it is bound to. A request that fails in one stage is aborted in the others and ends
 //!   with `FinishReason::Error`.
@@ -32,7 +38,7 @@ use std::thread::JoinHandle;
 use omni_protocol::{
     CodecChunk, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
     EngineDeadError, FinishReason, RequestId, SchedulerStats, StageInput, StageKind, StageOutputs,
-    StageSpec, ThinkerToTalker,
+    StageSpec, TextDelta, ThinkerToTalker,
 };
 
 use crate::engine_core_client::{EngineCoreClient, Frontend, RequestError, RequestStream};
@@ -44,17 +50,29 @@ use crate::stage_client::StageClient;
 pub struct OmniPipelineConfig {
     /// The binary and arguments of a stage process (e.g. `omni-engine stage`), queue sizes.
     pub client: MpClientConfig,
-    /// Per stage (Thinker, Talker, Code2Wav, in order), the spec of each replica.
+    /// Per stage (Thinker, Talker, Code2Wav, or Thinker, TTS, in order), the spec of each
+    /// replica.
     pub stages: Vec<Vec<StageSpec>>,
 }
+
+/// Most stages in a pipeline.
+const MAX_STAGES: usize = 3;
+
+/// The pipelines that exist: Qwen3-Omni's, and a text stage before a TTS stage.
+const TOPOLOGIES: [&[StageKind]; 2] = [
+    &[StageKind::Thinker, StageKind::Talker, StageKind::Code2Wav],
+    &[StageKind::Thinker, StageKind::Tts],
+];
 
 /// Where one request lives.
 #[derive(Debug, Clone, Copy)]
 struct Route {
     /// Replica index per stage.
-    replicas: [usize; 3],
-    /// Whether the Talker and Code2Wav take part.
+    replicas: [usize; MAX_STAGES],
+    /// Whether the stages after the Thinker take part.
     audio: bool,
+    /// Text deltas sent to its TTS replica so far.
+    text_chunks: u32,
 }
 
 #[derive(Debug, Default)]
@@ -80,12 +98,14 @@ impl Table {
 struct Shared {
     frontend: Arc<Frontend>,
     stages: OnceLock<Vec<Vec<StageClient>>>,
-    /// Each Talker replica's default sampling (a request without `sampling_params_list`).
-    talker_defaults: Vec<omni_protocol::SamplingParams>,
+    /// What each stage runs, in order (one of [`TOPOLOGIES`]).
+    kinds: Vec<StageKind>,
+    /// Each replica's default sampling per stage (a request without `sampling_params_list`).
+    stage_defaults: Vec<Vec<omni_protocol::SamplingParams>>,
     table: Mutex<Table>,
     /// The last scheduler state each (stage, replica) reported.
     stats: Mutex<Vec<Vec<SchedulerStats>>>,
-    /// Bytes sent Thinker -> Talker and Talker -> Code2Wav (headers' tensors and codes).
+    /// Bytes sent stage 0 -> 1 and 1 -> 2 (headers' tensors, text token ids, codes).
     connector_bytes: [AtomicU64; 2],
 }
 
@@ -102,8 +122,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    /// The position of the stage of this kind, if the pipeline has one.
+    fn index(&self, kind: StageKind) -> Option<usize> {
+        self.kinds.iter().position(|&k| k == kind)
+    }
+
     fn stage(&self, kind: StageKind, replica: usize) -> Option<&StageClient> {
-        let index = stage_index(kind);
+        let index = self.index(kind)?;
         self.stages.get()?.get(index)?.get(replica)
     }
 
@@ -127,11 +152,11 @@ impl Shared {
         let Some(route) = lock(&self.table).remove(id) else {
             return;
         };
-        for kind in [StageKind::Thinker, StageKind::Talker, StageKind::Code2Wav] {
+        for (i, &kind) in self.kinds.iter().enumerate() {
             if Some(kind) == except || (!route.audio && kind != StageKind::Thinker) {
                 continue;
             }
-            if let Some(s) = self.stage(kind, route.replicas[stage_index(kind)]) {
+            if let Some(s) = self.stage(kind, route.replicas[i]) {
                 let _ = s.send(&StageInput::Abort(vec![id.to_string()]), &[]);
             }
         }
@@ -143,8 +168,8 @@ impl Shared {
         }
     }
 
-    /// Admits a request: picks its replicas, registers it with the Talker (audio), starts it
-    /// in the Thinker.
+    /// Admits a request: picks its replicas, registers it with the Talker or TTS stage
+    /// (audio), starts it in the Thinker.
     fn admit(&self, mut req: EngineCoreRequest) {
         let audio = req.omni.as_ref().is_some_and(|o| o.wants_audio());
         let Some(stages) = self.stages.get() else {
@@ -152,7 +177,7 @@ impl Shared {
         };
         let route = {
             let mut t = lock(&self.table);
-            let mut replicas = [0usize; 3];
+            let mut replicas = [0usize; MAX_STAGES];
             // The least-loaded replica of each stage the request uses, counted at once.
             for (s, slot) in replicas.iter_mut().enumerate() {
                 if let Some(load) = t.load.get_mut(s).filter(|_| audio || s == 0)
@@ -162,24 +187,37 @@ impl Shared {
                     *slot = r;
                 }
             }
-            let route = Route { replicas, audio };
+            let route = Route {
+                replicas,
+                audio,
+                text_chunks: 0,
+            };
             t.routes.insert(req.request_id.clone(), route);
             route
         };
         let id = req.request_id.clone();
         // The Thinker stage encodes the media: the items' tensors go with its Add as the
-        // message's buffers; the Talker takes no media.
-        if audio && let Some(talker) = stages.get(1).and_then(|s| s.get(route.replicas[1])) {
+        // message's buffers; the later stages take no media. The Talker builds its own prompt;
+        // a TTS stage keeps the prompt ids to detokenize the first tokens in context.
+        for (i, &kind) in self.kinds.iter().enumerate().skip(1) {
+            let Some(stage) = stages.get(i).and_then(|s| s.get(route.replicas[i])) else {
+                continue;
+            };
+            if !audio || !matches!(kind, StageKind::Talker | StageKind::Tts) {
+                continue;
+            }
             let mut t = req.clone();
-            t.prompt_token_ids.clear();
+            if kind == StageKind::Talker {
+                t.prompt_token_ids.clear();
+            }
             t.mm_features.clear();
             t.mm_buffers = Default::default();
-            if let Some(p) = t.omni.as_ref().and_then(|o| o.stage_sampling.first()) {
+            if let Some(p) = t.omni.as_ref().and_then(|o| o.stage_sampling.get(i - 1)) {
                 t.sampling_params = p.clone();
-            } else if let Some(p) = self.talker_defaults.get(route.replicas[1]) {
+            } else if let Some(p) = self.stage_defaults[i].get(route.replicas[i]) {
                 t.sampling_params = p.clone();
             }
-            if let Err(e) = talker.send(&StageInput::Add(Box::new(t)), &[]) {
+            if let Err(e) = stage.send(&StageInput::Add(Box::new(t)), &[]) {
                 self.fail(&id, e);
                 return;
             }
@@ -270,6 +308,53 @@ impl Shared {
         }
     }
 
+    /// Sends the Thinker's new tokens of audio requests to their TTS replicas, one message
+    /// per replica.
+    fn forward_text(&self, outputs: &[EngineCoreOutput]) {
+        let Some(stage) = self.index(StageKind::Tts) else {
+            return;
+        };
+        let mut groups: Vec<(usize, Vec<TextDelta>)> = Vec::new();
+        for o in outputs {
+            let delta = {
+                let mut t = lock(&self.table);
+                let Some(route) = t.routes.get_mut(&o.request_id).filter(|r| r.audio) else {
+                    continue;
+                };
+                let finished = o.finish_reason.is_some() || o.text_finish_reason.is_some();
+                if o.new_token_ids.is_empty() && !finished {
+                    continue;
+                }
+                route.text_chunks += 1;
+                let delta = TextDelta {
+                    request_id: o.request_id.clone(),
+                    chunk_id: route.text_chunks - 1,
+                    token_ids: o.new_token_ids.clone(),
+                    finished,
+                };
+                (route.replicas[stage], delta)
+            };
+            let bytes = delta.1.token_ids.len() * std::mem::size_of::<u32>();
+            // A statistic: no ordering with anything else.
+            self.connector_bytes[0].fetch_add(bytes as u64, Ordering::Relaxed);
+            match groups.iter_mut().find(|(r, _)| *r == delta.0) {
+                Some((_, g)) => g.push(delta.1),
+                None => groups.push((delta.0, vec![delta.1])),
+            }
+        }
+        for (replica, deltas) in groups {
+            let Some(tts) = self.stage(StageKind::Tts, replica) else {
+                continue;
+            };
+            let ids: Vec<RequestId> = deltas.iter().map(|d| d.request_id.clone()).collect();
+            if let Err(e) = tts.send(&StageInput::Text(deltas), &[]) {
+                for id in dedup(ids) {
+                    self.fail(&id, e.clone());
+                }
+            }
+        }
+    }
+
     fn on_thinker(&self, mut outs: StageOutputs, buffers: Vec<Vec<u8>>) {
         self.stage_failures(StageKind::Thinker, &mut outs);
         self.forward_thinker_chunks(std::mem::take(&mut outs.thinker_chunks), &buffers);
@@ -293,6 +378,7 @@ impl Shared {
             }
             outputs.push(o);
         }
+        self.forward_text(&outputs);
         self.frontend.dispatch(EngineCoreOutputs {
             outputs,
             scheduler_stats: outs.scheduler_stats,
@@ -311,7 +397,9 @@ impl Shared {
             let bytes = chunk.codes.len() * std::mem::size_of::<u32>();
             // A statistic: no ordering with anything else.
             self.connector_bytes[1].fetch_add(bytes as u64, Ordering::Relaxed);
-            let replica = route.replicas[2];
+            let Some(replica) = self.index(StageKind::Code2Wav).map(|i| route.replicas[i]) else {
+                continue;
+            };
             match groups.iter_mut().find(|(r, _)| *r == replica) {
                 Some((_, g)) => g.push(chunk),
                 None => groups.push((replica, vec![chunk])),
@@ -330,8 +418,10 @@ impl Shared {
         }
     }
 
-    fn on_code2wav(&self, mut outs: StageOutputs) {
-        self.stage_failures(StageKind::Code2Wav, &mut outs);
+    /// Audio (Code2Wav's or a TTS stage's) to the requests' streams; an output with a finish
+    /// reason ends its request.
+    fn on_audio(&self, kind: StageKind, mut outs: StageOutputs) {
+        self.stage_failures(kind, &mut outs);
         let outputs: Vec<EngineCoreOutput> = std::mem::take(&mut outs.outputs)
             .into_iter()
             .filter(|o| self.route(&o.request_id).is_some())
@@ -343,14 +433,6 @@ impl Shared {
             outputs,
             ..EngineCoreOutputs::default()
         });
-    }
-}
-
-fn stage_index(kind: StageKind) -> usize {
-    match kind {
-        StageKind::Thinker => 0,
-        StageKind::Talker => 1,
-        StageKind::Code2Wav => 2,
     }
 }
 
@@ -379,19 +461,34 @@ impl OmniPipeline {
     /// Starts every replica of every stage (in order; a failure stops those already started)
     /// and the dispatcher.
     pub fn start(cfg: &OmniPipelineConfig) -> Result<Self, EngineCoreStartError> {
-        if cfg.stages.len() != 3 || cfg.stages.iter().any(Vec::is_empty) {
+        let kinds: Vec<StageKind> = cfg
+            .stages
+            .iter()
+            .filter_map(|s| s.first().map(|r| r.kind))
+            .collect();
+        let uniform = cfg
+            .stages
+            .iter()
+            .all(|s| !s.is_empty() && s.iter().all(|r| Some(r.kind) == s.first().map(|f| f.kind)));
+        if !uniform || !TOPOLOGIES.contains(&kinds.as_slice()) {
             return Err(EngineCoreStartError::Spawn(format!(
-                "an omni pipeline needs Thinker, Talker and Code2Wav with a replica each, got {:?}",
-                cfg.stages.iter().map(Vec::len).collect::<Vec<_>>()
+                "an omni pipeline is Thinker -> Talker -> Code2Wav or Thinker -> TTS with a \
+                 replica each, of one kind per stage; got {:?}",
+                cfg.stages
+                    .iter()
+                    .map(|s| s.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
             )));
         }
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared {
             frontend: Arc::new(Frontend::new(tx)),
             stages: OnceLock::new(),
-            talker_defaults: cfg.stages[1]
+            kinds,
+            stage_defaults: cfg
+                .stages
                 .iter()
-                .map(|s| s.default_sampling.clone())
+                .map(|s| s.iter().map(|r| r.default_sampling.clone()).collect())
                 .collect(),
             table: Mutex::new(Table {
                 routes: HashMap::new(),
@@ -406,7 +503,7 @@ impl OmniPipeline {
             ),
         });
         let mut stages: Vec<Vec<StageClient>> = Vec::new();
-        for specs in &cfg.stages {
+        for (index, specs) in cfg.stages.iter().enumerate() {
             let mut replicas = Vec::new();
             for spec in specs {
                 let weak = Arc::downgrade(&shared);
@@ -414,11 +511,11 @@ impl OmniPipeline {
                 let replica = replicas.len();
                 let on_output = Box::new(move |outs: StageOutputs, buffers: Vec<Vec<u8>>| {
                     let Some(s) = weak.upgrade() else { return };
-                    s.note_stats(stage_index(kind), replica, outs.scheduler_stats);
+                    s.note_stats(index, replica, outs.scheduler_stats);
                     match kind {
                         StageKind::Thinker => s.on_thinker(outs, buffers),
                         StageKind::Talker => s.on_talker(outs),
-                        StageKind::Code2Wav => s.on_code2wav(outs),
+                        StageKind::Code2Wav | StageKind::Tts => s.on_audio(kind, outs),
                     }
                 });
                 let weak = Arc::downgrade(&shared);
@@ -508,10 +605,9 @@ impl EngineCoreClient for OmniPipeline {
         let c = &self.shared.connector_bytes;
         Some(omni_protocol::PipelineStats {
             stages,
-            connector_bytes: vec![
-                (0, 1, c[0].load(Ordering::Relaxed)),
-                (1, 2, c[1].load(Ordering::Relaxed)),
-            ],
+            connector_bytes: (1..self.shared.kinds.len())
+                .map(|to| (to as u32 - 1, to as u32, c[to - 1].load(Ordering::Relaxed)))
+                .collect(),
         })
     }
 

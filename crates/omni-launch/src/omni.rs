@@ -23,6 +23,24 @@ pub struct ResolvedStage {
     pub default_sampling: SamplingParams,
 }
 
+/// What stage `stage_id` of `deploy` runs: its `model_stage`, else Qwen3-Omni's stage of that
+/// id.
+pub fn deployed_kind(deploy: &DeployConfig, stage_id: u32) -> Result<StageKind, LaunchError> {
+    match deploy
+        .stage(stage_id)
+        .and_then(|s| s.model_stage.as_deref())
+    {
+        None => stage_kind(stage_id),
+        Some(name) => StageKind::from_name(name).ok_or_else(|| {
+            LaunchError::Omni(format!(
+                "{}: stage {stage_id}: model_stage `{name}` is not one of {:?}",
+                deploy.source,
+                StageKind::ALL.map(StageKind::as_str)
+            ))
+        }),
+    }
+}
+
 /// Qwen3-Omni's stage order.
 pub fn stage_kind(stage_id: u32) -> Result<StageKind, LaunchError> {
     match stage_id {
@@ -64,24 +82,54 @@ pub fn windowing(deploy: &DeployConfig) -> Result<CodecWindowing, LaunchError> {
     })
 }
 
-/// Every replica's spec, per stage in `stage_id` order (Thinker, Talker, Code2Wav).
+/// Every replica's spec, per stage in `stage_id` order (Thinker, Talker, Code2Wav; or
+/// Thinker, TTS). A TTS stage's model is its profile `model` or the built-in voice (fetched on
+/// first use into the cache of `--cache-dir`); it detokenizes with `model`'s tokenizer.
 pub fn stage_specs(
     deploy: &DeployConfig,
     stages: &[ResolvedStage],
     model: &Path,
 ) -> Result<Vec<Vec<StageSpec>>, LaunchError> {
     let ids: Vec<u32> = stages.iter().map(|s| s.stage_id).collect();
-    if ids != [0, 1, 2] {
+    let kinds = ids
+        .iter()
+        .map(|&id| deployed_kind(deploy, id))
+        .collect::<Result<Vec<_>, _>>()?;
+    let qwen3_omni = [StageKind::Thinker, StageKind::Talker, StageKind::Code2Wav];
+    let text_speech = [StageKind::Thinker, StageKind::Tts];
+    let numbered = ids.iter().enumerate().all(|(i, &id)| id == i as u32);
+    if !numbered || (kinds != qwen3_omni && kinds != text_speech) {
         return Err(LaunchError::Omni(format!(
-            "{}: Qwen3-Omni needs stages 0, 1 and 2, the profile has {ids:?}",
-            deploy.source
+            "{}: a pipeline is stages 0, 1, 2 = thinker, talker, code2wav (Qwen3-Omni) or \
+             0, 1 = thinker, tts (a text model and a voice); the profile has {:?}",
+            deploy.source,
+            ids.iter()
+                .zip(&kinds)
+                .map(|(id, k)| format!("{id} = {}", k.as_str()))
+                .collect::<Vec<_>>()
         )));
     }
     let windowing = windowing(deploy)?;
     let mut out = Vec::new();
-    for s in stages {
-        let kind = stage_kind(s.stage_id)?;
+    for (s, &kind) in stages.iter().zip(&kinds) {
         let e = &s.engine;
+        let profile = deploy.stage(s.stage_id);
+        let (stage_model, tokenizer) = match kind {
+            StageKind::Tts => {
+                let voice = match profile.and_then(|p| p.model.clone()) {
+                    Some(dir) => dir,
+                    None => omni_tts::builtin::locate_or_fetch_in(e.model.cache_dir.as_deref())
+                        .map_err(|err| LaunchError::Omni(format!("stage {}: {err}", s.stage_id)))?,
+                };
+                (voice, model.display().to_string())
+            }
+            _ => (
+                profile
+                    .and_then(|p| p.model.clone())
+                    .unwrap_or_else(|| model.to_path_buf()),
+                String::new(),
+            ),
+        };
         let block_size = e.cache.block_size.max(1);
         let per_seq = e.model.max_model_len.div_ceil(block_size);
         let num_blocks = e.cache.num_gpu_blocks_override.unwrap_or_else(|| {
@@ -92,14 +140,18 @@ pub fn stage_specs(
             LoadFormatCfg::Gguf => LoadFormat::Gguf,
             LoadFormatCfg::Auto | LoadFormatCfg::Safetensors => LoadFormat::Safetensors,
         };
-        let device = crate::resolve_device(e)?;
-        let profile = deploy.stage(s.stage_id);
+        // The voice runs on the host whatever the device of the rest.
+        let device = match kind {
+            StageKind::Tts => omni_protocol::Device::Cpu,
+            _ => crate::resolve_device(e)?,
+        };
         let replicas = (0..s.num_replicas.max(1))
             .map(|replica| StageSpec {
                 stage_id: s.stage_id,
                 replica,
                 kind,
-                model: model.display().to_string(),
+                model: stage_model.display().to_string(),
+                tokenizer: tokenizer.clone(),
                 device,
                 device_ordinal: profile
                     .and_then(|p| p.replica_devices(replica).first().copied())

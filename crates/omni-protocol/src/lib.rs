@@ -70,8 +70,8 @@ pub use sampling::{SamplingParams, SamplingParamsError};
 pub use scheduler_output::{CachedRequestData, NewRequestData, SchedulerOutput};
 pub use stage::{
     CodecChunk, CodecWindowing, PipelineStats, STAGE_PACK_BYTES, StageInput, StageKind,
-    StageOutputs, StagePayloadError, StageSpec, ThinkerChunk, ThinkerStates, ThinkerStatesView,
-    ThinkerToTalker, pack_thinker_chunks, rebase_buffers,
+    StageOutputs, StagePayloadError, StageSpec, TextDelta, ThinkerChunk, ThinkerStates,
+    ThinkerStatesView, ThinkerToTalker, pack_thinker_chunks, rebase_buffers,
 };
 pub use tensor::{DType, TensorBufferError, TensorRef, TensorView};
 pub use worker::{
@@ -81,7 +81,7 @@ pub use worker::{
 
 /// Version of every message in this crate. Bump it on any change to a type's serde shape: bincode
 /// is not self-describing, so peers of different versions would misread each other silently.
-pub const PROTOCOL_VERSION: u32 = 12;
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// A request's id, unique among live requests (the API server makes it, e.g. `chatcmpl-<uuid>`).
 pub type RequestId = String;

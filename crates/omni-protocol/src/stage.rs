@@ -139,25 +139,64 @@ pub struct CodecChunk {
     pub finished: bool,
 }
 
-/// What a stage process runs.
+/// One text stage -> speech stage payload of one request: the token ids the text stage produced
+/// since its previous one (the speech stage detokenizes them with the text model's tokenizer).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TextDelta {
+    /// The request.
+    pub request_id: RequestId,
+    /// 0, 1, 2, ... per request, so a receiver sees a lost or reordered delta.
+    pub chunk_id: u32,
+    /// New generated token ids (may be empty on the last delta).
+    pub token_ids: Vec<u32>,
+    /// The text stage finished the request: no more text comes.
+    pub finished: bool,
+}
+
+/// What a stage process runs (vLLM-Omni's `model_stage`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum StageKind {
-    /// The Thinker: text out, hidden states to the Talker.
+    /// The Thinker (or any text LLM as a pipeline's first stage): text out; for Qwen3-Omni,
+    /// hidden states to the Talker.
     Thinker,
     /// The Talker with its code predictor: codec frames out, in windows to Code2Wav.
     Talker,
     /// Code2Wav: waveforms out.
     Code2Wav,
+    /// Text to speech: the text stage's tokens in (detokenized, cut into sentences), waveforms
+    /// out (the built-in voice).
+    Tts,
 }
 
 impl StageKind {
-    /// Lower-case name (`thinker`, `talker`, `code2wav`).
+    /// Every kind, in pipeline order.
+    pub const ALL: [StageKind; 4] = [
+        StageKind::Thinker,
+        StageKind::Talker,
+        StageKind::Code2Wav,
+        StageKind::Tts,
+    ];
+
+    /// Lower-case name (`thinker`, `talker`, `code2wav`, `tts`), as a profile's `model_stage`.
     pub fn as_str(self) -> &'static str {
         match self {
             StageKind::Thinker => "thinker",
             StageKind::Talker => "talker",
             StageKind::Code2Wav => "code2wav",
+            StageKind::Tts => "tts",
         }
+    }
+
+    /// The kind named `name` (a profile's `model_stage`, case-insensitive).
+    pub fn from_name(name: &str) -> Option<StageKind> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.as_str().eq_ignore_ascii_case(name.trim()))
+    }
+
+    /// Whether the stage's outputs are the request's audio (its last output ends the request).
+    pub fn makes_audio(self) -> bool {
+        matches!(self, StageKind::Code2Wav | StageKind::Tts)
     }
 }
 
@@ -182,8 +221,12 @@ pub struct StageSpec {
     pub replica: u32,
     /// What it runs.
     pub kind: StageKind,
-    /// The model directory (`config.json`, safetensors).
+    /// The model directory (`config.json`, safetensors), a GGUF file (a text stage), or the
+    /// voice's folder (a TTS stage).
     pub model: String,
+    /// The tokenizer a TTS stage detokenizes the text stage's tokens with (the text model's
+    /// directory or GGUF file); empty for the other kinds.
+    pub tokenizer: String,
     /// The backend its network runs on.
     pub device: crate::Device,
     /// Its GPU (CUDA).
@@ -244,6 +287,8 @@ pub enum StageInput {
     Thinker(Vec<ThinkerToTalker>),
     /// Code2Wav windows (a Talker step's, packed together).
     Codec(Vec<CodecChunk>),
+    /// New text of requests, for a TTS stage (a text stage step's, packed together).
+    Text(Vec<TextDelta>),
     /// Stop these requests and free what they hold.
     Abort(Vec<RequestId>),
     /// Finish the step in flight, then exit.

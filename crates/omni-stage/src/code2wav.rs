@@ -73,7 +73,10 @@ impl Stage for Code2WavStage {
                 }
             }
             StageInput::Abort(ids) => self.queue.retain(|c| !ids.contains(&c.request_id)),
-            StageInput::Add(_) | StageInput::Thinker(_) | StageInput::Shutdown => {}
+            StageInput::Add(_)
+            | StageInput::Thinker(_)
+            | StageInput::Text(_)
+            | StageInput::Shutdown => {}
         }
     }
 

@@ -1,4 +1,5 @@
-//! The stages of an omni pipeline (Qwen3-Omni: Thinker -> Talker -> Code2Wav), each run in a
+//! The stages of an omni pipeline (Qwen3-Omni: Thinker -> Talker -> Code2Wav; a text LLM ->
+//! TTS for the built-in voice), each run in a
 //! process of its own (`omni-engine stage`, named `omni-stage-<id>[-<replica>]`) by
 //! [`run_stage_process`], started and routed by omni-core's `OmniPipeline`.
 //!
@@ -20,7 +21,9 @@ pub mod profile;
 mod stage;
 pub mod talker;
 mod tensors;
+pub mod text_net;
 pub mod thinker;
+pub mod tts;
 
 pub use process::{BuiltStage, build_stage, run_stage_process};
 pub use stage::{Stage, StepResult};

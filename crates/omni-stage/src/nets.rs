@@ -37,6 +37,11 @@ pub trait ThinkerNet: Send + std::fmt::Debug {
     fn vocab_size(&self) -> usize;
     /// `tts_bos`, `tts_eos`, `tts_pad` embeddings, `[3, hidden]`.
     fn tts_rows(&self) -> &[f32];
+    /// Whether it exports the Talker's states (false for a text LLM: a stage after it takes
+    /// text).
+    fn exports_states(&self) -> bool {
+        true
+    }
     /// One step over token ids (with `mm`'s positions and encoder rows); `export` asks for the
     /// two Talker states of every token.
     fn forward(

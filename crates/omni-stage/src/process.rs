@@ -19,7 +19,9 @@ use crate::nets::{CpuTalker, CpuThinker};
 use crate::profile::StageProfile;
 use crate::stage::Stage;
 use crate::talker::TalkerStage;
+use crate::text_net::TextNet;
 use crate::thinker::ThinkerStage;
+use crate::tts::TtsStage;
 
 /// How long an idle stage waits for an input before it looks again.
 const IDLE_WAIT: Duration = Duration::from_millis(100);
@@ -37,8 +39,36 @@ pub struct BuiltStage {
     pub device: Device,
 }
 
+/// Whether a Thinker stage's model is a plain text LLM (a GGUF file, or a directory of another
+/// architecture than Qwen3-Omni's), run as [`TextNet`].
+fn is_text_llm(spec: &StageSpec) -> Result<bool, StageError> {
+    let path = Path::new(&spec.model);
+    if path.is_file() {
+        return Ok(true);
+    }
+    Ok(omni_models::registry::engine_stage(&read_config(path)?).is_none())
+}
+
 /// Loads `spec`'s network on its device and wraps it in its stage.
 pub fn build_stage(spec: &StageSpec) -> Result<BuiltStage, StageError> {
+    match spec.kind {
+        StageKind::Tts => {
+            return Ok(BuiltStage {
+                stage: Box::new(TtsStage::load(spec)?),
+                num_blocks: 0,
+                device: Device::Cpu,
+            });
+        }
+        StageKind::Thinker if is_text_llm(spec)? => {
+            let net = TextNet::load(spec)?;
+            return Ok(BuiltStage {
+                stage: Box::new(ThinkerStage::new(Box::new(net), spec)?),
+                num_blocks: spec.num_blocks,
+                device: Device::Cpu,
+            });
+        }
+        _ => {}
+    }
     let dir = Path::new(&spec.model);
     let config = read_config(dir)?;
     if spec.device == Device::Cuda {
@@ -72,6 +102,7 @@ pub fn build_stage(spec: &StageSpec) -> Result<BuiltStage, StageError> {
             Box::new(Code2Wav::load(&config, ws)?),
             spec,
         )),
+        StageKind::Tts => return Err(StageError::Config("a TTS stage has no network".into())),
     };
     let num_blocks = if spec.kind == StageKind::Code2Wav {
         0
@@ -112,6 +143,7 @@ fn build_cuda(
             )),
             0,
         ),
+        StageKind::Tts => return Err(StageError::Config("a TTS stage has no network".into())),
     };
     Ok(BuiltStage {
         stage,

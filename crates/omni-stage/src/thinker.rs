@@ -231,7 +231,8 @@ impl Stage for ThinkerStage {
                         return;
                     }
                 };
-                let audio = req.omni.as_ref().is_some_and(|o| o.wants_audio());
+                let audio =
+                    self.net.exports_states() && req.omni.as_ref().is_some_and(|o| o.wants_audio());
                 let seed = req
                     .sampling_params
                     .seed
@@ -264,7 +265,10 @@ impl Stage for ThinkerStage {
                     self.reqs.remove(id);
                 }
             }
-            StageInput::Thinker(_) | StageInput::Codec(_) | StageInput::Shutdown => {}
+            StageInput::Thinker(_)
+            | StageInput::Codec(_)
+            | StageInput::Text(_)
+            | StageInput::Shutdown => {}
         }
     }
 

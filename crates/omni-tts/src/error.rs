@@ -24,6 +24,9 @@ pub enum Error {
     /// A model returned outputs of an unexpected shape.
     #[error("{model} returned {what}")]
     Shape { model: String, what: String },
+    /// The built-in voice is not in the cache and fetching it failed.
+    #[error("the built-in voice: {reason}")]
+    Fetch { reason: String },
     /// A built-in pattern failed to compile (a bug, reported rather than panicking).
     #[error("pattern {name} does not compile: {reason}")]
     Pattern { name: &'static str, reason: String },

@@ -55,6 +55,7 @@
 //! Speeds are from the shared 2-core development machine under a load of about 5, so read them
 //! as ratios; the DSP's gap is numpy's SIMD `exp` / `sincos` against libm's scalar ones.
 
+pub mod builtin;
 pub mod dsp;
 mod error;
 pub mod g2p;

@@ -178,6 +178,13 @@ impl SentenceStream {
         self
     }
 
+    /// Changes the clause limit of [`SentenceStream::flush_clauses_after`] from now on (`None`:
+    /// whole sentences only); e.g. a short limit for a stream's first piece of speech, a
+    /// longer one after it.
+    pub fn set_clause_flush(&mut self, chars: Option<usize>) {
+        self.clause_flush = chars;
+    }
+
     /// The end of the last clause break of `text` (after its punctuation), if any.
     fn last_clause_break(text: &str) -> Option<usize> {
         let chars: Vec<(usize, char)> = text.char_indices().collect();

@@ -200,7 +200,7 @@ impl Stage for TalkerStage {
                     self.drop_request(id);
                 }
             }
-            StageInput::Codec(_) | StageInput::Shutdown => {}
+            StageInput::Codec(_) | StageInput::Text(_) | StageInput::Shutdown => {}
         }
     }
 
