@@ -218,3 +218,47 @@ fn every_problem_of_a_profile_is_reported_together() {
         DeployConfig::load(DeploySource::Builtin("llama"), &cuda(), &common::command()).is_err()
     );
 }
+
+#[test]
+fn the_text_speech_profile_names_its_stage_kinds_and_a_stage_may_name_its_model() {
+    let d = DeployConfig::load(
+        DeploySource::Builtin(omni_config::TEXT_SPEECH_PROFILE),
+        &DeployOverrides {
+            platform: "cpu",
+            ..Default::default()
+        },
+        &common::command(),
+    )
+    .unwrap();
+    let kinds: Vec<_> = d
+        .stages
+        .iter()
+        .map(|s| (s.stage_id, s.model_stage.as_deref(), s.model.clone()))
+        .collect();
+    assert_eq!(kinds, [(0, Some("thinker"), None), (1, Some("tts"), None)]);
+    assert_eq!(d.stage(1).unwrap().default_sampling_params["seed"], 0);
+    assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+
+    // A file's `model` (with `~/` expanded) and a bad `model_stage` type.
+    let t = common::tempdir::Dir::new();
+    let f = write(
+        t.path(),
+        "voice.yaml",
+        "stages:\n  - stage_id: 0\n  - stage_id: 1\n    model_stage: tts\n    model: ~/voices/mine\n",
+    );
+    let d = DeployConfig::load(DeploySource::File(&f), &cuda(), &common::command()).unwrap();
+    let home = std::env::var("HOME").unwrap();
+    assert_eq!(
+        d.stage(1).unwrap().model.as_deref(),
+        Some(std::path::Path::new(&format!("{home}/voices/mine")))
+    );
+    let f = write(
+        t.path(),
+        "bad.yaml",
+        "stages:\n  - stage_id: 0\n    model_stage: [1]\n",
+    );
+    let e = DeployConfig::load(DeploySource::File(&f), &cuda(), &common::command())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model_stage") && e.contains("string"), "{e}");
+}

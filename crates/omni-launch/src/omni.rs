@@ -201,3 +201,82 @@ pub fn start_pipeline(
     client.args = vec!["stage".into()];
     Ok(OmniPipeline::start(&OmniPipelineConfig { client, stages })?)
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use clap::Args as _;
+    use omni_config::DeploySource;
+
+    fn profile(text: &str) -> DeployConfig {
+        // One file per call: the tests run in parallel threads of one process.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path =
+            std::env::temp_dir().join(format!("omni-launch-omni-{}-{n}.yaml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let cmd = EngineConfig::augment_args(clap::Command::new("serve"));
+        let d = DeployConfig::load(
+            DeploySource::File(&path),
+            &omni_config::DeployOverrides {
+                platform: "cpu",
+                ..Default::default()
+            },
+            &cmd,
+        );
+        let _ = std::fs::remove_file(&path);
+        d.unwrap()
+    }
+
+    fn resolved(d: &DeployConfig) -> Vec<ResolvedStage> {
+        d.stages
+            .iter()
+            .map(|s| ResolvedStage {
+                stage_id: s.stage_id,
+                num_replicas: s.num_replicas,
+                engine: EngineConfig::default(),
+                default_sampling: SamplingParams::default(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_tts_stage_takes_its_voice_and_the_text_models_tokenizer() {
+        let d = profile(
+            "stages:\n  - stage_id: 0\n    model_stage: thinker\n  - stage_id: 1\n    \
+             model_stage: tts\n    model: /voices/v\n",
+        );
+        let specs = stage_specs(&d, &resolved(&d), Path::new("/models/m.gguf")).unwrap();
+        let kinds: Vec<_> = specs.iter().map(|s| s[0].kind).collect();
+        assert_eq!(kinds, [StageKind::Thinker, StageKind::Tts]);
+        assert_eq!(specs[0][0].model, "/models/m.gguf");
+        assert_eq!(specs[1][0].model, "/voices/v");
+        assert_eq!(specs[1][0].tokenizer, "/models/m.gguf");
+        assert_eq!(specs[1][0].device, omni_protocol::Device::Cpu);
+    }
+
+    #[test]
+    fn a_pipeline_of_other_stage_kinds_is_refused_naming_them() {
+        for (text, names) in [
+            (
+                "stages:\n  - stage_id: 0\n  - stage_id: 1\n    model_stage: code2wav\n",
+                "1 = code2wav",
+            ),
+            (
+                "stages:\n  - stage_id: 0\n    model_stage: speech\n",
+                "speech",
+            ),
+            (
+                "stages:\n  - stage_id: 0\n  - stage_id: 2\n",
+                "2 = code2wav",
+            ),
+        ] {
+            let d = profile(text);
+            let e = stage_specs(&d, &resolved(&d), Path::new("/m"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(names), "{names}: {e}");
+        }
+    }
+}
