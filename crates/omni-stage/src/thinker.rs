@@ -87,9 +87,10 @@ impl ThinkerStage {
     /// A stage over a loaded Thinker (its KV cache of `spec.num_blocks` blocks) with `spec`'s
     /// batch limits.
     pub fn new(net: Box<dyn ThinkerNet>, spec: &StageSpec) -> Result<Self, StageError> {
-        // No prefix caching: a cached prompt block is not computed, so its positions would
-        // export nothing (the Talker needs every position's states).
-        let config: SchedulerConfig = scheduler_config(spec, false);
+        // Prefix caching only for a net that exports no states: a cached prompt block is not
+        // computed, so its positions would export nothing (the Talker needs every position's).
+        let prefix_caching = spec.enable_prefix_caching && !net.exports_states();
+        let config: SchedulerConfig = scheduler_config(spec, prefix_caching);
         let (hidden, vocab) = (net.hidden_size(), net.vocab_size());
         Ok(Self {
             net,

@@ -7,7 +7,6 @@
 //! `$HOME/.cache/omni-engine`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use crate::Error;
 
@@ -18,16 +17,9 @@ pub const VOICE: &str = "heart";
 
 const FETCH_SCRIPT: &str = include_str!("../../../scripts/fetch-voice.sh");
 
-/// `<base>/voices` (see the module docs).
+/// `<base>/voices` (see the module docs; [`omni_cache::base_dir`]).
 pub fn voices_dir(base: Option<&Path>) -> PathBuf {
-    let base = match base {
-        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
-        _ => {
-            let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-            home.join(".cache").join("omni-engine")
-        }
-    };
-    base.join("voices")
+    omni_cache::base_dir(base).join("voices")
 }
 
 /// The cached voice folder under `base`, if both it and the runtime library are there.
@@ -43,23 +35,8 @@ pub fn locate_or_fetch_in(base: Option<&Path>) -> Result<PathBuf, Error> {
     if let Some(dir) = locate_in(base) {
         return Ok(dir);
     }
-    let mut cmd = Command::new("bash");
-    cmd.arg("-c").arg(FETCH_SCRIPT).arg("fetch-voice");
-    if let Some(base) = voices_dir(base).parent() {
-        cmd.env("OMNI_CACHE_DIR", base);
-    }
-    let output = cmd.output().map_err(|e| Error::Fetch {
-        reason: format!("running the fetch script with bash: {e}"),
-    })?;
-    if !output.status.success() {
-        return Err(Error::Fetch {
-            reason: format!(
-                "scripts/fetch-voice.sh failed ({}): {}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr).trim()
-            ),
-        });
-    }
+    omni_cache::run_fetch_script(FETCH_SCRIPT, "fetch-voice", base)
+        .map_err(|reason| Error::Fetch { reason })?;
     locate_in(base).ok_or_else(|| Error::Fetch {
         reason: format!(
             "the fetch script left no voice in {}",
