@@ -91,17 +91,7 @@ fn unix_now() -> f64 {
 }
 
 fn abort_output(request_id: RequestId) -> EngineCoreOutput {
-    EngineCoreOutput {
-        request_id,
-        new_token_ids: Vec::new(),
-        new_logprobs: Vec::new(),
-        finish_reason: Some(FinishReason::Abort),
-        stop_reason: None,
-        num_cached_tokens: 0,
-        queue_time: None,
-        text_finish_reason: None,
-        audio: None,
-    }
+    EngineCoreOutput::bare(request_id, Some(FinishReason::Abort), None)
 }
 
 /// The busy loop around one [`EngineCore`] (vLLM's `EngineCore.run_busy_loop`); see the module

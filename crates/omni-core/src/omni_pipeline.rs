@@ -437,17 +437,7 @@ impl Shared {
 }
 
 fn final_output(id: &str, reason: FinishReason) -> EngineCoreOutput {
-    EngineCoreOutput {
-        request_id: id.to_string(),
-        new_token_ids: Vec::new(),
-        new_logprobs: Vec::new(),
-        finish_reason: Some(reason),
-        stop_reason: None,
-        num_cached_tokens: 0,
-        queue_time: None,
-        text_finish_reason: None,
-        audio: None,
-    }
+    EngineCoreOutput::bare(id, Some(reason), None)
 }
 
 /// The pipeline; see the module docs. Cheap to clone.

@@ -78,6 +78,25 @@ pub struct EngineCoreOutput {
 }
 
 impl EngineCoreOutput {
+    /// An output with no tokens: a request's end (`finish_reason`) or a speech stage's audio.
+    pub fn bare(
+        request_id: impl Into<RequestId>,
+        finish_reason: Option<FinishReason>,
+        audio: Option<AudioOutput>,
+    ) -> Self {
+        Self {
+            request_id: request_id.into(),
+            new_token_ids: Vec::new(),
+            new_logprobs: Vec::new(),
+            finish_reason,
+            stop_reason: None,
+            num_cached_tokens: 0,
+            queue_time: None,
+            text_finish_reason: None,
+            audio,
+        }
+    }
+
     /// Whether this is the request's last output.
     pub fn finished(&self) -> bool {
         self.finish_reason.is_some()

@@ -127,17 +127,11 @@ impl Stage for Code2WavStage {
                 sample_rate: rate,
                 num_frames: c.num_frames - c.left_context,
             });
-            out.outputs.push(EngineCoreOutput {
-                request_id: c.request_id.clone(),
-                new_token_ids: Vec::new(),
-                new_logprobs: Vec::new(),
-                finish_reason: c.finished.then_some(FinishReason::Stop),
-                stop_reason: None,
-                num_cached_tokens: 0,
-                queue_time: None,
-                text_finish_reason: None,
+            out.outputs.push(EngineCoreOutput::bare(
+                c.request_id.clone(),
+                c.finished.then_some(FinishReason::Stop),
                 audio,
-            });
+            ));
         }
         clock.lap("outputs");
         Ok((out, Vec::new()))

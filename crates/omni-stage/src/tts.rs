@@ -172,20 +172,6 @@ impl TtsStage {
     }
 }
 
-fn output(id: &str, audio: Option<AudioOutput>, finish: Option<FinishReason>) -> EngineCoreOutput {
-    EngineCoreOutput {
-        request_id: id.to_string(),
-        new_token_ids: Vec::new(),
-        new_logprobs: Vec::new(),
-        finish_reason: finish,
-        stop_reason: None,
-        num_cached_tokens: 0,
-        queue_time: None,
-        text_finish_reason: None,
-        audio,
-    }
-}
-
 impl Stage for TtsStage {
     fn input(&mut self, input: StageInput, _buffers: &[&[u8]], out: &mut StageOutputs) {
         match input {
@@ -269,8 +255,11 @@ impl Stage for TtsStage {
                 sample_rate: rate,
             });
             if audio.is_some() || finished {
-                out.outputs
-                    .push(output(&id, audio, finished.then_some(FinishReason::Stop)));
+                out.outputs.push(EngineCoreOutput::bare(
+                    id.as_str(),
+                    finished.then_some(FinishReason::Stop),
+                    audio,
+                ));
             }
             if finished {
                 done.push(id);
