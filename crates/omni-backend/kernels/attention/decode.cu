@@ -12,6 +12,7 @@
 // directly; else normalized partials + (max, sum) go to ws, and with `fused` the last of the
 // sequence's partitions to finish (a counter per (sequence, grid x) in `attn_cnt`, left at 0)
 // merges them into `out` (`attn_merge_partials`), else the reduce kernel does (reduce.cu).
+
 // Arrival counters of the fused merge, one per (sequence, grid x) group: zero when the module
 // loads (PTX zero-initialises .global variables) and reset to zero by each group's last CTA, so
 // every launch finds them at zero (launches of one function are ordered on the context's one

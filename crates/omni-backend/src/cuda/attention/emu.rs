@@ -277,7 +277,8 @@ fn emu_decode(
                 dev.ws_gen[nrows * hd + nrows + row] = epoch;
             }
         }
-        if max_parts == 1 || (plan.fused && np == 1) || !plan.fused {
+        let direct = max_parts == 1 || np == 1;
+        if direct || !plan.fused {
             continue;
         }
         let c = s * grid_x + x;

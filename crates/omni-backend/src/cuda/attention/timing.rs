@@ -195,6 +195,8 @@ fn attention_decode_timing() {
         return;
     };
     type PlanOf = fn(&AttnShape) -> DecodePlan;
+    /// (batch, context, grid bound, plans).
+    type Case<'a> = (usize, usize, usize, &'a [(&'a str, PlanOf)]);
     let now: (&str, PlanOf) = ("now", decode_plan);
     let unfused: (&str, PlanOf) = ("unfused-64", unfused_plan);
     let sweep: [(&str, PlanOf); 7] = [
@@ -209,7 +211,7 @@ fn attention_decode_timing() {
     for (model, nkv) in [("qwen3-30b-a3b", 4usize), ("qwen3-8b", 8)] {
         // (batch, context, grid bound, plans): batch 1 with the engine's graph bound
         // (max_model_len 4096) gets the sweep; context 1 gives the fixed cost.
-        let cases: [(usize, usize, usize, &[(&str, PlanOf)]); 6] = [
+        let cases: [Case; 6] = [
             (1, 1056, 4096, &sweep),
             (1, 1056, 1056, &[now, unfused]),
             (1, 1, 4096, &[now, unfused]),
