@@ -36,6 +36,10 @@
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
 #   ab-gemv bench latency (batch 1/4/8/64) of both shapes with OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
+#   ab-attn decode attention before/after: backend-tests cuda::attention (checks and timing
+#           lines), eager per-kernel profiles and bench latency at batch 1 and 64 of both shapes,
+#           for this tree's binaries and, when staged, base-omni-engine / base-backend-tests
+#           (built from the tree before the change, same names with a `base-` prefix)
 #   cold    cold start to /health and requests 1..10 one at a time (scripts/bench-cold-start.sh)
 #           for the Qwen3-30B-A3B shape (dummy weights): request 1 must be as fast as the rest
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -164,6 +168,34 @@ if want ab-gemv; then
         --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
         --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,4,8,64 --input-len 1024 \
         --output-len 64 --prefill-len 2048 --json "$LOGS/gemv$g-$m.json"
+    done
+  done
+fi
+
+if want ab-attn; then
+  # "" = this tree, base- = the tree before (when staged); interleaved so that a cut-short run
+  # still has pairs.
+  for p in "" base-; do
+    v=${p:-new}; v=${v%-}
+    [ -x "$BIN/${p}backend-tests" ] && step "attn-kernels-$v" "$BIN/${p}backend-tests" \
+      cuda::attention --test-threads=1 --nocapture
+  done
+  for m in qwen3-30b-a3b qwen3-8b; do
+    for p in "" base-; do
+      v=${p:-new}; v=${v%-}
+      [ -x "$BIN/${p}omni-engine" ] || continue
+      OMNI_CUDA_PROFILE=16 step "attn-profile-$v-$m" "$BIN/${p}omni-engine" bench latency \
+        --model "bench/models/$m" --load-format dummy --device cuda --enforce-eager \
+        --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,64 \
+        --input-len 1024 --output-len 32 --prefill-len 2048
+    done
+    for p in "" base-; do
+      v=${p:-new}; v=${v%-}
+      [ -x "$BIN/${p}omni-engine" ] || continue
+      step "attn-latency-$v-$m" "$BIN/${p}omni-engine" bench latency --model "bench/models/$m" \
+        --load-format dummy --device cuda --max-model-len 4096 --max-num-seqs 64 \
+        --max-num-batched-tokens 4096 --batch-sizes 1,64 --input-len 1024 --output-len 64 \
+        --prefill-len 2048 --json "$LOGS/attn-latency-$v-$m.json"
     done
   done
 fi

@@ -6,14 +6,119 @@
 // sequence `blockIdx.y`, context partition `blockIdx.z` (`part_size` tokens). 4 warps; a token's
 // K/V head row (HD bf16) is read by L = HD / 8 lanes with one 16-byte load each.
 // Phase 1: scores (log2 domain) into shared memory; phase 2: softmax numerators; phase 3: P V.
-// With one partition the CTA writes `out` directly, else normalized partials + (max, sum) to ws.
+// The metadata and the first round's block-table entries are loaded together up front, before
+// `griddepcontrol.wait` (programmatic dependent launch: that part overlaps the predecessor).
+// When the sequence has one partition (device-side: seq_len <= part_size) the CTA writes `out`
+// directly; else normalized partials + (max, sum) go to ws, and with `fused` the last of the
+// sequence's partitions to finish (a counter per (sequence, grid x) in `attn_cnt`, left at 0)
+// merges them into `out` (`attn_merge_partials`), else the reduce kernel does (reduce.cu).
+
+// Arrival counters of the fused merge, one per (sequence, grid x) group: zero when the module
+// loads (PTX zero-initialises .global variables) and reset to zero by each group's last CTA, so
+// every launch finds them at zero (launches of one function are ordered on the context's one
+// stream). The Rust side defines ATTN_COUNTERS and keeps the groups of a fused launch below it.
+__device__ unsigned int attn_cnt[ATTN_COUNTERS];
+
+// The last CTA of a group: out rows of heads hbase .. hbase + GM (below G) of token qs from the
+// np (<= ATTN_FUSED_PARTS) partials of each, merged with weights sum_p * exp2(max_p - max) (the
+// reduce kernel's arithmetic). Latency matters more than bytes here: one warp per head loads
+// the (max, sum) pairs of every partition at once into shared memory (`sw`: GM *
+// ATTN_FUSED_PARTS weights, then as many sums) and turns them into weights, then every thread
+// sums its 4-dim slices with MP partitions' loads in flight. Partials are read past L1
+// (__ldcg): other CTAs of this launch wrote them, and L1 is not coherent.
+template <int HD, int GM>
+__device__ __forceinline__ void attn_merge_partials(
+    const float* __restrict__ ws, u16* __restrict__ out, float* sw, float* sden, size_t nrows,
+    int s, int hbase, int G, int g0, int qs, int num_heads, int max_parts, int np)
+{
+    constexpr int NW = 4, NT = 128, Q = HD / 4, IT = (GM * Q + NT - 1) / NT, MP = 8;
+    constexpr int FP = ATTN_FUSED_PARTS;
+    float* sl = sw + GM * FP;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < GM; g += NW) {
+        if (g0 + g >= G) continue;
+        const size_t row0 = ((size_t)s * num_heads + hbase + g) * max_parts;
+        const float* wm = ws + nrows * HD + row0;
+        const float* wl = wm + nrows;
+        float mx = ATTN_NEG_INF;
+#pragma unroll 4
+        for (int p = lane; p < np; p += 32) {
+            const float m = __ldcg(wm + p);
+            sl[g * FP + p] = __ldcg(wl + p);
+            sw[g * FP + p] = m;
+            mx = fmaxf(mx, m);
+        }
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        float den = 0.f;
+        for (int p = lane; p < np; p += 32) {
+            const float w = sl[g * FP + p] * exp2f(sw[g * FP + p] - mx);
+            sw[g * FP + p] = w;
+            den += w;
+        }
+        for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+        if (lane == 0) sden[g] = den;
+    }
+    __syncthreads();
+    float4 acc[IT];
+#pragma unroll
+    for (int it = 0; it < IT; ++it) acc[it] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int p0 = 0; p0 < np; p0 += MP) {
+        float4 o[IT][MP];
+#pragma unroll
+        for (int it = 0; it < IT; ++it) {
+            const int idx = threadIdx.x + it * NT, g = idx / Q, d4 = idx - g * Q;
+            const size_t row0 = ((size_t)s * num_heads + hbase + g) * max_parts;
+#pragma unroll
+            for (int j = 0; j < MP; ++j) {
+                o[it][j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (idx < GM * Q && g0 + g < G && p0 + j < np) {
+                    o[it][j] = __ldcg(reinterpret_cast<const float4*>(ws + (row0 + p0 + j) * HD) + d4);
+                }
+            }
+        }
+#pragma unroll
+        for (int it = 0; it < IT; ++it) {
+            const int idx = threadIdx.x + it * NT, g = min(idx / Q, GM - 1);
+#pragma unroll
+            for (int j = 0; j < MP; ++j) {
+                if (p0 + j < np) {
+                    const float w = sw[g * FP + p0 + j];
+                    acc[it].x += w * o[it][j].x;
+                    acc[it].y += w * o[it][j].y;
+                    acc[it].z += w * o[it][j].z;
+                    acc[it].w += w * o[it][j].w;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+        const int idx = threadIdx.x + it * NT, g = idx / Q, d4 = idx - g * Q;
+        if (idx >= GM * Q || g0 + g >= G) continue;
+        const float den = sden[g];
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        uint2 packed;
+        packed.x = pack_bf16x2(acc[it].x * inv, acc[it].y * inv);
+        packed.y = pack_bf16x2(acc[it].z * inv, acc[it].w * inv);
+        *reinterpret_cast<uint2*>(out + ((size_t)qs * num_heads + hbase + g) * HD + d4 * 4) = packed;
+    }
+}
+
+// Programmatic dependent launch: waits for the predecessor grid (a no-op when launched
+// without the attribute).
+__device__ __forceinline__ void attn_grid_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <int HD, int GM>
 __device__ __forceinline__ void attn_decode(
     const u16* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
     u16* __restrict__ out, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
     const int* __restrict__ bt, float* __restrict__ ws, int num_tokens, int num_heads, int nkv,
     int bs, int num_blocks, int mbps, int part_size, int max_parts, int head_chunks,
-    float scale_log2)
+    int fused, float scale_log2)
 {
     // U: tokens per lane per iteration (U independent 16-byte loads in flight per lane).
     constexpr int NW = 4, NT = 128, L = HD / 8, TPW = 32 / L, TPS = NW * TPW, U = GM >= 8 ? 4 : 8;
@@ -23,22 +128,40 @@ __device__ __forceinline__ void attn_decode(
     __shared__ float red_m[NW][GM];
     __shared__ float red_l[NW][GM];
 
+    static_assert(2 * GM * ATTN_FUSED_PARTS <= SMF, "the merge's weights and sums fit sm");
+    __shared__ int s_last;
+    __shared__ float s_den[GM];
+
     const int s = blockIdx.y, part = blockIdx.z;
     const int kvh = blockIdx.x / head_chunks;
     const int g0 = (blockIdx.x - kvh * head_chunks) * GM;
     const int G = num_heads / nkv;
-    const int qs = qsl[s];
-    if (qsl[s + 1] - qs != 1 || qs < 0 || qs >= num_tokens) return;
-    const int seq_len = seq_lens[s];
-    const int start = part * part_size;
-    if (start >= seq_len) return;
-    const int n = min(part_size, seq_len - start);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tg = lane / L, lig = lane - tg * L;
-    const int hbase = kvh * G + g0;
+    const int start = part * part_size;
     const int* btab = bt + (size_t)s * mbps;
     const size_t head_off = (size_t)kvh * HD + lig * 8;
     const size_t tok_stride = (size_t)nkv * HD;
+    // The first round's slots before the metadata is known (kv_slot clamps every index, so
+    // these loads are in bounds whatever the lengths), then the metadata in one go.
+    int slot0[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        slot0[u] = kv_slot(btab, start + min(warp * TPW + u * TPS + tg, part_size - 1), bs, mbps,
+                           num_blocks);
+    }
+    const int qs = qsl[s], qe = qsl[s + 1], seq_len = seq_lens[s];
+    if (qe - qs != 1 || qs < 0 || qs >= num_tokens) return;
+    if (start >= seq_len) return;
+    // Launched with programmatic dependent launch, the CTA may have started while its
+    // predecessor (the kernel writing q and this step's K/V rows) drains: the metadata and block
+    // tables read above are written only by host copies before the step's first kernel, so they
+    // are safe to read before this wait; q, the caches, ws, out and the counters only after it.
+    attn_grid_wait();
+    const int n = min(part_size, seq_len - start);
+    // Partitions with work (the same in every CTA of the sequence).
+    const int np = min((seq_len + part_size - 1) / part_size, max_parts);
+    const int hbase = kvh * G + g0;
 
     float qr[GM][8];
 #pragma unroll
@@ -60,13 +183,14 @@ __device__ __forceinline__ void attn_decode(
 #pragma unroll
     for (int g = 0; g < GM; ++g) mx[g] = ATTN_NEG_INF;
     for (int it = warp * TPW; it < n; it += TPS * U) {
+        const bool first = it == warp * TPW;
         uint4 kv[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int i = it + u * TPS + tg;
             kv[u] = make_uint4(0u, 0u, 0u, 0u);
             if (i < n) {
-                const int slot = kv_slot(btab, start + i, bs, mbps, num_blocks);
+                const int slot = first ? slot0[u] : kv_slot(btab, start + i, bs, mbps, num_blocks);
                 if (lig == 0) sslot[i] = slot;
                 kv[u] = __ldg(reinterpret_cast<const uint4*>(kc + (size_t)slot * tok_stride + head_off));
             }
@@ -189,6 +313,7 @@ __device__ __forceinline__ void attn_decode(
     }
     __syncthreads();
     const size_t nrows = (size_t)gridDim.y * num_heads * max_parts;
+    const bool direct = max_parts == 1 || (fused && np == 1);
     for (int idx = tid; idx < GM * HD; idx += NT) {
         const int g = idx / HD, d = idx - g * HD;
         if (g0 + g >= G) continue;
@@ -200,7 +325,7 @@ __device__ __forceinline__ void attn_decode(
             l += red_l[w][g];
         }
         const int h = hbase + g;
-        if (max_parts == 1) {
+        if (direct) {
             out[((size_t)qs * num_heads + h) * HD + d] = f2bf(o / l);
         } else {
             const size_t row = ((size_t)s * num_heads + h) * max_parts + part;
@@ -211,4 +336,25 @@ __device__ __forceinline__ void attn_decode(
             }
         }
     }
+    if (direct || !fused) return;
+    // Fused merge. Ordering (the pattern of cooperative groups' grid barrier): the barrier
+    // orders every thread's partial stores above before thread 0's __threadfence() and
+    // atomicAdd, so the CTA that draws ticket np - 1 (every other partition has counted itself
+    // the same way) sees all np partitions' stores once it has fenced too; its barrier then
+    // orders that before every thread's reads, which go past L1 (__ldcg, L2 is coherent).
+    // The last CTA resets the counter: no other CTA of this launch touches it again, and the
+    // next launch is stream-ordered after this one (its CTAs touch counters only after their
+    // griddepcontrol.wait, i.e. after this grid has completed).
+    unsigned int* cnt = attn_cnt + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        s_last = atomicAdd(cnt, 1u) == (unsigned int)(np - 1);
+        if (s_last) *cnt = 0u;
+        __threadfence();
+    }
+    __syncthreads();
+    if (!s_last) return;
+    attn_merge_partials<HD, GM>(ws, out, sm, s_den, nrows, s, hbase, G, g0, qs, num_heads,
+                                max_parts, np);
 }

@@ -1,14 +1,16 @@
 //! [`CudaContext::paged_attention_bf16`]: checks, then the decode (and reduce) or prefill launch.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, sys};
 
 use super::source::{REDUCE_FN, hd_kernels, reduce_source};
 use super::{
-    AttnShape, DECODE_THREADS, GROUP_TILES, REDUCE_THREADS, decode_partition, decode_parts,
-    group_tiling, paged_attention_workspace_len, prefill_cfg,
+    ATTN_COUNTERS, AttnShape, DECODE_THREADS, DecodePlan, GROUP_TILES, MAX_FUSED_PARTS,
+    MAX_PARTITION, REDUCE_THREADS, decode_plan, decode_workspace_len, group_size, prefill_cfg,
 };
 use crate::cuda::launch::{aligned16, at_least, grid_yz, narrow, shape_err};
-use crate::cuda::{CudaContext, CudaResult, bf16};
+use crate::cuda::{CudaContext, CudaError, CudaResult, bf16};
 
 impl CudaContext {
     /// Paged attention of `q` (`[num_tokens, num_heads, head_dim]` bf16) over the caches
@@ -19,7 +21,7 @@ impl CudaContext {
     /// (`[num_seqs]` i32, context length including the new tokens) and `block_tables`
     /// (`[num_seqs, max_blocks_per_seq]` i32). Host scalars come in `shape`; the decode path runs
     /// when `shape.max_query_len == 1` (then every sequence has 0 or 1 query tokens), else the
-    /// tensor-core prefill path. `workspace` must hold [`paged_attention_workspace_len`] f32
+    /// tensor-core prefill path. `workspace` must hold [`paged_attention_workspace_len`](super::paged_attention_workspace_len) f32
     /// (any buffer when that is 0).
     ///
     /// Launch-only: no allocation, no synchronization and no host reads of device memory, so it
@@ -38,6 +40,37 @@ impl CudaContext {
         block_tables: &impl DevicePtr<i32>,
         workspace: &mut impl DevicePtrMut<f32>,
         shape: &AttnShape,
+    ) -> CudaResult<()> {
+        let plan = decode_plan(shape);
+        self.paged_attention_planned(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            workspace,
+            shape,
+            plan,
+        )
+    }
+
+    /// [`Self::paged_attention_bf16`] with the decode path launched as `plan` says (the tests
+    /// compare plans; every plan gives the same answer up to f32 rounding).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn paged_attention_planned(
+        &self,
+        q: &impl DevicePtr<bf16>,
+        k_cache: &impl DevicePtr<bf16>,
+        v_cache: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        query_start_loc: &impl DevicePtr<i32>,
+        seq_lens: &impl DevicePtr<i32>,
+        block_tables: &impl DevicePtr<i32>,
+        workspace: &mut impl DevicePtrMut<f32>,
+        shape: &AttnShape,
+        plan: DecodePlan,
     ) -> CudaResult<()> {
         let sh = *shape;
         let kernels = hd_kernels(sh.head_dim)?;
@@ -92,8 +125,29 @@ impl CudaContext {
         let num_blocks = k_cache.len() / block_elems;
         // Slots are int on the device.
         narrow::<i32>("cache slots", num_blocks * sh.block_size)?;
-        let ws_need = paged_attention_workspace_len(&sh);
-        at_least("cuda paged attention workspace", workspace.len(), ws_need)?;
+        let decode = sh.max_query_len == 1;
+        if decode {
+            let chunks = group_size(&sh).div_ceil(plan.tile.max(1));
+            let groups = sh.num_kv_heads * chunks * sh.num_seqs;
+            if !GROUP_TILES.contains(&plan.tile)
+                || plan.part == 0
+                || plan.part > MAX_PARTITION
+                || plan.parts * plan.part < sh.max_seq_len
+                || (plan.fused && (groups > ATTN_COUNTERS || plan.parts > MAX_FUSED_PARTS))
+            {
+                return Err(crate::Error::Metadata(format!(
+                    "cuda paged attention: decode plan {plan:?} does not fit {groups} groups of \
+                     {} tokens",
+                    sh.max_seq_len
+                ))
+                .into());
+            }
+            at_least(
+                "cuda paged attention workspace",
+                workspace.len(),
+                decode_workspace_len(&sh, plan.parts),
+            )?;
+        }
         if sh.num_seqs == 0 || sh.num_tokens == 0 || sh.max_query_len == 0 {
             return Ok(());
         }
@@ -124,54 +178,68 @@ impl CudaContext {
             aligned16(what, p)?;
         }
 
-        if sh.max_query_len == 1 {
-            let (tile, chunks) = group_tiling(&sh);
+        if decode {
+            let DecodePlan {
+                tile,
+                part,
+                parts,
+                fused,
+                pdl,
+            } = plan;
+            let chunks = group_size(&sh).div_ceil(tile);
             let tile_idx = GROUP_TILES.iter().position(|&t| t == tile).unwrap_or(0);
-            let part = decode_partition(&sh);
-            let parts = decode_parts(&sh);
-            let part_i = narrow::<i32>("decode partition", part)?;
-            let parts_i = narrow::<i32>("decode partitions", parts)?;
-            let chunks_i = narrow::<i32>("head chunks", chunks)?;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    narrow::<u32>("num_kv_heads * head chunks", sh.num_kv_heads * chunks)?,
-                    seqs,
-                    grid_yz("decode partitions", parts)?,
-                ),
-                block_dim: (DECODE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let mut part_i = narrow::<i32>("decode partition", part)?;
+            let mut parts_i = narrow::<i32>("decode partitions", parts)?;
+            let mut chunks_i = narrow::<i32>("head chunks", chunks)?;
+            let mut fused_i = i32::from(fused);
+            let grid = (
+                narrow::<u32>("num_kv_heads * head chunks", sh.num_kv_heads * chunks)?,
+                seqs,
+                grid_yz("decode partitions", parts)?,
+            );
             let f = self.function(kernels.source, kernels.decode[tile_idx])?;
-            let mut launch = self.stream.launch_builder(&f);
-            launch
-                .arg(&qp)
-                .arg(&kp)
-                .arg(&vp)
-                .arg(&op)
-                .arg(&qslp)
-                .arg(&slp)
-                .arg(&btp)
-                .arg(&wsp)
-                .arg(&num_tokens)
-                .arg(&num_heads)
-                .arg(&nkv)
-                .arg(&bs)
-                .arg(&num_blocks_i)
-                .arg(&mbps)
-                .arg(&part_i)
-                .arg(&parts_i)
-                .arg(&chunks_i)
-                .arg(&scale_log2);
-            // SAFETY: the arguments match `attn_decode_hd*_g*(const u16* x3, u16*, const int* x3,
-            // float*, int x9, float)`. q/out hold num_tokens rows of num_heads * head_dim and
-            // the kernel only touches rows qsl[s] < num_tokens; the metadata buffers hold
-            // num_seqs (+1) entries and num_seqs * max_blocks_per_seq table entries (grid y =
-            // num_seqs); block-table indices are clamped below max_blocks_per_seq and block
-            // ids into 0..num_blocks, the size of both caches (checked). The workspace holds
-            // num_seqs * num_heads * parts * (head_dim + 2) f32 when parts > 1 (checked) and is
-            // not touched otherwise. All bf16 pointers are 16-byte aligned (checked).
-            unsafe { launch.launch(cfg) }?;
-            if parts > 1 {
+            let (mut qp, mut kp, mut vp, mut op2, mut qslp, mut slp, mut btp, mut wsp) =
+                (qp, kp, vp, op, qslp, slp, btp, wsp);
+            let (mut num_tokens, mut num_heads, mut nkv, mut bs, mut num_blocks_i, mut mbps) =
+                (num_tokens, num_heads, nkv, bs, num_blocks_i, mbps);
+            let mut scale = scale_log2;
+            let mut args: [*mut c_void; 19] = [
+                (&raw mut qp).cast(),
+                (&raw mut kp).cast(),
+                (&raw mut vp).cast(),
+                (&raw mut op2).cast(),
+                (&raw mut qslp).cast(),
+                (&raw mut slp).cast(),
+                (&raw mut btp).cast(),
+                (&raw mut wsp).cast(),
+                (&raw mut num_tokens).cast(),
+                (&raw mut num_heads).cast(),
+                (&raw mut nkv).cast(),
+                (&raw mut bs).cast(),
+                (&raw mut num_blocks_i).cast(),
+                (&raw mut mbps).cast(),
+                (&raw mut part_i).cast(),
+                (&raw mut parts_i).cast(),
+                (&raw mut chunks_i).cast(),
+                (&raw mut fused_i).cast(),
+                (&raw mut scale).cast(),
+            ];
+            // SAFETY: `args` points at the arguments of `attn_decode_hd*_g*(const u16* x3, u16*,
+            // const int* x3, float*, int x10, float)` in order, with those types (device
+            // pointers are CUdeviceptr = u64). q/out hold num_tokens rows of num_heads *
+            // head_dim and the kernel only touches rows qsl[s] < num_tokens; the metadata
+            // buffers hold num_seqs (+1) entries and num_seqs * max_blocks_per_seq table entries
+            // (grid y = num_seqs); block-table indices are clamped below max_blocks_per_seq and
+            // block ids into 0..num_blocks, the size of both caches (checked). The workspace
+            // holds num_seqs * num_heads * parts * (head_dim + 2) f32 when parts > 1 (checked)
+            // and is not touched otherwise. A fused launch has at most ATTN_COUNTERS groups
+            // (grid x * grid y, checked), the size of the module's counter array, and at most
+            // MAX_FUSED_PARTS = ATTN_MAXPART partitions, the per-head room of the merge's
+            // weights in shared memory (checked). All bf16 pointers are 16-byte aligned
+            // (checked). With `pdl` the kernel reads only host-written metadata before its
+            // `griddepcontrol.wait`.
+            unsafe { self.launch_decode(&f, grid, pdl, &mut args) }?;
+            if parts > 1 && !fused {
                 let hd_i = narrow::<i32>("head_dim", sh.head_dim)?;
                 let cfg = LaunchConfig {
                     grid_dim: (narrow::<u32>("num_heads", sh.num_heads)?, seqs, 1),
@@ -235,5 +303,54 @@ impl CudaContext {
             unsafe { launch.launch(cfg) }?;
         }
         Ok(())
+    }
+
+    /// Launches the decode kernel `f` on the stream over `grid` CTAs of [`DECODE_THREADS`]
+    /// threads, with programmatic stream serialization when `pdl` and the device is compute
+    /// capability 9.0 or later (the CTAs may start while the predecessor drains; the kernel
+    /// waits for it with `griddepcontrol.wait` before touching its outputs).
+    ///
+    /// # Safety
+    /// `args` must point at the kernel's parameters, in order, with their exact types, and the
+    /// kernel's memory accesses must be valid for the launch shape.
+    unsafe fn launch_decode(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        pdl: bool,
+        args: &mut [*mut c_void],
+    ) -> CudaResult<()> {
+        self.ctx.bind_to_thread()?;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            // SAFETY: the union is plain data; zeroed is a valid value of each field.
+            value: unsafe { std::mem::zeroed() },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let pdl = pdl && self.info.compute_capability.0 >= 9;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: DECODE_THREADS,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &raw mut attr,
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: cfg and attr outlive the call; the caller vouches for args and the kernel.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &raw const cfg,
+                f.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(CudaError::from)
     }
 }

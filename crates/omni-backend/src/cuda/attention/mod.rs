@@ -10,9 +10,12 @@
 //! * **decode** (`max_query_len == 1`): flash-decoding. The grid is (KV head x group-of-query-heads
 //!   chunk, sequence, KV partition); one CTA reads a partition of one sequence's K/V once with
 //!   16-byte loads and serves every query head of the GQA group from it. With more than one
-//!   partition a second kernel merges the partial results (vLLM's `paged_attention_v2`); the
-//!   partials live in a caller-provided f32 workspace
-//!   ([`paged_attention_workspace_len`]).
+//!   partition the partial results (in a caller-provided f32 workspace,
+//!   [`paged_attention_workspace_len`]) are merged by the last CTA of the sequence's group to
+//!   finish (an arrival counter per group in the module's own memory, left at zero); only a
+//!   grid with more groups than [`ATTN_COUNTERS`] falls back to a second merge kernel (vLLM's
+//!   `paged_attention_v2`). Small grids (batch 1) get partitions down to 32 tokens, each read
+//!   in one round trip ([`decode_plan`]).
 //! * **prefill / mixed** (`max_query_len > 1`): flash-attention 2 on tensor cores
 //!   (`mma.sync.m16n8k16` bf16 with `ldmatrix`, f32 accumulation, online softmax), K/V tiles
 //!   gathered from the paged cache through the block table with `cp.async`. Decode rows of a
@@ -32,10 +35,14 @@
 //! `source.rs` the kernels' source per head dimension (`kernels/attention/*`), in `launch.rs`
 //! the launcher [`CudaContext::paged_attention_bf16`].
 
+#[cfg(test)]
+mod emu;
 mod launch;
 pub(super) mod source;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod timing;
 
 #[cfg(doc)]
 use super::CudaContext;
@@ -74,39 +81,83 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
 /// Largest decode partition (tokens per CTA); sizes the kernel's shared memory.
 const MAX_PARTITION: usize = 512;
+/// Smallest decode partition: one round of loads of a CTA (4 warps x 2 tokens x 4 loads in
+/// flight at head_dim 128 and 8 query heads; more tokens per round for the other instances).
+const MIN_PARTITION: usize = 32;
 /// Query heads of one GQA group served by one decode CTA, by template instance.
 const GROUP_TILES: [usize; 4] = [1, 2, 4, 8];
 /// Threads of a decode CTA (the kernel assumes 4 warps).
 const DECODE_THREADS: u32 = 128;
 /// Threads of the decode reduce kernel.
 const REDUCE_THREADS: u32 = 128;
-/// Decode CTAs below which partitions are halved (down to 64 tokens) for parallelism.
+/// Decode CTAs below which partitions are halved (down to [`MIN_PARTITION`]) for parallelism.
 const DECODE_MIN_CTAS: usize = 1600;
+/// Arrival counters of the fused merge in each decode module (`attn_cnt` in `decode.cu`): one
+/// per (sequence, grid x) group, so a fused launch has at most this many groups.
+const ATTN_COUNTERS: usize = 1 << 15;
+/// Most partitions a fused merge takes (its weights and sums share the kernel's score buffer,
+/// `ATTN_MAXPART` floats per query head).
+const MAX_FUSED_PARTS: usize = MAX_PARTITION / 2;
 
-/// Tokens per decode partition for `shape`: 512, halved while the grid would have fewer than
-/// [`DECODE_MIN_CTAS`] CTAs (down to 64). A pure function of the host scalars.
-fn decode_partition(shape: &AttnShape) -> usize {
-    let (_, chunks) = group_tiling(shape);
-    let ctas_per_part = shape.num_kv_heads * chunks * shape.num_seqs;
-    let mut part = MAX_PARTITION;
-    while part > 64 && ctas_per_part * shape.max_seq_len.div_ceil(part) < DECODE_MIN_CTAS {
-        part /= 2;
-    }
-    part
+/// How one decode call is launched: a pure function of the host scalars ([`decode_plan`]), so a
+/// CUDA graph captured for a shape replays the same grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DecodePlan {
+    /// Query heads of a GQA group per CTA (one of [`GROUP_TILES`]).
+    tile: usize,
+    /// Tokens per partition (one CTA's share of a sequence).
+    part: usize,
+    /// Partitions (grid z), enough for `max_seq_len`.
+    parts: usize,
+    /// The last CTA of a group merges the partials (else the reduce kernel does, when
+    /// `parts > 1`).
+    fused: bool,
+    /// Launched with programmatic dependent launch (on compute capability 9.0 and later): the
+    /// CTAs read their metadata while the predecessor drains.
+    pdl: bool,
 }
 
-/// Decode partitions (grid z) for `shape`.
-fn decode_parts(shape: &AttnShape) -> usize {
-    shape.max_seq_len.div_ceil(decode_partition(shape)).max(1)
+/// Tokens per decode partition for `shape`: 512, halved while the grid would have fewer than
+/// [`DECODE_MIN_CTAS`] CTAs (down to [`MIN_PARTITION`]), and whether the merge is fused (the
+/// grid's groups fit [`ATTN_COUNTERS`] and it has at most [`MAX_FUSED_PARTS`] partitions).
+///
+/// A grid that stays small even at the smallest partitions (batch 1: a few KV heads) serves
+/// at most 4 query heads per CTA: twice the CTAs (each K/V row is read twice, the second time
+/// from L2) and half the merge per CTA, which is what bounds the latency there.
+fn decode_plan(shape: &AttnShape) -> DecodePlan {
+    let (mut tile, _) = group_tiling(shape);
+    let small = shape.num_kv_heads * shape.num_seqs * shape.max_seq_len.div_ceil(MIN_PARTITION);
+    if tile > 4 && small < DECODE_MIN_CTAS {
+        tile = 4;
+    }
+    let chunks = group_size(shape).div_ceil(tile);
+    let groups = shape.num_kv_heads * chunks * shape.num_seqs;
+    let mut part = MAX_PARTITION;
+    while part > MIN_PARTITION && groups * shape.max_seq_len.div_ceil(part) < DECODE_MIN_CTAS {
+        part /= 2;
+    }
+    let parts = shape.max_seq_len.div_ceil(part).max(1);
+    DecodePlan {
+        tile,
+        part,
+        parts,
+        fused: groups <= ATTN_COUNTERS && parts <= MAX_FUSED_PARTS,
+        pdl: true,
+    }
+}
+
+/// Query heads per KV head (at least 1).
+fn group_size(shape: &AttnShape) -> usize {
+    shape
+        .num_heads
+        .checked_div(shape.num_kv_heads)
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// (query heads per decode CTA, CTAs per KV head) for the GQA group size of `shape`.
 fn group_tiling(shape: &AttnShape) -> (usize, usize) {
-    let group = shape
-        .num_heads
-        .checked_div(shape.num_kv_heads)
-        .unwrap_or(1)
-        .max(1);
+    let group = group_size(shape);
     let tile = GROUP_TILES
         .iter()
         .copied()
@@ -123,7 +174,12 @@ pub fn paged_attention_workspace_len(shape: &AttnShape) -> usize {
     if shape.max_query_len != 1 {
         return 0;
     }
-    let parts = decode_parts(shape);
+    decode_workspace_len(shape, decode_plan(shape).parts)
+}
+
+/// The decode workspace for `parts` partitions: 0 for one, else every (sequence, head,
+/// partition)'s partial output, max and sum.
+fn decode_workspace_len(shape: &AttnShape, parts: usize) -> usize {
     if parts <= 1 {
         return 0;
     }

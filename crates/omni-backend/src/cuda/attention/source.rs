@@ -1,7 +1,9 @@
 //! The attention kernels' source: `kernels/attention/*.cu(h)` after the bf16 helpers, with the
 //! `extern "C"` entry points instantiated per head dimension (and, for decode, per GQA tile).
 
-use super::{DECODE_THREADS, GROUP_TILES, SUPPORTED_HEAD_DIMS, prefill_cfg};
+use super::{
+    ATTN_COUNTERS, DECODE_THREADS, GROUP_TILES, MAX_FUSED_PARTS, SUPPORTED_HEAD_DIMS, prefill_cfg,
+};
 use crate::cuda::CudaResult;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 
@@ -75,13 +77,16 @@ pub(super) fn hd_kernels(head_dim: usize) -> CudaResult<HdKernels> {
 /// The decode and prefill kernels for one head dimension (entry points named as in
 /// [`hd_kernels`]).
 pub(crate) fn attn_source(hd: usize) -> String {
-    let mut src = format!("{BF16_HELPERS}{ATTN_COMMON}{DECODE_TEMPLATE}{PREFILL_TEMPLATE}");
+    let mut src = format!(
+        "{BF16_HELPERS}{ATTN_COMMON}#define ATTN_COUNTERS {ATTN_COUNTERS}\n\
+         #define ATTN_FUSED_PARTS {MAX_FUSED_PARTS}\n{DECODE_TEMPLATE}{PREFILL_TEMPLATE}"
+    );
     let decode_args = "const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \
         const int* seq_lens, const int* bt, float* ws, int num_tokens, int num_heads, int nkv, \
         int bs, int num_blocks, int mbps, int part_size, int max_parts, int head_chunks, \
-        float scale_log2";
+        int fused, float scale_log2";
     let decode_call = "q, kc, vc, out, qsl, seq_lens, bt, ws, num_tokens, num_heads, nkv, bs, \
-        num_blocks, mbps, part_size, max_parts, head_chunks, scale_log2";
+        num_blocks, mbps, part_size, max_parts, head_chunks, fused, scale_log2";
     for gm in GROUP_TILES {
         src.push_str(&format!(
             "extern \"C\" __global__ void __launch_bounds__({DECODE_THREADS}) \

@@ -4,6 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::emu::unfused_plan;
 use super::source::{REDUCE_FN, hd_kernels, reduce_source};
 use super::*;
 use crate::attention::{AttentionMetadata, LayerKvCache, paged_attention, reshape_and_cache};
@@ -44,12 +45,12 @@ fn workspace_is_zero_off_the_multi_partition_decode_path() {
         max_seq_len: 1024,
         scale: 0.1,
     };
-    assert_eq!(decode_partition(&sh), 256);
+    assert_eq!(decode_plan(&sh).part, 256);
     assert_eq!(paged_attention_workspace_len(&sh), 64 * 32 * 4 * 130);
     sh.max_query_len = 2;
     assert_eq!(paged_attention_workspace_len(&sh), 0);
     sh.max_query_len = 1;
-    sh.max_seq_len = 60;
+    sh.max_seq_len = MIN_PARTITION;
     assert_eq!(paged_attention_workspace_len(&sh), 0);
     assert_eq!(group_tiling(&sh), (4, 1));
     sh.num_heads = 8 * 12;
@@ -205,13 +206,13 @@ impl Fixture {
         }
     }
 
-    fn run(&self, cx: &CudaContext, shape: &AttnShape) -> Vec<f32> {
+    fn run(&self, cx: &CudaContext, shape: &AttnShape, plan: DecodePlan) -> Vec<f32> {
         let mut out = cx.zeros_bf16(self.want.len()).unwrap();
         let mut ws = cx
             .stream()
-            .alloc_zeros::<f32>(paged_attention_workspace_len(shape).max(1))
+            .alloc_zeros::<f32>(decode_workspace_len(shape, plan.parts).max(1))
             .unwrap();
-        cx.paged_attention_bf16(
+        cx.paged_attention_planned(
             &self.dq,
             &self.dk_cache,
             &self.dv_cache,
@@ -221,13 +222,24 @@ impl Fixture {
             &self.dbt,
             &mut ws,
             shape,
+            plan,
         )
         .unwrap();
         cx.download_f32(&out).unwrap()
     }
 
     fn check(&self, cx: &CudaContext, what: &str, shape: &AttnShape) -> Vec<f32> {
-        let got = self.run(cx, shape);
+        self.check_plan(cx, what, shape, decode_plan(shape))
+    }
+
+    fn check_plan(
+        &self,
+        cx: &CudaContext,
+        what: &str,
+        shape: &AttnShape,
+        plan: DecodePlan,
+    ) -> Vec<f32> {
+        let got = self.run(cx, shape, plan);
         let err = rel_err(&got, &self.want);
         println!(
             "attention check {what}: nh {} nkv {} hd {} bs {} tokens {} max_q {} max_ctx {} (grid bounds q {} ctx {}): rel_err {err:.3e}",
@@ -320,6 +332,16 @@ fn paged_attention_decode_batches_match_cpu() {
             let fx = Fixture::new(&cx, nh, nkv, hd, bs, s, 500 + (10 * i + j) as u64);
             let sh = fx.shape(1, fx.max_ctx);
             fx.check(&cx, "decode", &sh);
+            // The unfused plan (reduce kernel), and fused merges of the finest partitions.
+            fx.check_plan(&cx, "decode unfused", &sh, unfused_plan(&sh));
+            let fine = DecodePlan {
+                tile: group_tiling(&sh).0,
+                part: MIN_PARTITION,
+                parts: fx.max_ctx.div_ceil(MIN_PARTITION),
+                fused: true,
+                pdl: true,
+            };
+            fx.check_plan(&cx, "decode fused 32-token partitions", &sh, fine);
             // The same decodes through the tensor-core path (max_query_len an upper bound).
             let sh = fx.shape(2, fx.max_ctx);
             fx.check(&cx, "decode via prefill kernel", &sh);
@@ -333,7 +355,7 @@ fn paged_attention_decode_batches_match_cpu() {
         let sh = fx.shape(1, bound);
         println!(
             "attention decode partition {} for max_seq_len {bound}",
-            decode_partition(&sh)
+            decode_plan(&sh).part
         );
         fx.check(&cx, "large decode batch", &sh);
     }
@@ -369,143 +391,67 @@ fn paged_attention_upper_bounds_give_the_same_answer() {
     }
 }
 
+/// A fused decode captured in a CUDA graph (grid sized for a bound, as the engine captures
+/// them) replays bit-identically to the eager call, again and again (the arrival counters are
+/// back at zero after every launch), and with other lengths uploaded between replays.
 #[test]
-fn attention_timing() {
-    let Some(cx) = ctx_or_skip("attention_timing") else {
+fn fused_decode_replays_in_a_graph() {
+    let Some(cx) = ctx_or_skip("fused_decode_replays_in_a_graph") else {
         return;
     };
-    let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
-    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let e0 = cx.raw().new_event(flags).unwrap();
-    let e1 = cx.raw().new_event(flags).unwrap();
-    let time_us = |f: &mut dyn FnMut()| {
-        for _ in 0..3 {
-            f();
-        }
-        cx.synchronize().unwrap();
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            e0.record(cx.stream()).unwrap();
-            for _ in 0..10 {
-                f();
-            }
-            e1.record(cx.stream()).unwrap();
-            e1.synchronize().unwrap();
-            best = best.min(e0.elapsed_ms(&e1).unwrap() as f64 * 100.0);
-        }
-        best
-    };
-
-    // Decode: 64 sequences x 1024 context.
-    let (seqs, ctx) = (64usize, 1024usize);
-    let bps = ctx / bs;
-    let num_blocks = seqs * bps;
-    let mut rng = Lcg(5);
-    let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
-    for i in (1..num_blocks).rev() {
-        perm.swap(i, rng.next(i + 1));
-    }
-    let kc = cx
-        .upload_f32_as_bf16(&rand_bf16_f32(num_blocks * bs * nkv * hd, 1))
-        .unwrap();
-    let vc = cx
-        .upload_f32_as_bf16(&rand_bf16_f32(num_blocks * bs * nkv * hd, 2))
-        .unwrap();
-    let q = cx
-        .upload_f32_as_bf16(&rand_bf16_f32(seqs * nh * hd, 3))
-        .unwrap();
-    let mut out = cx.zeros_bf16(seqs * nh * hd).unwrap();
-    let qsl = cx
-        .stream()
-        .clone_htod(&(0..=seqs as i32).collect::<Vec<_>>())
-        .unwrap();
-    let sl = cx.stream().clone_htod(&vec![ctx as i32; seqs]).unwrap();
-    let bt = cx.stream().clone_htod(&perm).unwrap();
-    let shape = AttnShape {
-        num_seqs: seqs,
-        num_tokens: seqs,
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
-        block_size: bs,
-        max_blocks_per_seq: bps,
-        max_query_len: 1,
-        max_seq_len: ctx,
-        scale: 1.0 / (hd as f32).sqrt(),
-    };
+    let seqs: Vec<(usize, usize)> = [1056usize, 300, 33, 1].iter().map(|&c| (c, 1)).collect();
+    let mut fx = Fixture::new(&cx, 32, 4, 128, 16, &seqs, 950);
+    let sh = fx.shape(1, 4096);
+    let plan = decode_plan(&sh);
+    assert!(plan.fused && plan.parts > 1, "{plan:?}");
+    let eager = fx.check(&cx, "fused decode before capture", &sh);
+    let mut out = cx.zeros_bf16(fx.want.len()).unwrap();
     let mut ws = cx
         .stream()
-        .alloc_zeros::<f32>(paged_attention_workspace_len(&shape).max(1))
+        .alloc_zeros::<f32>(paged_attention_workspace_len(&sh))
         .unwrap();
-    let us = time_us(&mut || {
-        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws, &shape)
-            .unwrap()
-    });
-    let bytes = (seqs * ctx * nkv * hd * 2 * 2) as f64;
-    println!(
-        "attention decode batch {seqs} x ctx {ctx}, {nh}/{nkv} heads, hd {hd}, block {bs}, partition {}: {us:.1} us/call, KV read {:.0} GB/s",
-        decode_partition(&shape),
-        bytes / (us * 1e3)
-    );
-    // Same with the grid sized for 4x the context (graph-style upper bound).
-    let loose = AttnShape {
-        max_seq_len: 4 * ctx,
-        ..shape
+    let call = |fx: &Fixture, out: &mut CudaSlice<bf16>, ws: &mut CudaSlice<f32>| {
+        cx.paged_attention_bf16(
+            &fx.dq,
+            &fx.dk_cache,
+            &fx.dv_cache,
+            out,
+            &fx.dqsl,
+            &fx.dseq,
+            &fx.dbt,
+            ws,
+            &sh,
+        )
+        .unwrap()
     };
-    let mut ws2 = cx
+    call(&fx, &mut out, &mut ws);
+    cx.synchronize().unwrap();
+    let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    cx.stream().begin_capture(mode).unwrap();
+    call(&fx, &mut out, &mut ws);
+    let graph = cx
         .stream()
-        .alloc_zeros::<f32>(paged_attention_workspace_len(&loose).max(1))
-        .unwrap();
-    let us = time_us(&mut || {
-        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws2, &loose)
-            .unwrap()
-    });
-    println!(
-        "attention decode (max_seq_len bound {}): {us:.1} us/call, KV read {:.0} GB/s",
-        loose.max_seq_len,
-        bytes / (us * 1e3)
-    );
-
-    // Prefill: one sequence of 2048 tokens.
-    let t = 2048usize;
-    let bps = t / bs;
-    let kc = cx
-        .upload_f32_as_bf16(&rand_bf16_f32(bps * bs * nkv * hd, 4))
-        .unwrap();
-    let vc = cx
-        .upload_f32_as_bf16(&rand_bf16_f32(bps * bs * nkv * hd, 5))
-        .unwrap();
-    let q = cx
-        .upload_f32_as_bf16(&rand_bf16_f32(t * nh * hd, 6))
-        .unwrap();
-    let mut out = cx.zeros_bf16(t * nh * hd).unwrap();
-    let qsl = cx.stream().clone_htod(&[0i32, t as i32]).unwrap();
-    let sl = cx.stream().clone_htod(&[t as i32]).unwrap();
-    let bt = cx
-        .stream()
-        .clone_htod(&(0..bps as i32).rev().collect::<Vec<_>>())
-        .unwrap();
-    let shape = AttnShape {
-        num_seqs: 1,
-        num_tokens: t,
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
-        block_size: bs,
-        max_blocks_per_seq: bps,
-        max_query_len: t,
-        max_seq_len: t,
-        scale: 1.0 / (hd as f32).sqrt(),
-    };
-    let mut ws = cx.stream().alloc_zeros::<f32>(1).unwrap();
-    let us = time_us(&mut || {
-        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws, &shape)
-            .unwrap()
-    });
-    let flops = 4.0 * (t * t) as f64 / 2.0 * (nh * hd) as f64;
-    println!(
-        "attention prefill {t} tokens, {nh}/{nkv} heads, hd {hd}, block {bs}: {us:.1} us/call, {:.1} TFLOP/s (x36 layers: {:.2} ms)",
-        flops / (us * 1e6),
-        36.0 * us / 1e3
-    );
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
+    for replay in 0..3 {
+        cx.stream().memset_zeros(&mut out).unwrap();
+        graph.launch().unwrap();
+        let got = cx.download_f32(&out).unwrap();
+        assert_eq!(got, eager, "replay {replay} differs from the eager call");
+    }
+    // Shorter contexts (one sequence now a single partition, one left out of the batch).
+    let lens = [700i32, 64, 1, 0];
+    cx.stream().memcpy_htod(&lens, &mut fx.dseq).unwrap();
+    let want = fx.run(&cx, &sh, plan);
+    for replay in 0..2 {
+        cx.stream().memset_zeros(&mut out).unwrap();
+        graph.launch().unwrap();
+        let got = cx.download_f32(&out).unwrap();
+        assert_eq!(
+            got, want,
+            "replay {replay} with new lengths differs from the eager call"
+        );
+    }
+    println!("attention fused decode: graph replays == eager, also after new lengths");
 }

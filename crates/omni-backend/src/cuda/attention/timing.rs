@@ -1,0 +1,289 @@
+//! Timing lines of the attention kernels on the GPU (`backend-tests cuda::attention`, printed for
+//! `scripts/gpu-check.sh`): decode at batch 1 and 64 for the Qwen3-30B-A3B (32/4 heads) and
+//! Qwen3-8B (32/8) shapes, with the plan in use and the unfused plan of 64-token partitions
+//! and a reduce kernel (before the fused merge), eager and replayed from a CUDA graph; the
+//! tensor-core prefill.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use cudarc::driver::CudaSlice;
+
+use super::emu::unfused_plan;
+use super::*;
+use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32};
+use crate::cuda::{CudaContext, bf16};
+
+/// Best of 5 timings of 10 back-to-back calls of `f` (after 3 warm-up calls), in µs per call.
+fn eager_us(cx: &CudaContext, f: &mut dyn FnMut()) -> f64 {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let e0 = cx.raw().new_event(flags).unwrap();
+    let e1 = cx.raw().new_event(flags).unwrap();
+    for _ in 0..3 {
+        f();
+    }
+    cx.synchronize().unwrap();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        e0.record(cx.stream()).unwrap();
+        for _ in 0..10 {
+            f();
+        }
+        e1.record(cx.stream()).unwrap();
+        e1.synchronize().unwrap();
+        best = best.min(e0.elapsed_ms(&e1).unwrap() as f64 * 100.0);
+    }
+    best
+}
+
+/// Best of 5 replays of a CUDA graph of 20 calls of `f`, in µs per call (GPU time with the
+/// launch gaps of a captured decode step).
+fn graph_us(cx: &CudaContext, f: &mut dyn FnMut()) -> f64 {
+    f();
+    cx.synchronize().unwrap();
+    let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    cx.stream().begin_capture(mode).unwrap();
+    for _ in 0..20 {
+        f();
+    }
+    let graph = cx
+        .stream()
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let e0 = cx.raw().new_event(flags).unwrap();
+    let e1 = cx.raw().new_event(flags).unwrap();
+    graph.launch().unwrap();
+    cx.synchronize().unwrap();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        e0.record(cx.stream()).unwrap();
+        graph.launch().unwrap();
+        e1.record(cx.stream()).unwrap();
+        e1.synchronize().unwrap();
+        best = best.min(e0.elapsed_ms(&e1).unwrap() as f64 * 1000.0 / 20.0);
+    }
+    best
+}
+
+/// `seqs` decode rows of `ctx` tokens each on the device, blocks shuffled.
+struct DecodeBatch {
+    kc: CudaSlice<bf16>,
+    vc: CudaSlice<bf16>,
+    q: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+    qsl: CudaSlice<i32>,
+    sl: CudaSlice<i32>,
+    bt: CudaSlice<i32>,
+    shape: AttnShape,
+}
+
+impl DecodeBatch {
+    fn new(cx: &CudaContext, seqs: usize, ctx: usize, nh: usize, nkv: usize) -> Self {
+        let (hd, bs) = (128usize, 16usize);
+        let bps = ctx.div_ceil(bs);
+        let num_blocks = seqs * bps;
+        let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
+        let mut x = 5u64;
+        for i in (1..num_blocks).rev() {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            perm.swap(i, ((x >> 33) as usize) % (i + 1));
+        }
+        let cache = num_blocks * bs * nkv * hd;
+        let s = cx.stream();
+        Self {
+            kc: cx.upload_f32_as_bf16(&rand_bf16_f32(cache, 1)).unwrap(),
+            vc: cx.upload_f32_as_bf16(&rand_bf16_f32(cache, 2)).unwrap(),
+            q: cx
+                .upload_f32_as_bf16(&rand_bf16_f32(seqs * nh * hd, 3))
+                .unwrap(),
+            out: cx.zeros_bf16(seqs * nh * hd).unwrap(),
+            qsl: s
+                .clone_htod(&(0..=seqs as i32).collect::<Vec<_>>())
+                .unwrap(),
+            sl: s.clone_htod(&vec![ctx as i32; seqs]).unwrap(),
+            bt: s.clone_htod(&perm).unwrap(),
+            shape: AttnShape {
+                num_seqs: seqs,
+                num_tokens: seqs,
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                block_size: bs,
+                max_blocks_per_seq: bps,
+                max_query_len: 1,
+                max_seq_len: ctx,
+                scale: 1.0 / (hd as f32).sqrt(),
+            },
+        }
+    }
+
+    /// Eager and graph µs per call with the grid sized for `bound` tokens and `plan_of`'s plan.
+    fn time(
+        &mut self,
+        cx: &CudaContext,
+        bound: usize,
+        plan_of: fn(&AttnShape) -> DecodePlan,
+    ) -> (DecodePlan, f64, f64) {
+        let sh = AttnShape {
+            max_seq_len: bound,
+            ..self.shape
+        };
+        let plan = plan_of(&sh);
+        let mut ws = cx
+            .stream()
+            .alloc_zeros::<f32>(decode_workspace_len(&sh, plan.parts).max(1))
+            .unwrap();
+        let mut f = || {
+            cx.paged_attention_planned(
+                &self.q,
+                &self.kc,
+                &self.vc,
+                &mut self.out,
+                &self.qsl,
+                &self.sl,
+                &self.bt,
+                &mut ws,
+                &sh,
+                plan,
+            )
+            .unwrap()
+        };
+        let eager = eager_us(cx, &mut f);
+        let graph = graph_us(cx, &mut f);
+        (plan, eager, graph)
+    }
+}
+
+/// A fused plan of `part`-token partitions for `shape`.
+fn fused(shape: &AttnShape, part: usize) -> DecodePlan {
+    DecodePlan {
+        tile: group_tiling(shape).0,
+        part,
+        parts: shape.max_seq_len.div_ceil(part).max(1),
+        fused: true,
+        pdl: true,
+    }
+}
+fn now_whole_groups(shape: &AttnShape) -> DecodePlan {
+    DecodePlan {
+        tile: group_tiling(shape).0,
+        ..decode_plan(shape)
+    }
+}
+fn now_without_pdl(shape: &AttnShape) -> DecodePlan {
+    DecodePlan {
+        pdl: false,
+        ..decode_plan(shape)
+    }
+}
+fn fused32(shape: &AttnShape) -> DecodePlan {
+    fused(shape, 32)
+}
+fn fused64(shape: &AttnShape) -> DecodePlan {
+    fused(shape, 64)
+}
+fn fused128(shape: &AttnShape) -> DecodePlan {
+    fused(shape, 128)
+}
+
+#[test]
+fn attention_decode_timing() {
+    let Some(cx) = ctx_or_skip("attention_decode_timing") else {
+        return;
+    };
+    type PlanOf = fn(&AttnShape) -> DecodePlan;
+    /// (batch, context, grid bound, plans).
+    type Case<'a> = (usize, usize, usize, &'a [(&'a str, PlanOf)]);
+    let now: (&str, PlanOf) = ("now", decode_plan);
+    let unfused: (&str, PlanOf) = ("unfused-64", unfused_plan);
+    let sweep: [(&str, PlanOf); 7] = [
+        now,
+        unfused,
+        ("now-no-pdl", now_without_pdl),
+        ("now-whole-groups", now_whole_groups),
+        ("fused-32", fused32),
+        ("fused-64", fused64),
+        ("fused-128", fused128),
+    ];
+    for (model, nkv) in [("qwen3-30b-a3b", 4usize), ("qwen3-8b", 8)] {
+        // (batch, context, grid bound, plans): batch 1 with the engine's graph bound
+        // (max_model_len 4096) gets the sweep; context 1 gives the fixed cost.
+        let cases: [Case; 6] = [
+            (1, 1056, 4096, &sweep),
+            (1, 1056, 1056, &[now, unfused]),
+            (1, 1, 4096, &[now, unfused]),
+            (1, 4096, 4096, &[now, unfused]),
+            (64, 1024, 1024, &[now, unfused]),
+            (64, 1024, 4096, &[now, unfused]),
+        ];
+        for (seqs, ctx, bound, plans) in cases {
+            let mut b = DecodeBatch::new(&cx, seqs, ctx, 32, nkv);
+            let bytes = (seqs * ctx * nkv * 128 * 2 * 2) as f64;
+            for &(name, plan_of) in plans {
+                let (plan, eager, graph) = b.time(&cx, bound, plan_of);
+                println!(
+                    "attention decode {model} 32/{nkv} heads B={seqs} ctx {ctx} bound {bound} plan {name} (tile {} part {} x {}{}): eager {eager:.1} us/call, graph {graph:.1} us/call, KV read {:.0} GB/s",
+                    plan.tile,
+                    plan.part,
+                    plan.parts,
+                    if plan.fused { " fused" } else { "" },
+                    bytes / (graph * 1e3)
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_prefill_timing() {
+    let Some(cx) = ctx_or_skip("attention_prefill_timing") else {
+        return;
+    };
+    let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
+    let time_us = |f: &mut dyn FnMut()| eager_us(&cx, f);
+    // Prefill: one sequence of 2048 tokens.
+    let t = 2048usize;
+    let bps = t / bs;
+    let kc = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(bps * bs * nkv * hd, 4))
+        .unwrap();
+    let vc = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(bps * bs * nkv * hd, 5))
+        .unwrap();
+    let q = cx
+        .upload_f32_as_bf16(&rand_bf16_f32(t * nh * hd, 6))
+        .unwrap();
+    let mut out = cx.zeros_bf16(t * nh * hd).unwrap();
+    let qsl = cx.stream().clone_htod(&[0i32, t as i32]).unwrap();
+    let sl = cx.stream().clone_htod(&[t as i32]).unwrap();
+    let bt = cx
+        .stream()
+        .clone_htod(&(0..bps as i32).rev().collect::<Vec<_>>())
+        .unwrap();
+    let shape = AttnShape {
+        num_seqs: 1,
+        num_tokens: t,
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+        block_size: bs,
+        max_blocks_per_seq: bps,
+        max_query_len: t,
+        max_seq_len: t,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    let mut ws = cx.stream().alloc_zeros::<f32>(1).unwrap();
+    let us = time_us(&mut || {
+        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws, &shape)
+            .unwrap()
+    });
+    let flops = 4.0 * (t * t) as f64 / 2.0 * (nh * hd) as f64;
+    println!(
+        "attention prefill {t} tokens, {nh}/{nkv} heads, hd {hd}, block {bs}: {us:.1} us/call, {:.1} TFLOP/s (x36 layers: {:.2} ms)",
+        flops / (us * 1e6),
+        36.0 * us / 1e3
+    );
+}
