@@ -13,6 +13,7 @@ use std::process::Command;
 
 /// ARCHITECTURE.md's crate table: each workspace crate and its layer (0 = L0, ...; 5 = bin).
 const LAYERS: &[(&str, u8)] = &[
+    ("omni-cache", 0),
     ("omni-ipc", 0),
     ("omni-protocol", 0),
     ("omni-config", 1),
