@@ -103,25 +103,20 @@ impl CudaDecoderModel {
                 }
             }
         }
-        // The decode path's split-KV workspace is the only one; the number of partitions
-        // depends on the batch, so size it for the worst batch size.
-        let attn_workspace = (1..=n)
-            .map(|seqs| {
-                paged_attention_workspace_len(&AttnShape {
-                    num_seqs: seqs,
-                    num_tokens: seqs,
-                    num_heads: heads.local_heads,
-                    num_kv_heads: heads.local_kv_heads,
-                    head_dim: hd,
-                    block_size: limits.block_size,
-                    max_blocks_per_seq: mbps,
-                    max_query_len: 1,
-                    max_seq_len: limits.max_model_len,
-                    scale: 1.0,
-                })
-            })
-            .max()
-            .unwrap_or(0);
+        // The decode path's split-KV workspace is the only one; sized for the most sequences
+        // of the longest context, it holds every decode step's partitions.
+        let attn_workspace = paged_attention_workspace_len(&AttnShape {
+            num_seqs: n,
+            num_tokens: n,
+            num_heads: heads.local_heads,
+            num_kv_heads: heads.local_kv_heads,
+            head_dim: hd,
+            block_size: limits.block_size,
+            max_blocks_per_seq: mbps,
+            max_query_len: 1,
+            max_seq_len: limits.max_model_len,
+            scale: 1.0,
+        });
         let inputs = StepInputs {
             ids: s.alloc_zeros(t)?,
             // Three rows (temporal, height, width) `t` apart under M-RoPE.

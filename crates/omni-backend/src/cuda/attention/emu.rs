@@ -526,6 +526,50 @@ fn decode_plan_splits_small_grids_finer_and_keeps_large_ones() {
 }
 
 #[test]
+fn the_workspace_of_the_largest_shape_holds_every_smaller_decode() {
+    let sh = |num_seqs: usize, heads: usize, nkv: usize, max_seq_len: usize| AttnShape {
+        num_seqs,
+        num_tokens: num_seqs,
+        num_heads: heads,
+        num_kv_heads: nkv,
+        head_dim: 128,
+        block_size: 16,
+        max_blocks_per_seq: 256,
+        max_query_len: 1,
+        max_seq_len,
+        scale: 0.1,
+    };
+    let need = |s: &AttnShape| decode_workspace_len(s, decode_plan(s).parts);
+    // The plan is not monotone: 64 sequences of 3,000 tokens need more than of 4,096.
+    assert!(need(&sh(64, 32, 4, 3000)) > need(&sh(64, 32, 4, 4096)));
+    // (heads, KV heads, max_num_seqs, max_model_len, length step): Qwen3-30B-A3B, Qwen3-8B,
+    // one KV head, and a long context.
+    for (heads, nkv, seqs, len, step) in [
+        (32, 4, 64, 4096, 1),
+        (32, 8, 256, 4096, 5),
+        (8, 1, 16, 2048, 1),
+        (32, 4, 4, 40960, 13),
+    ] {
+        let bound = paged_attention_workspace_len(&sh(seqs, heads, nkv, len));
+        for n in 1..=seqs {
+            for l in (1..=len).step_by(step).chain([len]) {
+                let s = sh(n, heads, nkv, l);
+                assert!(need(&s) <= bound, "{n} x {l}: {} > {bound}", need(&s));
+                assert!(paged_attention_workspace_len(&s) <= bound, "{n} x {l}");
+            }
+        }
+        // Within 2x of the largest single need: the bound is not wasteful.
+        let most = (1..=seqs)
+            .flat_map(|n| (1..=len).step_by(step.max(7)).map(move |l| (n, l)))
+            .map(|(n, l)| need(&sh(n, heads, nkv, l)))
+            .max()
+            .unwrap_or(0);
+        assert!(bound <= 2 * most.max(1), "{bound} vs {most}");
+    }
+    assert_eq!(paged_attention_workspace_len(&sh(8, 32, 4, 32)), 0);
+}
+
+#[test]
 fn emulated_decode_matches_the_reference_for_every_plan() {
     // (heads, KV heads, head_dim, block_size): GQA tiles 8 (30B), 4 (8B), 1, 2 and the
     // chunked tile (12 heads per KV head: two CTAs of 8 and 4).

@@ -166,15 +166,27 @@ fn group_tiling(shape: &AttnShape) -> (usize, usize) {
     (tile, group.div_ceil(tile))
 }
 
-/// The f32 workspace [`CudaContext::paged_attention_bf16`] needs for `shape`, in elements: 0 on
-/// the prefill path and for single-partition decodes, else room for every (sequence, head,
-/// partition)'s partial output, max and sum. A pure function of the host scalars, so a buffer
-/// sized for upper bounds serves every smaller step.
+/// The f32 workspace [`CudaContext::paged_attention_bf16`] needs for every decode of at most
+/// `shape.num_seqs` sequences of at most `shape.max_seq_len` tokens, in elements: 0 on the
+/// prefill path and where every such decode has one partition, else room for the partial
+/// output, max and sum of each (sequence, head, partition) of the largest of them. A buffer
+/// sized with upper bounds (`max_num_seqs`, `max_model_len`) serves every step.
+///
+/// The bound, not the plan of `shape` itself: [`decode_plan`]'s partitions are not monotone in
+/// the shape (64 sequences of 3,000 tokens take 12 partitions of 256 tokens; of 4,096, 8 of
+/// 512). Over (sequences n, partitions p) of any plan: with the largest partition, n * p is
+/// at most `num_seqs * ceil(max_seq_len / 512)`; with a smaller one, the halving before it
+/// left fewer than [`DECODE_MIN_CTAS`] CTAs, so the grid's `num_kv_heads * chunks * n * p` is
+/// below twice that; and never above `num_seqs * ceil(max_seq_len / 32)`.
 pub fn paged_attention_workspace_len(shape: &AttnShape) -> usize {
-    if shape.max_query_len != 1 {
+    if shape.max_query_len != 1 || shape.max_seq_len <= MIN_PARTITION {
         return 0;
     }
-    decode_workspace_len(shape, decode_plan(shape).parts)
+    let finest = shape.num_seqs * shape.max_seq_len.div_ceil(MIN_PARTITION);
+    let coarsest = shape.num_seqs * shape.max_seq_len.div_ceil(MAX_PARTITION);
+    let halved = (2 * DECODE_MIN_CTAS).div_ceil(shape.num_kv_heads.max(1));
+    let seq_parts = finest.min(coarsest.max(halved));
+    seq_parts * shape.num_heads * (shape.head_dim + 2)
 }
 
 /// The decode workspace for `parts` partitions: 0 for one, else every (sequence, head,

@@ -46,7 +46,12 @@ fn workspace_is_zero_off_the_multi_partition_decode_path() {
         scale: 0.1,
     };
     assert_eq!(decode_plan(&sh).part, 256);
-    assert_eq!(paged_attention_workspace_len(&sh), 64 * 32 * 4 * 130);
+    assert_eq!(
+        decode_workspace_len(&sh, decode_plan(&sh).parts),
+        64 * 32 * 4 * 130
+    );
+    // The bound over every smaller decode: below 2 * DECODE_MIN_CTAS CTAs of 8 KV heads.
+    assert_eq!(paged_attention_workspace_len(&sh), 400 * 32 * 130);
     sh.max_query_len = 2;
     assert_eq!(paged_attention_workspace_len(&sh), 0);
     sh.max_query_len = 1;
