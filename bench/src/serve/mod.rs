@@ -388,8 +388,10 @@ async fn run_async(args: ServeBenchArgs) -> Result<ServeBenchResult, ServeBenchE
     }
     let duration = start.elapsed().as_secs_f64();
     progress.finish_and_clear();
+    // Nothing to report where no engine core stepped (`serve --omni`: the stages have their own
+    // loops and the `omni:` engine counters stay at zero).
     let counters = match (counters_before, engine_counters::scrape(&http, &base).await) {
-        (Some(before), Some(after)) => Some(after.since(&before)),
+        (Some(before), Some(after)) => Some(after.since(&before)).filter(|c| c.steps > 0.0),
         _ => None,
     };
 
