@@ -289,28 +289,28 @@ impl Metrics {
         );
         r.register(
             "vllm_omni:audio_ttfp_s",
-            "Time from request arrival to first audio packet, in seconds.",
+            "Time from request arrival to first audio packet, in seconds",
             audio_ttfp.clone(),
         );
         r.register(
             "vllm_omni:audio_rtf",
-            "Audio real-time factor (generation time / audio duration); SLO red line < 1.",
+            "Audio real-time factor (generation time / audio duration); SLO red line < 1",
             audio_rtf.clone(),
         );
         r.register(
             "vllm_omni:audio_duration_s",
-            "Generated audio content duration, in seconds (audio_frames / sample_rate).",
+            "Generated audio content duration, in seconds (audio_frames / sample_rate)",
             audio_duration.clone(),
         );
         r.register(
             "vllm_omni:audio_frames",
-            "Total audio frames generated; throughput recovered via rate().",
+            "Total audio frames generated; throughput recovered via rate()",
             audio_frames.clone(),
         );
         let connector_bytes = Family::<Labels, Counter>::default();
         r.register(
             "vllm_omni:connector_bytes",
-            "Bytes an omni pipeline's connector carried between two stages.",
+            "Bytes an omni pipeline's connector carried between two stages",
             connector_bytes.clone(),
         );
         // Touch the unlabelled-by-request series so they render as 0 before the first request.

@@ -492,4 +492,8 @@ async fn audio_metrics_are_exposed_after_an_audio_request() {
         text.contains("# TYPE vllm_omni:audio_ttfp_s histogram"),
         "{text}"
     );
+    // Help texts read as vLLM's: one period (the encoder adds it).
+    for line in text.lines().filter(|l| l.starts_with("# HELP")) {
+        assert!(!line.ends_with(".."), "{line}");
+    }
 }
