@@ -475,6 +475,26 @@ impl CudaContext {
         (grid, block, smem): (u32, u32, u32),
         args: &mut [*mut c_void],
     ) -> CudaResult<()> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.launch_ex(f, (grid, 1, 1), (block, smem), true, args) }
+    }
+
+    /// Launches `f` on the stream over a 3-D `grid` of `(block x threads, dynamic shared
+    /// bytes)`, with programmatic stream serialization when `pdl` and the device is compute
+    /// capability 9.0 or later (the CTAs may start while the predecessor drains; such a kernel
+    /// must `griddepcontrol.wait` before it touches anything its predecessors write or read).
+    ///
+    /// # Safety
+    /// `args` must point at the kernel's parameters, in order, with their exact types, and the
+    /// kernel's memory accesses must be valid for the launch shape.
+    pub(super) unsafe fn launch_ex(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        (block, smem): (u32, u32),
+        pdl: bool,
+        args: &mut [*mut c_void],
+    ) -> CudaResult<()> {
         self.ctx.bind_to_thread()?;
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
@@ -483,11 +503,11 @@ impl CudaContext {
             value: unsafe { std::mem::zeroed() },
         };
         attr.value.programmaticStreamSerializationAllowed = 1;
-        let pdl = self.info.compute_capability.0 >= 9;
+        let pdl = pdl && self.info.compute_capability.0 >= 9;
         let cfg = sys::CUlaunchConfig {
-            gridDimX: grid,
-            gridDimY: 1,
-            gridDimZ: 1,
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,

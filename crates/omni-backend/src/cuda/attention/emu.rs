@@ -11,25 +11,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::needless_range_loop)]
 
+use super::tests::Lcg;
 use super::*;
 use crate::attention::{AttentionMetadata, LayerKvCache, paged_attention};
 use crate::cuda::bf16;
 use crate::cuda::tests::rel_err;
-
-/// Small deterministic generator.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self, n: usize) -> usize {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 33) as usize) % n.max(1)
-    }
-    fn f32(&mut self) -> f32 {
-        self.next(1 << 20) as f32 / (1 << 19) as f32 - 1.0
-    }
-}
 
 /// The flat device inputs of one decode call, with the CPU reference output.
 struct Batch {
@@ -53,7 +39,7 @@ impl Batch {
     /// Decode rows of context `lens`; a length of 0 makes a sequence with no query token (its
     /// CTAs must exit at once) and 5 tokens of context.
     fn new(nh: usize, nkv: usize, hd: usize, bs: usize, lens: &[usize], seed: u64) -> Self {
-        let mut rng = Rng(seed);
+        let mut rng = Lcg(seed);
         let ctx: Vec<usize> = lens.iter().map(|&c| if c == 0 { 5 } else { c }).collect();
         let need: Vec<usize> = ctx.iter().map(|c| c.div_ceil(bs)).collect();
         let num_blocks = need.iter().sum::<usize>() + 2;
@@ -189,7 +175,7 @@ fn emu_decode(
     let mut ctas: Vec<(usize, usize, usize)> = (0..grid_z)
         .flat_map(|z| (0..grid_y).flat_map(move |y| (0..grid_x).map(move |x| (x, y, z))))
         .collect();
-    let mut rng = Rng(seed);
+    let mut rng = Lcg(seed);
     for i in (1..ctas.len()).rev() {
         ctas.swap(i, rng.next(i + 1));
     }
@@ -489,12 +475,13 @@ pub(super) fn unfused_plan(shape: &AttnShape) -> DecodePlan {
     }
 }
 
-#[test]
-fn decode_plan_splits_small_grids_finer_and_keeps_large_ones() {
-    let sh = |num_seqs: usize, nkv: usize, max_seq_len: usize| AttnShape {
+/// A decode step's shape for the plan tests: `num_seqs` sequences of at most `max_seq_len`
+/// tokens, `heads` query and `nkv` KV heads of 128.
+fn decode_shape(num_seqs: usize, heads: usize, nkv: usize, max_seq_len: usize) -> AttnShape {
+    AttnShape {
         num_seqs,
         num_tokens: num_seqs,
-        num_heads: 32,
+        num_heads: heads,
         num_kv_heads: nkv,
         head_dim: 128,
         block_size: 16,
@@ -502,7 +489,12 @@ fn decode_plan_splits_small_grids_finer_and_keeps_large_ones() {
         max_query_len: 1,
         max_seq_len,
         scale: 0.1,
-    };
+    }
+}
+
+#[test]
+fn decode_plan_splits_small_grids_finer_and_keeps_large_ones() {
+    let sh = |num_seqs, nkv, max_seq_len| decode_shape(num_seqs, 32, nkv, max_seq_len);
     // Qwen3-30B-A3B at batch 1 (4 KV heads): 32-token partitions, one merge in the kernel.
     let p = decode_plan(&sh(1, 4, 1056));
     assert_eq!((p.tile, p.part, p.parts, p.fused), (4, 32, 33, true));
@@ -527,18 +519,7 @@ fn decode_plan_splits_small_grids_finer_and_keeps_large_ones() {
 
 #[test]
 fn the_workspace_of_the_largest_shape_holds_every_smaller_decode() {
-    let sh = |num_seqs: usize, heads: usize, nkv: usize, max_seq_len: usize| AttnShape {
-        num_seqs,
-        num_tokens: num_seqs,
-        num_heads: heads,
-        num_kv_heads: nkv,
-        head_dim: 128,
-        block_size: 16,
-        max_blocks_per_seq: 256,
-        max_query_len: 1,
-        max_seq_len,
-        scale: 0.1,
-    };
+    let sh = decode_shape;
     let need = |s: &AttnShape| decode_workspace_len(s, decode_plan(s).parts);
     // The plan is not monotone: 64 sequences of 3,000 tokens need more than of 4,096.
     assert!(need(&sh(64, 32, 4, 3000)) > need(&sh(64, 32, 4, 4096)));

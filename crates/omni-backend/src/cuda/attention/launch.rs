@@ -2,7 +2,7 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, sys};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::source::{REDUCE_FN, hd_kernels, reduce_source};
 use super::{
@@ -10,7 +10,7 @@ use super::{
     MAX_PARTITION, REDUCE_THREADS, decode_plan, decode_workspace_len, group_size, prefill_cfg,
 };
 use crate::cuda::launch::{aligned16, at_least, grid_yz, narrow, shape_err};
-use crate::cuda::{CudaContext, CudaError, CudaResult, bf16};
+use crate::cuda::{CudaContext, CudaResult, bf16};
 
 impl CudaContext {
     /// Paged attention of `q` (`[num_tokens, num_heads, head_dim]` bf16) over the caches
@@ -238,7 +238,7 @@ impl CudaContext {
             // weights in shared memory (checked). All bf16 pointers are 16-byte aligned
             // (checked). With `pdl` the kernel reads only host-written metadata before its
             // `griddepcontrol.wait`.
-            unsafe { self.launch_decode(&f, grid, pdl, &mut args) }?;
+            unsafe { self.launch_ex(&f, grid, (DECODE_THREADS, 0), pdl, &mut args) }?;
             if parts > 1 && !fused {
                 let hd_i = narrow::<i32>("head_dim", sh.head_dim)?;
                 let cfg = LaunchConfig {
@@ -303,54 +303,5 @@ impl CudaContext {
             unsafe { launch.launch(cfg) }?;
         }
         Ok(())
-    }
-
-    /// Launches the decode kernel `f` on the stream over `grid` CTAs of [`DECODE_THREADS`]
-    /// threads, with programmatic stream serialization when `pdl` and the device is compute
-    /// capability 9.0 or later (the CTAs may start while the predecessor drains; the kernel
-    /// waits for it with `griddepcontrol.wait` before touching its outputs).
-    ///
-    /// # Safety
-    /// `args` must point at the kernel's parameters, in order, with their exact types, and the
-    /// kernel's memory accesses must be valid for the launch shape.
-    unsafe fn launch_decode(
-        &self,
-        f: &CudaFunction,
-        grid: (u32, u32, u32),
-        pdl: bool,
-        args: &mut [*mut c_void],
-    ) -> CudaResult<()> {
-        self.ctx.bind_to_thread()?;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            // SAFETY: the union is plain data; zeroed is a valid value of each field.
-            value: unsafe { std::mem::zeroed() },
-        };
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let pdl = pdl && self.info.compute_capability.0 >= 9;
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: grid.0,
-            gridDimY: grid.1,
-            gridDimZ: grid.2,
-            blockDimX: DECODE_THREADS,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: 0,
-            hStream: self.stream.cu_stream(),
-            attrs: &raw mut attr,
-            numAttrs: u32::from(pdl),
-        };
-        // SAFETY: cfg and attr outlive the call; the caller vouches for args and the kernel.
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &raw const cfg,
-                f.cu_function(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(CudaError::from)
     }
 }

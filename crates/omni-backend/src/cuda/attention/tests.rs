@@ -64,15 +64,21 @@ fn workspace_is_zero_off_the_multi_partition_decode_path() {
     assert_eq!(group_tiling(&sh), (4, 1));
 }
 
-/// Small deterministic generator for test layouts.
-struct Lcg(u64);
+/// Small deterministic generator for test layouts (here, the emulator's and the timings').
+pub(super) struct Lcg(pub(super) u64);
 impl Lcg {
-    fn next(&mut self, n: usize) -> usize {
+    /// The next value in `0..n` (0 for `n = 0`).
+    pub(super) fn next(&mut self, n: usize) -> usize {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((self.0 >> 33) as usize) % n.max(1)
+    }
+
+    /// The next value in [-1, 1), in steps of 2^-19.
+    pub(super) fn f32(&mut self) -> f32 {
+        self.next(1 << 20) as f32 / (1 << 19) as f32 - 1.0
     }
 }
 

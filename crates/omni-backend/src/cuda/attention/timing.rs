@@ -9,6 +9,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::emu::unfused_plan;
+use super::tests::Lcg;
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32};
 use crate::cuda::{CudaContext, bf16};
@@ -84,12 +85,9 @@ impl DecodeBatch {
         let bps = ctx.div_ceil(bs);
         let num_blocks = seqs * bps;
         let mut perm: Vec<i32> = (0..num_blocks as i32).collect();
-        let mut x = 5u64;
+        let mut rng = Lcg(5);
         for i in (1..num_blocks).rev() {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            perm.swap(i, ((x >> 33) as usize) % (i + 1));
+            perm.swap(i, rng.next(i + 1));
         }
         let cache = num_blocks * bs * nkv * hd;
         let s = cx.stream();
