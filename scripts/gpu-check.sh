@@ -40,6 +40,9 @@
 #           lines), eager per-kernel profiles and bench latency at batch 1 and 64 of both shapes,
 #           for this tree's binaries and, when staged, base-omni-engine / base-backend-tests
 #           (built from the tree before the change, same names with a `base-` prefix)
+#   ab-tc   decode attention on tensor cores against the CUDA-core kernel in one build: the
+#           attention kernel tests and timings, then bench latency (batch 1/16/64) and an eager
+#           per-kernel profile (batch 64) of both shapes with OMNI_CUDA_DECODE_TC=0 and 1
 #   cold    cold start to /health and requests 1..10 one at a time (scripts/bench-cold-start.sh)
 #           for the Qwen3-30B-A3B shape (dummy weights): request 1 must be as fast as the rest
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -196,6 +199,24 @@ if want ab-attn; then
         --load-format dummy --device cuda --max-model-len 4096 --max-num-seqs 64 \
         --max-num-batched-tokens 4096 --batch-sizes 1,64 --input-len 1024 --output-len 64 \
         --prefill-len 2048 --json "$LOGS/attn-latency-$v-$m.json"
+    done
+  done
+fi
+
+if want ab-tc; then
+  step attn-kernels "$BIN/backend-tests" cuda::attention --test-threads=1 --nocapture
+  for m in qwen3-30b-a3b qwen3-8b; do
+    for t in 0 1; do
+      OMNI_CUDA_DECODE_TC=$t step "tc$t-latency-$m" "$BIN/omni-engine" bench latency \
+        --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
+        --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 \
+        --output-len 64 --prefill-len 2048 --json "$LOGS/tc$t-latency-$m.json"
+    done
+    for t in 0 1; do
+      OMNI_CUDA_DECODE_TC=$t OMNI_CUDA_PROFILE=16 step "tc$t-profile-$m" "$BIN/omni-engine" \
+        bench latency --model "bench/models/$m" --load-format dummy --device cuda --enforce-eager \
+        --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 64 \
+        --input-len 1024 --output-len 32 --prefill-len 2048
     done
   done
 fi

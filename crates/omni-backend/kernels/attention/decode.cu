@@ -104,6 +104,54 @@ __device__ __forceinline__ void attn_merge_partials(
     }
 }
 
+// Element d of query head h's result: bf16 into `out` (`direct`: one partition), else the
+// normalized partial into row (s, h, part) of ws, with its max (log2 domain) and sum.
+template <int HD>
+__device__ __forceinline__ void attn_store(float* __restrict__ ws, u16* __restrict__ out,
+    bool direct, size_t nrows, int s, int h, int qs, int num_heads, int max_parts, int part,
+    int d, float o, float m, float l)
+{
+    if (direct) {
+        out[((size_t)qs * num_heads + h) * HD + d] = f2bf(o);
+    } else {
+        const size_t row = ((size_t)s * num_heads + h) * max_parts + part;
+        ws[row * HD + d] = o;
+        if (d == 0) {
+            ws[nrows * HD + row] = m;
+            ws[nrows * HD + nrows + row] = l;
+        }
+    }
+}
+
+// The fused merge after a CTA has written its partials (every thread of the CTA calls it).
+// Ordering (the pattern of cooperative groups' grid barrier): the barrier orders every
+// thread's partial stores before thread 0's __threadfence() and atomicAdd, so the CTA that
+// draws ticket np - 1 (every other partition has counted itself the same way) sees all np
+// partitions' stores once it has fenced too; its barrier then orders that before every
+// thread's reads, which go past L1 (__ldcg, L2 is coherent). The last CTA resets the counter:
+// no other CTA of this launch touches it again, and the next launch is stream-ordered after
+// this one (its CTAs touch counters only after their griddepcontrol.wait, i.e. after this grid
+// has completed). `sw` is shared memory for 2 * GM * ATTN_FUSED_PARTS floats that nothing else
+// reads after the first barrier.
+template <int HD, int GM>
+__device__ __forceinline__ void attn_fused_tail(
+    const float* __restrict__ ws, u16* __restrict__ out, float* sw, float* sden, int* s_last,
+    size_t nrows, int s, int hbase, int G, int g0, int qs, int num_heads, int max_parts, int np)
+{
+    unsigned int* cnt = attn_cnt + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        *s_last = atomicAdd(cnt, 1u) == (unsigned int)(np - 1);
+        if (*s_last) *cnt = 0u;
+        __threadfence();
+    }
+    __syncthreads();
+    if (!*s_last) return;
+    attn_merge_partials<HD, GM>(ws, out, sw, sden, nrows, s, hbase, G, g0, qs, num_heads,
+                                max_parts, np);
+}
+
 // Programmatic dependent launch: waits for the predecessor grid (a no-op when launched
 // without the attribute).
 __device__ __forceinline__ void attn_grid_wait() {
@@ -324,37 +372,10 @@ __device__ __forceinline__ void attn_decode(
             m = fmaxf(m, red_m[w][g]);
             l += red_l[w][g];
         }
-        const int h = hbase + g;
-        if (direct) {
-            out[((size_t)qs * num_heads + h) * HD + d] = f2bf(o / l);
-        } else {
-            const size_t row = ((size_t)s * num_heads + h) * max_parts + part;
-            ws[row * HD + d] = o / l;
-            if (d == 0) {
-                ws[nrows * HD + row] = m;
-                ws[nrows * HD + nrows + row] = l;
-            }
-        }
+        attn_store<HD>(ws, out, direct, nrows, s, hbase + g, qs, num_heads, max_parts, part, d,
+                       o / l, m, l);
     }
     if (direct || !fused) return;
-    // Fused merge. Ordering (the pattern of cooperative groups' grid barrier): the barrier
-    // orders every thread's partial stores above before thread 0's __threadfence() and
-    // atomicAdd, so the CTA that draws ticket np - 1 (every other partition has counted itself
-    // the same way) sees all np partitions' stores once it has fenced too; its barrier then
-    // orders that before every thread's reads, which go past L1 (__ldcg, L2 is coherent).
-    // The last CTA resets the counter: no other CTA of this launch touches it again, and the
-    // next launch is stream-ordered after this one (its CTAs touch counters only after their
-    // griddepcontrol.wait, i.e. after this grid has completed).
-    unsigned int* cnt = attn_cnt + (size_t)blockIdx.y * gridDim.x + blockIdx.x;
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        s_last = atomicAdd(cnt, 1u) == (unsigned int)(np - 1);
-        if (s_last) *cnt = 0u;
-        __threadfence();
-    }
-    __syncthreads();
-    if (!s_last) return;
-    attn_merge_partials<HD, GM>(ws, out, sm, s_den, nrows, s, hbase, G, g0, qs, num_heads,
-                                max_parts, np);
+    attn_fused_tail<HD, GM>(ws, out, sm, s_den, &s_last, nrows, s, hbase, G, g0, qs, num_heads,
+                            max_parts, np);
 }

@@ -11,6 +11,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::needless_range_loop)]
 
+use super::emu_tc::{TcCta, emu_tc_cta};
 use super::tests::Lcg;
 use super::*;
 use crate::attention::{AttentionMetadata, LayerKvCache, paged_attention};
@@ -18,21 +19,21 @@ use crate::cuda::bf16;
 use crate::cuda::tests::rel_err;
 
 /// The flat device inputs of one decode call, with the CPU reference output.
-struct Batch {
-    nh: usize,
-    nkv: usize,
-    hd: usize,
-    bs: usize,
-    mbps: usize,
-    num_blocks: usize,
-    num_tokens: usize,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    qsl: Vec<i32>,
-    seq_lens: Vec<i32>,
-    bt: Vec<i32>,
-    want: Vec<f32>,
+pub(super) struct Batch {
+    pub(super) nh: usize,
+    pub(super) nkv: usize,
+    pub(super) hd: usize,
+    pub(super) bs: usize,
+    pub(super) mbps: usize,
+    pub(super) num_blocks: usize,
+    pub(super) num_tokens: usize,
+    pub(super) q: Vec<f32>,
+    pub(super) k: Vec<f32>,
+    pub(super) v: Vec<f32>,
+    pub(super) qsl: Vec<i32>,
+    pub(super) seq_lens: Vec<i32>,
+    pub(super) bt: Vec<i32>,
+    pub(super) want: Vec<f32>,
 }
 
 impl Batch {
@@ -118,7 +119,7 @@ impl Batch {
 }
 
 /// `kv_slot` of `common.cuh`.
-fn kv_slot(btab: &[i32], key: i32, bs: i32, mbps: i32, num_blocks: i32) -> i32 {
+pub(super) fn kv_slot(btab: &[i32], key: i32, bs: i32, mbps: i32, num_blocks: i32) -> i32 {
     let bi = (key / bs).min(mbps - 1);
     let off = key - (key / bs) * bs;
     btab[bi as usize].clamp(0, num_blocks - 1) * bs + off
@@ -146,6 +147,46 @@ impl Device {
 
 fn bf(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
+}
+
+/// The CUDA-core kernel's arithmetic for the heads of one CTA over the tokens `slot_of`:
+/// (head in the tile, max, sum, normalized output) each.
+fn cuda_core_cta(
+    b: &Batch,
+    slot_of: &[i32],
+    kvh: usize,
+    hbase: usize,
+    qs: usize,
+    heads: &[usize],
+    scale_log2: f32,
+) -> Vec<(usize, f32, f32, Vec<f32>)> {
+    let (hd, nh, nkv, n) = (b.hd, b.nh, b.nkv, slot_of.len());
+    let row_of = |slot: i32| (slot as usize * nkv + kvh) * hd;
+    heads
+        .iter()
+        .map(|&g| {
+            let qrow = &b.q[(qs * nh + hbase + g) * hd..][..hd];
+            let sc: Vec<f32> = slot_of
+                .iter()
+                .map(|&sl| {
+                    let k = &b.k[row_of(sl)..][..hd];
+                    qrow.iter().zip(k).map(|(a, c)| a * scale_log2 * c).sum()
+                })
+                .collect();
+            let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let p: Vec<f32> = sc.iter().map(|x| (x - m).exp2()).collect();
+            let lsum: f32 = p.iter().sum();
+            let o = (0..hd)
+                .map(|d| {
+                    (0..n)
+                        .map(|i| p[i] * b.v[row_of(slot_of[i]) + d])
+                        .sum::<f32>()
+                        / lsum
+                })
+                .collect();
+            (g, m, lsum, o)
+        })
+        .collect()
 }
 
 /// One launch of the decode kernel (and of the reduce kernel when the plan needs it) on `b`
@@ -202,57 +243,59 @@ fn emu_decode(
         let np = ((seq_len + part_size - 1) / part_size).min(max_parts);
         let hbase = kvh * g_n + g0;
         let heads: Vec<usize> = (0..gm).filter(|g| g0 + g < g_n).collect();
-        // Phase 1 (and phase 3's loads): which lane group reads which token, in which round.
-        let mut slot_of = vec![-1i32; n];
-        for w in 0..nw {
-            let mut it = w * tpw;
-            while it < n {
-                let first = it == w * tpw;
-                for u in 0..u_n {
-                    for tg in 0..tpw {
-                        let i = it + u * tps + tg;
-                        if i >= n {
-                            continue;
+        // (head in the tile, max, sum, normalized output) of the CTA's partition.
+        let res = if plan.tc {
+            let cta = TcCta {
+                kvh,
+                hbase,
+                rows: heads.len(),
+                qs: qs as usize,
+                start,
+                n,
+                scale_log2,
+            };
+            emu_tc_cta(b, btab, &cta)
+        } else {
+            // Phase 1 (and phase 3's loads): which lane group reads which token, in which round.
+            let mut slot_of = vec![-1i32; n];
+            for w in 0..nw {
+                let mut it = w * tpw;
+                while it < n {
+                    let first = it == w * tpw;
+                    for u in 0..u_n {
+                        for tg in 0..tpw {
+                            let i = it + u * tps + tg;
+                            if i >= n {
+                                continue;
+                            }
+                            let slot = if first {
+                                slot0[w][u][tg]
+                            } else {
+                                kv_slot(btab, start + i as i32, bs, mbps, nblk)
+                            };
+                            assert_eq!(slot, kv_slot(btab, start + i as i32, bs, mbps, nblk));
+                            assert_eq!(slot_of[i], -1, "token {i} read twice");
+                            slot_of[i] = slot;
                         }
-                        let slot = if first {
-                            slot0[w][u][tg]
-                        } else {
-                            kv_slot(btab, start + i as i32, bs, mbps, nblk)
-                        };
-                        assert_eq!(slot, kv_slot(btab, start + i as i32, bs, mbps, nblk));
-                        assert_eq!(slot_of[i], -1, "token {i} read twice");
-                        slot_of[i] = slot;
                     }
+                    it += tps * u_n;
                 }
-                it += tps * u_n;
             }
-        }
-        assert!(
-            slot_of.iter().all(|&x| x >= 0),
-            "a token of the partition was never read"
-        );
-        let row_of = |slot: i32| (slot as usize * nkv + kvh) * hd;
-        for &g in &heads {
+            assert!(
+                slot_of.iter().all(|&x| x >= 0),
+                "a token of the partition was never read"
+            );
+            cuda_core_cta(b, &slot_of, kvh, hbase, qs as usize, &heads, scale_log2)
+        };
+        let direct = max_parts == 1 || (plan.fused && np == 1);
+        for (g, m, lsum, o) in res {
             let h = hbase + g;
-            let qrow = &b.q[(qs as usize * nh + h) * hd..][..hd];
-            let sc: Vec<f32> = slot_of
-                .iter()
-                .map(|&sl| {
-                    let k = &b.k[row_of(sl)..][..hd];
-                    qrow.iter().zip(k).map(|(a, c)| a * scale_log2 * c).sum()
-                })
-                .collect();
-            let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let p: Vec<f32> = sc.iter().map(|x| (x - m).exp2()).collect();
-            let lsum: f32 = p.iter().sum();
-            let direct = max_parts == 1 || (plan.fused && np == 1);
             let row = (s * nh + h) * plan.parts + part;
-            for d in 0..hd {
-                let o: f32 = (0..n).map(|i| p[i] * b.v[row_of(slot_of[i]) + d]).sum();
+            for (d, &v) in o.iter().enumerate() {
                 if direct {
-                    out[(qs as usize * nh + h) * hd + d] = bf(o / lsum);
+                    out[(qs as usize * nh + h) * hd + d] = bf(v);
                 } else {
-                    dev.ws[row * hd + d] = o / lsum;
+                    dev.ws[row * hd + d] = v;
                     dev.ws_gen[row * hd + d] = epoch;
                 }
             }
@@ -472,6 +515,7 @@ pub(super) fn unfused_plan(shape: &AttnShape) -> DecodePlan {
         parts: shape.max_seq_len.div_ceil(part).max(1),
         fused: false,
         pdl: false,
+        tc: false,
     }
 }
 
@@ -498,8 +542,12 @@ fn decode_plan_splits_small_grids_finer_and_keeps_large_ones() {
     // Qwen3-30B-A3B at batch 1 (4 KV heads): 32-token partitions, one merge in the kernel.
     let p = decode_plan(&sh(1, 4, 1056));
     assert_eq!((p.tile, p.part, p.parts, p.fused), (4, 32, 33, true));
-    // Batch 64 keeps whole GQA groups per CTA.
+    assert!(!p.tc);
+    // Batch 64 keeps whole GQA groups per CTA, on tensor cores (groups of 8 and 4 heads; not
+    // a group of 2).
     assert_eq!(decode_plan(&sh(64, 4, 1024)).tile, 8);
+    assert!(decode_plan(&sh(64, 4, 1024)).tc && decode_plan(&sh(64, 8, 1024)).tc);
+    assert!(!decode_plan(&decode_shape(64, 16, 8, 1024)).tc);
     assert_eq!(unfused_plan(&sh(1, 4, 1056)).part, 64);
     // A graph captured for max_model_len 4096 keeps the 32-token partitions.
     assert_eq!(decode_plan(&sh(1, 4, 4096)).part, 32);
@@ -586,7 +634,28 @@ fn emulated_decode_matches_the_reference_for_every_plan() {
                     },
                     DecodePlan {
                         tile: group_tiling(&sh).0,
+                        tc: false,
                         ..decode_plan(&sh)
+                    },
+                    // The tensor-core kernel on every shape: its own partitions, the finest
+                    // ones, and unfused.
+                    DecodePlan {
+                        tile: TC_TILE,
+                        tc: true,
+                        ..decode_plan(&sh)
+                    },
+                    DecodePlan {
+                        tile: TC_TILE,
+                        tc: true,
+                        part: MIN_PARTITION,
+                        parts: bound.div_ceil(MIN_PARTITION),
+                        fused: bound.div_ceil(MIN_PARTITION) <= MAX_FUSED_PARTS,
+                        pdl: true,
+                    },
+                    DecodePlan {
+                        tile: TC_TILE,
+                        tc: true,
+                        ..unfused_plan(&sh)
                     },
                 ];
                 for plan in plans {

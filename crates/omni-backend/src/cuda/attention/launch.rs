@@ -7,7 +7,8 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use super::source::{REDUCE_FN, hd_kernels, reduce_source};
 use super::{
     ATTN_COUNTERS, AttnShape, DECODE_THREADS, DecodePlan, GROUP_TILES, MAX_FUSED_PARTS,
-    MAX_PARTITION, REDUCE_THREADS, decode_plan, decode_workspace_len, group_size, prefill_cfg,
+    MAX_PARTITION, REDUCE_THREADS, TC_TILE, decode_plan, decode_workspace_len, group_size,
+    prefill_cfg, tc_smem_bytes,
 };
 use crate::cuda::launch::{aligned16, at_least, grid_yz, narrow, shape_err};
 use crate::cuda::{CudaContext, CudaResult, bf16};
@@ -130,6 +131,7 @@ impl CudaContext {
             let chunks = group_size(&sh).div_ceil(plan.tile.max(1));
             let groups = sh.num_kv_heads * chunks * sh.num_seqs;
             if !GROUP_TILES.contains(&plan.tile)
+                || (plan.tc && plan.tile != TC_TILE)
                 || plan.part == 0
                 || plan.part > MAX_PARTITION
                 || plan.parts * plan.part < sh.max_seq_len
@@ -185,6 +187,7 @@ impl CudaContext {
                 parts,
                 fused,
                 pdl,
+                tc,
             } = plan;
             let chunks = group_size(&sh).div_ceil(tile);
             let tile_idx = GROUP_TILES.iter().position(|&t| t == tile).unwrap_or(0);
@@ -197,7 +200,18 @@ impl CudaContext {
                 seqs,
                 grid_yz("decode partitions", parts)?,
             );
-            let f = self.function(kernels.source, kernels.decode[tile_idx])?;
+            let (f, smem) = if tc {
+                let f = self.function(kernels.source, kernels.decode_tc)?;
+                let smem = tc_smem_bytes(sh.head_dim);
+                // Host-side function attributes only: legal during stream capture.
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    narrow::<i32>("decode shared memory", smem)?,
+                )?;
+                (f, narrow::<u32>("decode shared memory", smem)?)
+            } else {
+                (self.function(kernels.source, kernels.decode[tile_idx])?, 0)
+            };
             let (mut qp, mut kp, mut vp, mut op2, mut qslp, mut slp, mut btp, mut wsp) =
                 (qp, kp, vp, op, qslp, slp, btp, wsp);
             let (mut num_tokens, mut num_heads, mut nkv, mut bs, mut num_blocks_i, mut mbps) =
@@ -224,7 +238,8 @@ impl CudaContext {
                 (&raw mut fused_i).cast(),
                 (&raw mut scale).cast(),
             ];
-            // SAFETY: `args` points at the arguments of `attn_decode_hd*_g*(const u16* x3, u16*,
+            // SAFETY: `args` points at the arguments of `attn_decode_hd*_g*` (or
+            // `attn_decode_tc_hd*_g8`, the same list) `(const u16* x3, u16*,
             // const int* x3, float*, int x10, float)` in order, with those types (device
             // pointers are CUdeviceptr = u64). q/out hold num_tokens rows of num_heads *
             // head_dim and the kernel only touches rows qsl[s] < num_tokens; the metadata
@@ -237,8 +252,9 @@ impl CudaContext {
             // MAX_FUSED_PARTS = ATTN_MAXPART partitions, the per-head room of the merge's
             // weights in shared memory (checked). All bf16 pointers are 16-byte aligned
             // (checked). With `pdl` the kernel reads only host-written metadata before its
-            // `griddepcontrol.wait`.
-            unsafe { self.launch_ex(&f, grid, (DECODE_THREADS, 0), pdl, &mut args) }?;
+            // `griddepcontrol.wait`. The tensor-core instance (tile TC_TILE, checked) gets the
+            // dynamic shared memory `tc_smem_bytes` says it uses, and the limit is raised to it.
+            unsafe { self.launch_ex(&f, grid, (DECODE_THREADS, smem), pdl, &mut args) }?;
             if parts > 1 && !fused {
                 let hd_i = narrow::<i32>("head_dim", sh.head_dim)?;
                 let cfg = LaunchConfig {

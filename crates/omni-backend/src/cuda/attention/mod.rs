@@ -15,7 +15,10 @@
 //!   finish (an arrival counter per group in the module's own memory, left at zero); only a
 //!   grid with more groups than [`ATTN_COUNTERS`] falls back to a second merge kernel (vLLM's
 //!   `paged_attention_v2`). Small grids (batch 1) get partitions down to 32 tokens, each read
-//!   in one round trip ([`decode_plan`]).
+//!   in one round trip ([`decode_plan`]). Large grids of GQA groups of 4 or more query heads
+//!   take a tensor-core variant (`decode_tc.cu`): the group's heads are the rows of an
+//!   `mma.sync` tile, K/V chunks stream through per-warp `cp.async` rings, same partitions,
+//!   workspace and merge.
 //! * **prefill / mixed** (`max_query_len > 1`): flash-attention 2 on tensor cores
 //!   (`mma.sync.m16n8k16` bf16 with `ldmatrix`, f32 accumulation, online softmax), K/V tiles
 //!   gathered from the paged cache through the block table with `cp.async`. Decode rows of a
@@ -37,6 +40,8 @@
 
 #[cfg(test)]
 mod emu;
+#[cfg(test)]
+mod emu_tc;
 mod launch;
 pub(super) mod source;
 #[cfg(test)]
@@ -86,6 +91,20 @@ const MAX_PARTITION: usize = 512;
 const MIN_PARTITION: usize = 32;
 /// Query heads of one GQA group served by one decode CTA, by template instance.
 const GROUP_TILES: [usize; 4] = [1, 2, 4, 8];
+/// Query heads of a GQA group served by one tensor-core decode CTA (rows of its MMA tile).
+const TC_TILE: usize = 8;
+/// Smallest GQA group the tensor-core decode kernel serves: below it the CUDA-core kernel's
+/// arithmetic per K/V byte is low enough to stream at the memory's rate.
+const TC_MIN_GROUP: usize = 4;
+/// Set to `0`, every decode stays on the CUDA-core kernel (to measure the tensor-core one
+/// against it in one build: `scripts/gpu-check.sh ab-tc`). Read once per process.
+pub const DECODE_TC_ENV: &str = "OMNI_CUDA_DECODE_TC";
+
+/// Whether [`DECODE_TC_ENV`] leaves the tensor-core decode kernel on (the default).
+fn tc_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(DECODE_TC_ENV).map_or(true, |v| v != "0"))
+}
 /// Threads of a decode CTA (the kernel assumes 4 warps).
 const DECODE_THREADS: u32 = 128;
 /// Threads of the decode reduce kernel.
@@ -115,6 +134,8 @@ struct DecodePlan {
     /// Launched with programmatic dependent launch (on compute capability 9.0 and later): the
     /// CTAs read their metadata while the predecessor drains.
     pdl: bool,
+    /// The tensor-core kernel (`decode_tc.cu`, tile [`TC_TILE`]) instead of the CUDA-core one.
+    tc: bool,
 }
 
 /// Tokens per decode partition for `shape`: 512, halved while the grid would have fewer than
@@ -123,12 +144,20 @@ struct DecodePlan {
 ///
 /// A grid that stays small even at the smallest partitions (batch 1: a few KV heads) serves
 /// at most 4 query heads per CTA: twice the CTAs (each K/V row is read twice, the second time
-/// from L2) and half the merge per CTA, which is what bounds the latency there.
+/// from L2) and half the merge per CTA, which is what bounds the latency there. A larger grid
+/// of GQA groups of at least [`TC_MIN_GROUP`] heads goes to the tensor-core kernel: the
+/// CUDA-core one spends a group's dot products and shuffles on every K/V byte and falls below
+/// the memory's rate at 8 heads per KV head (Qwen3-30B-A3B at batch 64).
 fn decode_plan(shape: &AttnShape) -> DecodePlan {
     let (mut tile, _) = group_tiling(shape);
-    let small = shape.num_kv_heads * shape.num_seqs * shape.max_seq_len.div_ceil(MIN_PARTITION);
-    if tile > 4 && small < DECODE_MIN_CTAS {
+    let small = shape.num_kv_heads * shape.num_seqs * shape.max_seq_len.div_ceil(MIN_PARTITION)
+        < DECODE_MIN_CTAS;
+    if tile > 4 && small {
         tile = 4;
+    }
+    let tc = !small && group_size(shape) >= TC_MIN_GROUP && tc_enabled();
+    if tc {
+        tile = TC_TILE;
     }
     let chunks = group_size(shape).div_ceil(tile);
     let groups = shape.num_kv_heads * chunks * shape.num_seqs;
@@ -143,7 +172,15 @@ fn decode_plan(shape: &AttnShape) -> DecodePlan {
         parts,
         fused: groups <= ATTN_COUNTERS && parts <= MAX_FUSED_PARTS,
         pdl: true,
+        tc,
     }
+}
+
+/// Dynamic shared memory of the tensor-core decode kernel at `head_dim`, in bytes: four warps'
+/// two-stage rings of 16-key K and V chunks (bf16), or the fused merge's weights and sums
+/// (2 x [`TC_TILE`] x [`MAX_FUSED_PARTS`] f32) where that is more.
+fn tc_smem_bytes(head_dim: usize) -> usize {
+    (4 * 2 * 2 * 16 * head_dim * 2).max(2 * TC_TILE * MAX_FUSED_PARTS * 4)
 }
 
 /// Query heads per KV head (at least 1).

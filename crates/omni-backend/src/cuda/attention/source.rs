@@ -2,7 +2,8 @@
 //! `extern "C"` entry points instantiated per head dimension (and, for decode, per GQA tile).
 
 use super::{
-    ATTN_COUNTERS, DECODE_THREADS, GROUP_TILES, MAX_FUSED_PARTS, SUPPORTED_HEAD_DIMS, prefill_cfg,
+    ATTN_COUNTERS, DECODE_THREADS, GROUP_TILES, MAX_FUSED_PARTS, SUPPORTED_HEAD_DIMS, TC_TILE,
+    prefill_cfg,
 };
 use crate::cuda::CudaResult;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
@@ -13,6 +14,8 @@ const ATTN_COMMON: &str = kernel_file!("attention/common.cuh");
 const DECODE_TEMPLATE: &str = kernel_file!("attention/decode.cu");
 /// Flash-attention 2 prefill kernel template (tensor cores).
 const PREFILL_TEMPLATE: &str = kernel_file!("attention/prefill.cu");
+/// Flash-decoding on tensor cores (the GQA group as the MMA's rows).
+const DECODE_TC_TEMPLATE: &str = kernel_file!("attention/decode_tc.cu");
 /// Decode partial merge.
 const REDUCE_BODY: &str = kernel_file!("attention/reduce.cu");
 
@@ -23,6 +26,7 @@ pub(super) const REDUCE_FN: &str = "attn_decode_reduce";
 pub(super) struct HdKernels {
     pub(super) source: fn() -> String,
     pub(super) decode: [&'static str; 4],
+    pub(super) decode_tc: &'static str,
     pub(super) prefill: &'static str,
 }
 
@@ -36,6 +40,7 @@ macro_rules! hd_kernels {
                 concat!("attn_decode_hd", $hd, "_g4"),
                 concat!("attn_decode_hd", $hd, "_g8"),
             ],
+            decode_tc: concat!("attn_decode_tc_hd", $hd, "_g8"),
             prefill: concat!("attn_prefill_hd", $hd),
         }
     };
@@ -79,7 +84,8 @@ pub(super) fn hd_kernels(head_dim: usize) -> CudaResult<HdKernels> {
 pub(crate) fn attn_source(hd: usize) -> String {
     let mut src = format!(
         "{BF16_HELPERS}{ATTN_COMMON}#define ATTN_COUNTERS {ATTN_COUNTERS}\n\
-         #define ATTN_FUSED_PARTS {MAX_FUSED_PARTS}\n{DECODE_TEMPLATE}{PREFILL_TEMPLATE}"
+         #define ATTN_FUSED_PARTS {MAX_FUSED_PARTS}\n{DECODE_TEMPLATE}{PREFILL_TEMPLATE}\
+         {DECODE_TC_TEMPLATE}"
     );
     let decode_args = "const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \
         const int* seq_lens, const int* bt, float* ws, int num_tokens, int num_heads, int nkv, \
@@ -93,6 +99,11 @@ pub(crate) fn attn_source(hd: usize) -> String {
              attn_decode_hd{hd}_g{gm}({decode_args}) {{ attn_decode<{hd}, {gm}>({decode_call}); }}\n"
         ));
     }
+    src.push_str(&format!(
+        "extern \"C\" __global__ void __launch_bounds__({DECODE_THREADS}) \
+         attn_decode_tc_hd{hd}_g{TC_TILE}({decode_args}) {{ \
+         attn_decode_tc<{hd}, {TC_TILE}>({decode_call}); }}\n"
+    ));
     let (warps, bn, qreg) = prefill_cfg(hd);
     let threads = 32 * warps;
     src.push_str(&format!(

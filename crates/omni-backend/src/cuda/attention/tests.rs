@@ -19,7 +19,7 @@ fn every_head_dim_source_defines_its_entry_points() {
     for hd in SUPPORTED_HEAD_DIMS {
         let k = hd_kernels(hd).unwrap();
         let src = (k.source)();
-        for name in k.decode.iter().chain([&k.prefill]) {
+        for name in k.decode.iter().chain([&k.decode_tc, &k.prefill]) {
             assert!(src.contains(name), "{name} missing from the hd{hd} source");
         }
     }
@@ -351,8 +351,22 @@ fn paged_attention_decode_batches_match_cpu() {
                 parts: fx.max_ctx.div_ceil(MIN_PARTITION),
                 fused: true,
                 pdl: true,
+                tc: false,
             };
             fx.check_plan(&cx, "decode fused 32-token partitions", &sh, fine);
+            // The tensor-core kernel, whatever the group size, fused and not.
+            let tc = DecodePlan {
+                tile: TC_TILE,
+                tc: true,
+                ..fine
+            };
+            fx.check_plan(&cx, "decode tensor cores 32-token partitions", &sh, tc);
+            let tc = DecodePlan {
+                tile: TC_TILE,
+                tc: true,
+                ..unfused_plan(&sh)
+            };
+            fx.check_plan(&cx, "decode tensor cores unfused", &sh, tc);
             // The same decodes through the tensor-core path (max_query_len an upper bound).
             let sh = fx.shape(2, fx.max_ctx);
             fx.check(&cx, "decode via prefill kernel", &sh);
@@ -368,7 +382,14 @@ fn paged_attention_decode_batches_match_cpu() {
             "attention decode partition {} for max_seq_len {bound}",
             decode_plan(&sh).part
         );
-        fx.check(&cx, "large decode batch", &sh);
+        assert!(decode_plan(&sh).tc, "{:?}", decode_plan(&sh));
+        fx.check(&cx, "large decode batch (tensor cores)", &sh);
+        let cuda_cores = DecodePlan {
+            tile: group_tiling(&sh).0,
+            tc: false,
+            ..decode_plan(&sh)
+        };
+        fx.check_plan(&cx, "large decode batch (CUDA cores)", &sh, cuda_cores);
     }
 }
 

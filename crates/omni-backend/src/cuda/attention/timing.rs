@@ -163,6 +163,7 @@ fn fused(shape: &AttnShape, part: usize) -> DecodePlan {
         parts: shape.max_seq_len.div_ceil(part).max(1),
         fused: true,
         pdl: true,
+        tc: false,
     }
 }
 fn now_whole_groups(shape: &AttnShape) -> DecodePlan {
@@ -176,6 +177,32 @@ fn now_without_pdl(shape: &AttnShape) -> DecodePlan {
         pdl: false,
         ..decode_plan(shape)
     }
+}
+fn cuda_cores(shape: &AttnShape) -> DecodePlan {
+    DecodePlan {
+        tile: group_tiling(shape).0,
+        tc: false,
+        ..decode_plan(shape)
+    }
+}
+fn tensor_cores(shape: &AttnShape, part: usize) -> DecodePlan {
+    DecodePlan {
+        tile: TC_TILE,
+        tc: true,
+        ..fused(shape, part)
+    }
+}
+fn tc32(shape: &AttnShape) -> DecodePlan {
+    tensor_cores(shape, 32)
+}
+fn tc128(shape: &AttnShape) -> DecodePlan {
+    tensor_cores(shape, 128)
+}
+fn tc256(shape: &AttnShape) -> DecodePlan {
+    tensor_cores(shape, 256)
+}
+fn tc512(shape: &AttnShape) -> DecodePlan {
+    tensor_cores(shape, 512)
 }
 fn fused32(shape: &AttnShape) -> DecodePlan {
     fused(shape, 32)
@@ -197,7 +224,7 @@ fn attention_decode_timing() {
     type Case<'a> = (usize, usize, usize, &'a [(&'a str, PlanOf)]);
     let now: (&str, PlanOf) = ("now", decode_plan);
     let unfused: (&str, PlanOf) = ("unfused-64", unfused_plan);
-    let sweep: [(&str, PlanOf); 7] = [
+    let sweep: [(&str, PlanOf); 8] = [
         now,
         unfused,
         ("now-no-pdl", now_without_pdl),
@@ -205,17 +232,27 @@ fn attention_decode_timing() {
         ("fused-32", fused32),
         ("fused-64", fused64),
         ("fused-128", fused128),
+        ("tc-32", tc32),
+    ];
+    let large: [(&str, PlanOf); 6] = [
+        now,
+        ("cuda-cores", cuda_cores),
+        ("tc-128", tc128),
+        ("tc-256", tc256),
+        ("tc-512", tc512),
+        unfused,
     ];
     for (model, nkv) in [("qwen3-30b-a3b", 4usize), ("qwen3-8b", 8)] {
         // (batch, context, grid bound, plans): batch 1 with the engine's graph bound
         // (max_model_len 4096) gets the sweep; context 1 gives the fixed cost.
-        let cases: [Case; 6] = [
+        let cases: [Case; 7] = [
             (1, 1056, 4096, &sweep),
             (1, 1056, 1056, &[now, unfused]),
             (1, 1, 4096, &[now, unfused]),
             (1, 4096, 4096, &[now, unfused]),
-            (64, 1024, 1024, &[now, unfused]),
-            (64, 1024, 4096, &[now, unfused]),
+            (16, 1024, 4096, &large),
+            (64, 1024, 1024, &large),
+            (64, 1024, 4096, &large),
         ];
         for (seqs, ctx, bound, plans) in cases {
             let mut b = DecodeBatch::new(&cx, seqs, ctx, 32, nkv);
@@ -223,11 +260,12 @@ fn attention_decode_timing() {
             for &(name, plan_of) in plans {
                 let (plan, eager, graph) = b.time(&cx, bound, plan_of);
                 println!(
-                    "attention decode {model} 32/{nkv} heads B={seqs} ctx {ctx} bound {bound} plan {name} (tile {} part {} x {}{}): eager {eager:.1} us/call, graph {graph:.1} us/call, KV read {:.0} GB/s",
+                    "attention decode {model} 32/{nkv} heads B={seqs} ctx {ctx} bound {bound} plan {name} (tile {} part {} x {}{}{}): eager {eager:.1} us/call, graph {graph:.1} us/call, KV read {:.0} GB/s",
                     plan.tile,
                     plan.part,
                     plan.parts,
                     if plan.fused { " fused" } else { "" },
+                    if plan.tc { " tc" } else { "" },
                     bytes / (graph * 1e3)
                 );
             }
