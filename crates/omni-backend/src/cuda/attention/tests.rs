@@ -45,10 +45,11 @@ fn workspace_is_zero_off_the_multi_partition_decode_path() {
         max_seq_len: 1024,
         scale: 0.1,
     };
-    assert_eq!(decode_plan(&sh).part, 256);
+    // Tensor cores: 512-token partitions (1,024 CTAs).
+    assert_eq!(decode_plan(&sh).part, 512);
     assert_eq!(
         decode_workspace_len(&sh, decode_plan(&sh).parts),
-        64 * 32 * 4 * 130
+        64 * 32 * 2 * 130
     );
     // The bound over every smaller decode: below 2 * DECODE_MIN_CTAS CTAs of 8 KV heads.
     assert_eq!(paged_attention_workspace_len(&sh), 400 * 32 * 130);

@@ -58,5 +58,10 @@ pub(crate) fn moe_source() -> String {
         s.push_str(&gemm_entry(&cfg, true));
         s.push_str(&gemm_entry(&cfg, false));
     }
+    #[cfg(test)]
+    for cfg in super::tiles::CANDIDATES {
+        s.push_str(&gemm_entry(&cfg, true));
+        s.push_str(&gemm_entry(&cfg, false));
+    }
     s
 }

@@ -587,7 +587,11 @@ fn fused_moe_real_shape_and_timing() {
         let dx = cx.upload_f32_as_bf16(&x).unwrap();
         let dids = cx.stream().clone_htod(&ids).unwrap();
         let dws = cx.stream().clone_htod(&ws).unwrap();
-        for (name, tile) in [("small", SMALL), ("large", LARGE)] {
+        let candidates = super::tiles::CANDIDATES.map(|c| (c.down_fn, c));
+        for (name, tile) in [("small", SMALL), ("large", LARGE)]
+            .into_iter()
+            .chain(candidates.into_iter().filter(|_| t <= 64))
+        {
             let mut out = cx.upload_bf16(&vec![bf16::NAN; t * h]).unwrap();
             cx.fused_moe_with(
                 &dx,
@@ -665,6 +669,20 @@ fn fused_moe_real_shape_and_timing() {
             "moe tiles T={t}: small {us_small:.1} µs, large {us_large:.1} µs, chosen {}",
             if chosen == SMALL { "small" } else { "large" }
         );
+        if t <= 64 {
+            for cand in super::tiles::CANDIDATES {
+                let us_c = run(cand);
+                println!(
+                    "moe tile candidate T={t} {} (bn {} bk {} warps {} stages {}): {us_c:.1} µs ({:.2}x small)",
+                    cand.down_fn,
+                    cand.bn,
+                    cand.bk,
+                    cand.warps_n,
+                    cand.stages,
+                    us_c / us_small
+                );
+            }
+        }
     }
     let logits = cx.stream().clone_htod(&rand_bf16_f32(2048 * e, 9)).unwrap();
     let mut di = cx.stream().alloc_zeros::<i32>(2048 * k).unwrap();

@@ -49,6 +49,57 @@ pub(super) const LARGE: TileCfg = TileCfg {
     min_ctas: 2,
 };
 
+/// Decode tiles the timing test measures against [`SMALL`] (test builds only): more weight rows
+/// per CTA, deeper pipelines, one-warp CTAs, wider K stages. All keep `bm` 16, so the alignment
+/// and the workspace are [`SMALL`]'s.
+#[cfg(test)]
+pub(super) const CANDIDATES: [TileCfg; 4] = [
+    TileCfg {
+        gate_up_fn: "moe_gate_up_c64x64s6",
+        down_fn: "moe_down_c64x64s6",
+        bm: 16,
+        bn: 64,
+        bk: 64,
+        warps_m: 1,
+        warps_n: 4,
+        stages: 6,
+        min_ctas: 3,
+    },
+    TileCfg {
+        gate_up_fn: "moe_gate_up_c32x128s6",
+        down_fn: "moe_down_c32x128s6",
+        bm: 16,
+        bn: 32,
+        bk: 128,
+        warps_m: 1,
+        warps_n: 2,
+        stages: 6,
+        min_ctas: 2,
+    },
+    TileCfg {
+        gate_up_fn: "moe_gate_up_c16x128s4",
+        down_fn: "moe_down_c16x128s4",
+        bm: 16,
+        bn: 16,
+        bk: 128,
+        warps_m: 1,
+        warps_n: 1,
+        stages: 4,
+        min_ctas: 6,
+    },
+    TileCfg {
+        gate_up_fn: "moe_gate_up_c64x128s4",
+        down_fn: "moe_down_c64x128s4",
+        bm: 16,
+        bn: 64,
+        bk: 128,
+        warps_m: 1,
+        warps_n: 4,
+        stages: 4,
+        min_ctas: 2,
+    },
+];
+
 impl TileCfg {
     /// The tile the public entry point uses: the decode tile while the average expert gets at
     /// most 16 pairs, the prefill tile above.
