@@ -1,4 +1,5 @@
-// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
+// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`; programmatic
+// dependent launch (sm_90+).
 // Prepended by the Rust side after bf16.cuh (src/cuda/moe/source.rs).
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
@@ -20,4 +21,16 @@ __device__ __forceinline__ void mma_16816(float* c, const unsigned* a, unsigned 
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// First statement of the kernels launched with programmatic dependent launch (align, the
+// grouped GEMMs, reduce): lets the next kernel's CTAs launch (they wait in turn), then waits for
+// the predecessor grid to complete with its writes visible. Nothing is read or written before
+// the wait, so the order of memory accesses is the stream order's. No-ops below sm_90 or when
+// launched without the attribute.
+__device__ __forceinline__ void moe_pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }

@@ -63,6 +63,59 @@ pub(crate) fn ctx_or_skip(test: &str) -> Option<CudaContext> {
     }
 }
 
+/// Best of 5 timings of 10 back-to-back calls of `f` (after 3 warm-up calls), in µs per call.
+pub(crate) fn eager_us(cx: &CudaContext, f: &mut dyn FnMut()) -> f64 {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let e0 = cx.raw().new_event(flags).unwrap();
+    let e1 = cx.raw().new_event(flags).unwrap();
+    for _ in 0..3 {
+        f();
+    }
+    cx.synchronize().unwrap();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        e0.record(cx.stream()).unwrap();
+        for _ in 0..10 {
+            f();
+        }
+        e1.record(cx.stream()).unwrap();
+        e1.synchronize().unwrap();
+        best = best.min(e0.elapsed_ms(&e1).unwrap() as f64 * 100.0);
+    }
+    best
+}
+
+/// Best of 5 replays of a CUDA graph of 20 calls of `f`, in µs per call (GPU time with the
+/// launch gaps of a captured decode step).
+pub(crate) fn graph_us(cx: &CudaContext, f: &mut dyn FnMut()) -> f64 {
+    f();
+    cx.synchronize().unwrap();
+    let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    cx.stream().begin_capture(mode).unwrap();
+    for _ in 0..20 {
+        f();
+    }
+    let graph = cx
+        .stream()
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let e0 = cx.raw().new_event(flags).unwrap();
+    let e1 = cx.raw().new_event(flags).unwrap();
+    graph.launch().unwrap();
+    cx.synchronize().unwrap();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        e0.record(cx.stream()).unwrap();
+        graph.launch().unwrap();
+        e1.record(cx.stream()).unwrap();
+        e1.synchronize().unwrap();
+        best = best.min(e0.elapsed_ms(&e1).unwrap() as f64 * 1000.0 / 20.0);
+    }
+    best
+}
+
 #[test]
 fn driver_status_never_panics() {
     match driver_status() {

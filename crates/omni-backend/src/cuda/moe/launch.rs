@@ -240,102 +240,75 @@ impl CudaContext {
         let act_p = ws_p + lay.act as u64;
         let y_p = ws_p + lay.y as u64;
 
+        // Launched with programmatic dependent launch: each kernel's first statement lets the
+        // next one launch and then waits for its predecessor (`moe_pdl_enter`), so the launch
+        // gaps of the four kernels overlap their predecessors' tails.
+        let (mut ids_p, mut tw_p, mut out_p, mut sorted_p, mut bexp_p, mut act_p, mut y_p) =
+            (ids_p, tw_p, out_p, sorted_p, bexp_p, act_p, y_p);
+        let (mut x_p, mut w13_p, mut w2_p) = (x_p, w13_p, w2_p);
+        let (mut h_i, mut i_i, mut e_i, mut k_i, mut t_i, mut p_i, mut bm_i, mut mb_i) =
+            (h_i, i_i, e_i, k_i, t_i, p_i, bm_i, mb_i);
+
         // 1. Alignment by expert.
         let align_threads = block_threads(pairs.max(num_experts), 1024);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (align_threads, 1, 1),
-            shared_mem_bytes: ((32 + 3 * num_experts) * 4) as u32,
-        };
-        let mut launch = self.stream.launch_builder(&f_align);
-        launch
-            .arg(&ids_p)
-            .arg(&p_i)
-            .arg(&e_i)
-            .arg(&bm_i)
-            .arg(&mb_i)
-            .arg(&sorted_p)
-            .arg(&bexp_p);
-        // SAFETY: the arguments match `moe_align(const int*, int, int, int, int, int*, int*)`;
-        // ids hold `pairs` ints (checked above); sorted_ids (max_blocks * bm ints) and
-        // block_expert (max_blocks ints) lie inside the workspace (its length was checked
-        // against the layout) and every write is bounded by max_blocks; one CTA of a multiple of
-        // 32 threads, at most 1024, with (32 + 3 E) ints of dynamic shared memory (E <= 1024).
-        unsafe { launch.launch(cfg) }?;
+        let mut args = kernel_args![ids_p, p_i, e_i, bm_i, mb_i, sorted_p, bexp_p];
+        // SAFETY: `args` points at the arguments of `moe_align(const int*, int, int, int, int,
+        // int*, int*)` in order (device pointers as CUdeviceptr = u64); ids hold `pairs` ints
+        // (checked above); sorted_ids (max_blocks * bm ints) and block_expert (max_blocks ints)
+        // lie inside the workspace (its length was checked against the layout) and every write
+        // is bounded by max_blocks; one CTA of a multiple of 32 threads, at most 1024, with
+        // (32 + 3 E) ints of dynamic shared memory (E <= 1024). It touches memory only after
+        // its griddepcontrol.wait.
+        unsafe {
+            self.launch_ex(
+                &f_align,
+                (1, 1, 1),
+                (align_threads, ((32 + 3 * num_experts) * 4) as u32),
+                true,
+                &mut args,
+            )
+        }?;
 
         // 2. gate_up GEMM + SiLU-and-mul into act.
         let threads = tile.threads() as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                narrow::<u32>("moe inter tiles", inter.div_ceil(tile.bn / 2))?,
-                blocks_y,
-                1,
-            ),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let mut launch = self.stream.launch_builder(&f_gu);
-        launch
-            .arg(&x_p)
-            .arg(&w13_p)
-            .arg(&sorted_p)
-            .arg(&bexp_p)
-            .arg(&act_p)
-            .arg(&h_i)
-            .arg(&i_i)
-            .arg(&k_i);
-        // SAFETY: the arguments match the gate_up entry `(const u16*, const u16*, const int*,
-        // const int*, u16*, int, int, int)`; x holds tokens * hidden and w13 E * 2I * H elements
-        // (checked above) and every row the kernel reads is a token id p / k < tokens (p < pairs
-        // comes from the alignment) or an expert e < E; rows or columns past the shapes are
-        // zero-filled, not read; act (max_blocks * bm rows of inter) lies in the workspace; the
-        // grid's y is max_blocks, blocks the alignment left unused (-1) exit; the block size and
-        // dynamic shared memory match the template instance (attribute set above).
-        unsafe { launch.launch(cfg) }?;
+        let gu_grid = (
+            narrow::<u32>("moe inter tiles", inter.div_ceil(tile.bn / 2))?,
+            blocks_y,
+            1,
+        );
+        let mut args = kernel_args![x_p, w13_p, sorted_p, bexp_p, act_p, h_i, i_i, k_i];
+        // SAFETY: `args` points at the arguments of the gate_up entry `(const u16*, const u16*,
+        // const int*, const int*, u16*, int, int, int)` in order; x holds tokens * hidden and
+        // w13 E * 2I * H elements (checked above) and every row the kernel reads is a token id
+        // p / k < tokens (p < pairs comes from the alignment) or an expert e < E; rows or
+        // columns past the shapes are zero-filled, not read; act (max_blocks * bm rows of
+        // inter) lies in the workspace; the grid's y is max_blocks, blocks the alignment left
+        // unused (-1) exit; the block size and dynamic shared memory match the template
+        // instance (attribute set above). Memory is touched only after griddepcontrol.wait.
+        unsafe { self.launch_ex(&f_gu, gu_grid, (threads, smem as u32), true, &mut args) }?;
 
         // 3. down GEMM into y (pair order).
-        let cfg = LaunchConfig {
-            grid_dim: (
-                narrow::<u32>("moe hidden tiles", hidden.div_ceil(tile.bn))?,
-                blocks_y,
-                1,
-            ),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let mut launch = self.stream.launch_builder(&f_down);
-        launch
-            .arg(&act_p)
-            .arg(&w2_p)
-            .arg(&sorted_p)
-            .arg(&bexp_p)
-            .arg(&y_p)
-            .arg(&h_i)
-            .arg(&i_i)
-            .arg(&k_i);
-        // SAFETY: the arguments match the down entry (same signature as gate_up); act rows read
-        // are the sorted positions of used blocks, all written by step 2; w2 holds E * H * I
-        // elements; y (pairs * hidden, in the workspace) is written at row p < pairs only.
-        unsafe { launch.launch(cfg) }?;
+        let down_grid = (
+            narrow::<u32>("moe hidden tiles", hidden.div_ceil(tile.bn))?,
+            blocks_y,
+            1,
+        );
+        let mut args = kernel_args![act_p, w2_p, sorted_p, bexp_p, y_p, h_i, i_i, k_i];
+        // SAFETY: `args` points at the arguments of the down entry (same signature as gate_up)
+        // in order; act rows read are the sorted positions of used blocks, all written by step
+        // 2; w2 holds E * H * I elements; y (pairs * hidden, in the workspace) is written at row
+        // p < pairs only; block size and shared memory as for step 2.
+        unsafe { self.launch_ex(&f_down, down_grid, (threads, smem as u32), true, &mut args) }?;
 
         // 4. Weighted reduction into out.
-        let n = tokens * (hidden / 8);
-        let mut launch = self.stream.launch_builder(&f_red);
-        launch
-            .arg(&y_p)
-            .arg(&ids_p)
-            .arg(&tw_p)
-            .arg(&out_p)
-            .arg(&t_i)
-            .arg(&h_i)
-            .arg(&k_i)
-            .arg(&e_i);
-        // SAFETY: the arguments match `moe_reduce(const u16*, const int*, const float*, u16*,
-        // int, int, int, int)`; ids / weights hold pairs elements, y pairs * hidden (rows of
-        // valid ids were written by step 3, others are skipped), out tokens * hidden; hidden is a
-        // multiple of 8 and all pointers 16-byte aligned for the vector accesses; the
-        // grid-stride loop stays below tokens * hidden / 8.
-        unsafe { launch.launch(elementwise_cfg(n)) }?;
+        let cfg = elementwise_cfg(tokens * (hidden / 8));
+        let mut args = kernel_args![y_p, ids_p, tw_p, out_p, t_i, h_i, k_i, e_i];
+        // SAFETY: `args` points at the arguments of `moe_reduce(const u16*, const int*, const
+        // float*, u16*, int, int, int, int)` in order; ids / weights hold pairs elements, y
+        // pairs * hidden (rows of valid ids were written by step 3, others are skipped), out
+        // tokens * hidden; hidden is a multiple of 8 and all pointers 16-byte aligned for the
+        // vector accesses; the grid-stride loop stays below tokens * hidden / 8.
+        unsafe { self.launch_ex(&f_red, cfg.grid_dim, (cfg.block_dim.0, 0), true, &mut args) }?;
         Ok(())
     }
 }
