@@ -160,6 +160,30 @@ __device__ __forceinline__ void attn_grid_wait() {
 #endif
 }
 
+// The metadata step of a decode CTA (`attn_decode`, `attn_decode_tc`): false when the CTA
+// has nothing to do (its sequence has not exactly one query token, or the partition starting
+// at `start` lies past the context); else it waits for the predecessor grid and sets the query
+// row `qs`, the partition's tokens `n` and the sequence's partitions with work `np` (the same
+// in every CTA of the sequence). Launched with programmatic dependent
+// launch, the CTA may have started while its predecessor (the kernel writing q and this step's
+// K/V rows) drains: the metadata and block tables are written only by host copies before the
+// step's first kernel, so they are safe to read before the wait; q, the caches, ws, out and
+// the counters only after it.
+__device__ __forceinline__ bool attn_decode_begin(const int* __restrict__ qsl,
+    const int* __restrict__ seq_lens, int s, int start, int num_tokens, int part_size,
+    int max_parts, int& qs, int& n, int& np)
+{
+    qs = qsl[s];
+    const int qe = qsl[s + 1];
+    const int seq_len = seq_lens[s];
+    if (qe - qs != 1 || qs < 0 || qs >= num_tokens) return false;
+    if (start >= seq_len) return false;
+    attn_grid_wait();
+    n = min(part_size, seq_len - start);
+    np = min((seq_len + part_size - 1) / part_size, max_parts);
+    return true;
+}
+
 template <int HD, int GM>
 __device__ __forceinline__ void attn_decode(
     const u16* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
@@ -198,17 +222,9 @@ __device__ __forceinline__ void attn_decode(
         slot0[u] = kv_slot(btab, start + min(warp * TPW + u * TPS + tg, part_size - 1), bs, mbps,
                            num_blocks);
     }
-    const int qs = qsl[s], qe = qsl[s + 1], seq_len = seq_lens[s];
-    if (qe - qs != 1 || qs < 0 || qs >= num_tokens) return;
-    if (start >= seq_len) return;
-    // Launched with programmatic dependent launch, the CTA may have started while its
-    // predecessor (the kernel writing q and this step's K/V rows) drains: the metadata and block
-    // tables read above are written only by host copies before the step's first kernel, so they
-    // are safe to read before this wait; q, the caches, ws, out and the counters only after it.
-    attn_grid_wait();
-    const int n = min(part_size, seq_len - start);
-    // Partitions with work (the same in every CTA of the sequence).
-    const int np = min((seq_len + part_size - 1) / part_size, max_parts);
+    int qs, n, np;
+    if (!attn_decode_begin(qsl, seq_lens, s, start, num_tokens, part_size, max_parts, qs, n, np))
+        return;
     const int hbase = kvh * G + g0;
 
     float qr[GM][8];

@@ -49,14 +49,9 @@ __device__ __forceinline__ void attn_decode_tc(
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int start = part * part_size;
     const int* btab = bt + (size_t)s * mbps;
-    const int qs = qsl[s], qe = qsl[s + 1], seq_len = seq_lens[s];
-    if (qe - qs != 1 || qs < 0 || qs >= num_tokens) return;
-    if (start >= seq_len) return;
-    // The metadata above is host-written before the step's first kernel (see attn_decode);
-    // q, the caches, ws, out and the counters only after the predecessor has completed.
-    attn_grid_wait();
-    const int n = min(part_size, seq_len - start);
-    const int np = min((seq_len + part_size - 1) / part_size, max_parts);
+    int qs, n, np;
+    if (!attn_decode_begin(qsl, seq_lens, s, start, num_tokens, part_size, max_parts, qs, n, np))
+        return;
     const int hbase = kvh * G + g0;
     const int rows = min(GM, G - g0);
     const size_t tok_stride = (size_t)nkv * HD;
