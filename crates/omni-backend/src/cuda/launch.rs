@@ -3,7 +3,8 @@
 //! sizes narrowed to the integer types kernels and grids take ([`narrow`], [`grid_yz`]), and the
 //! two launch shapes several kernels share ([`elementwise_cfg`], [`block_threads`]).
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::sys::CUfunction_attribute_enum as FnAttr;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
 use super::{CudaError, CudaResult};
 
@@ -63,6 +64,21 @@ pub(crate) fn elementwise_cfg(n: usize) -> LaunchConfig {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Raises `f`'s dynamic shared memory limit to `bytes` (named `what` in the error when that
+/// does not fit an int) and returns them as a launch's `u32`. A host-side function attribute:
+/// legal during stream capture.
+pub(crate) fn max_dynamic_smem(
+    f: &CudaFunction,
+    what: &'static str,
+    bytes: usize,
+) -> CudaResult<u32> {
+    f.set_attribute(
+        FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        narrow::<i32>(what, bytes)?,
+    )?;
+    narrow::<u32>(what, bytes)
 }
 
 #[cfg(test)]

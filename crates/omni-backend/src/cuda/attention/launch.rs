@@ -10,7 +10,7 @@ use super::{
     MAX_PARTITION, REDUCE_THREADS, TC_TILE, decode_plan, decode_workspace_len, group_size,
     prefill_cfg, tc_smem_bytes,
 };
-use crate::cuda::launch::{aligned16, at_least, grid_yz, narrow, shape_err};
+use crate::cuda::launch::{aligned16, at_least, grid_yz, max_dynamic_smem, narrow, shape_err};
 use crate::cuda::{CudaContext, CudaResult, bf16};
 
 impl CudaContext {
@@ -202,13 +202,9 @@ impl CudaContext {
             );
             let (f, smem) = if tc {
                 let f = self.function(kernels.source, kernels.decode_tc)?;
-                let smem = tc_smem_bytes(sh.head_dim);
-                // Host-side function attributes only: legal during stream capture.
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    narrow::<i32>("decode shared memory", smem)?,
-                )?;
-                (f, narrow::<u32>("decode shared memory", smem)?)
+                let smem =
+                    max_dynamic_smem(&f, "decode shared memory", tc_smem_bytes(sh.head_dim))?;
+                (f, smem)
             } else {
                 (self.function(kernels.source, kernels.decode[tile_idx])?, 0)
             };

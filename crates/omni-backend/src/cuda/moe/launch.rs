@@ -10,7 +10,9 @@ use super::tiles::TileCfg;
 use super::{Layout, MOE_MAX_EXPERTS, MoeShape};
 #[cfg(doc)]
 use crate::cuda::CudaError;
-use crate::cuda::launch::{aligned16, block_threads, elementwise_cfg, grid_yz, narrow, shape_err};
+use crate::cuda::launch::{
+    aligned16, block_threads, elementwise_cfg, grid_yz, max_dynamic_smem, narrow, shape_err,
+};
 use crate::cuda::{CudaContext, CudaResult, bf16};
 
 /// Checks the expert count and top-k of a routing problem.
@@ -31,10 +33,7 @@ fn check_routing(num_experts: usize, top_k: usize) -> CudaResult<()> {
 /// Sets the dynamic shared memory limit (and the largest shared-memory carveout) a GEMM tile
 /// needs. Host-side function attributes only: legal during stream capture.
 fn set_smem(f: &CudaFunction, bytes: usize) -> CudaResult<()> {
-    f.set_attribute(
-        FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        narrow::<i32>("moe shared memory", bytes)?,
-    )?;
+    max_dynamic_smem(f, "moe shared memory", bytes)?;
     f.set_attribute(
         FnAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
         100,
@@ -201,7 +200,7 @@ impl CudaContext {
             return Ok(());
         }
         // Every int the kernels take, and the row products they form in int.
-        let (h_i, i_i, e_i, k_i, t_i) = (
+        let (mut h_i, mut i_i, mut e_i, mut k_i, mut t_i) = (
             narrow::<i32>("hidden", hidden)?,
             narrow::<i32>("inter", inter)?,
             narrow::<i32>("num_experts", num_experts)?,
@@ -209,9 +208,9 @@ impl CudaContext {
             narrow::<i32>("tokens", tokens)?,
         );
         narrow::<i32>("2 * inter", 2 * inter)?;
-        let p_i = narrow::<i32>("tokens * top_k", pairs)?;
-        let bm_i = narrow::<i32>("moe tile rows", tile.bm)?;
-        let mb_i = narrow::<i32>("moe row blocks", lay.max_blocks)?;
+        let mut p_i = narrow::<i32>("tokens * top_k", pairs)?;
+        let mut bm_i = narrow::<i32>("moe tile rows", tile.bm)?;
+        let mut mb_i = narrow::<i32>("moe row blocks", lay.max_blocks)?;
         narrow::<i32>("moe sorted rows", lay.max_blocks * tile.bm)?;
         let blocks_y = grid_yz("moe row blocks (grid y, at most 65535)", lay.max_blocks)?;
 
@@ -223,31 +222,26 @@ impl CudaContext {
         set_smem(&f_gu, smem)?;
         set_smem(&f_down, smem)?;
 
-        let (x_p, _gx) = x.device_ptr(&self.stream);
-        let (w13_p, _g13) = w13.device_ptr(&self.stream);
-        let (w2_p, _g2) = w2.device_ptr(&self.stream);
-        let (ids_p, _gi) = topk_ids.device_ptr(&self.stream);
-        let (tw_p, _gw) = topk_weights.device_ptr(&self.stream);
-        let (out_p, _go) = out.device_ptr_mut(&self.stream);
+        let (mut x_p, _gx) = x.device_ptr(&self.stream);
+        let (mut w13_p, _g13) = w13.device_ptr(&self.stream);
+        let (mut w2_p, _g2) = w2.device_ptr(&self.stream);
+        let (mut ids_p, _gi) = topk_ids.device_ptr(&self.stream);
+        let (mut tw_p, _gw) = topk_weights.device_ptr(&self.stream);
+        let (mut out_p, _go) = out.device_ptr_mut(&self.stream);
         let (ws_p, _gws) = workspace.device_ptr_mut(&self.stream);
         aligned16("fused moe x", x_p)?;
         aligned16("fused moe w13", w13_p)?;
         aligned16("fused moe w2", w2_p)?;
         aligned16("fused moe out", out_p)?;
         aligned16("fused moe workspace", ws_p)?;
-        let sorted_p = ws_p + lay.sorted as u64;
-        let bexp_p = ws_p + lay.block_expert as u64;
-        let act_p = ws_p + lay.act as u64;
-        let y_p = ws_p + lay.y as u64;
+        let mut sorted_p = ws_p + lay.sorted as u64;
+        let mut bexp_p = ws_p + lay.block_expert as u64;
+        let mut act_p = ws_p + lay.act as u64;
+        let mut y_p = ws_p + lay.y as u64;
 
         // Launched with programmatic dependent launch: each kernel's first statement lets the
         // next one launch and then waits for its predecessor (`moe_pdl_enter`), so the launch
         // gaps of the four kernels overlap their predecessors' tails.
-        let (mut ids_p, mut tw_p, mut out_p, mut sorted_p, mut bexp_p, mut act_p, mut y_p) =
-            (ids_p, tw_p, out_p, sorted_p, bexp_p, act_p, y_p);
-        let (mut x_p, mut w13_p, mut w2_p) = (x_p, w13_p, w2_p);
-        let (mut h_i, mut i_i, mut e_i, mut k_i, mut t_i, mut p_i, mut bm_i, mut mb_i) =
-            (h_i, i_i, e_i, k_i, t_i, p_i, bm_i, mb_i);
 
         // 1. Alignment by expert.
         let align_threads = block_threads(pairs.max(num_experts), 1024);

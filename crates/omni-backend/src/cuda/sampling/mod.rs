@@ -43,11 +43,10 @@
 //! reproduced faithfully; everything else is drawn from the exactly filtered, renormalized
 //! distribution.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::kernels::kernel_file;
-use super::launch::{narrow, shape_err};
+use super::launch::{max_dynamic_smem, narrow, shape_err};
 use super::{CudaContext, CudaError, CudaResult};
 
 #[cfg(test)]
@@ -195,15 +194,15 @@ impl CudaContext {
         let dparams = self.stream.clone_htod(&words)?;
 
         let f = self.function(sampling_source, SAMPLE_FN)?;
-        let smem = SMEM_CANDIDATES * std::mem::size_of::<u64>();
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            narrow::<i32>("sampling shared memory", smem)?,
+        let smem = max_dynamic_smem(
+            &f,
+            "sampling shared memory",
+            SMEM_CANDIDATES * std::mem::size_of::<u64>(),
         )?;
         let cfg = LaunchConfig {
             grid_dim: (rows_u32, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem as u32,
+            shared_mem_bytes: smem,
         };
         {
             let (lp, _lg) = logits.device_ptr(&self.stream);
