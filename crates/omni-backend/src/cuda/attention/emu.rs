@@ -519,6 +519,24 @@ pub(super) fn unfused_plan(shape: &AttnShape) -> DecodePlan {
     }
 }
 
+/// `plan` on the tensor-core kernel (with its tile).
+pub(super) fn tensor_core_plan(plan: DecodePlan) -> DecodePlan {
+    DecodePlan {
+        tile: TC_TILE,
+        tc: true,
+        ..plan
+    }
+}
+
+/// `shape`'s plan on the CUDA-core kernel with whole GQA groups per CTA.
+pub(super) fn cuda_core_plan(shape: &AttnShape) -> DecodePlan {
+    DecodePlan {
+        tile: group_tiling(shape).0,
+        tc: false,
+        ..decode_plan(shape)
+    }
+}
+
 /// A decode step's shape for the plan tests: `num_seqs` sequences of at most `max_seq_len`
 /// tokens, `heads` query and `nkv` KV heads of 128.
 fn decode_shape(num_seqs: usize, heads: usize, nkv: usize, max_seq_len: usize) -> AttnShape {
@@ -634,31 +652,18 @@ fn emulated_decode_matches_the_reference_for_every_plan() {
                         fused: false,
                         ..decode_plan(&sh)
                     },
-                    DecodePlan {
-                        tile: group_tiling(&sh).0,
-                        tc: false,
-                        ..decode_plan(&sh)
-                    },
+                    cuda_core_plan(&sh),
                     // The tensor-core kernel on every shape: its own partitions, the finest
                     // ones, and unfused.
-                    DecodePlan {
-                        tile: TC_TILE,
-                        tc: true,
-                        ..decode_plan(&sh)
-                    },
-                    DecodePlan {
-                        tile: TC_TILE,
-                        tc: true,
+                    tensor_core_plan(decode_plan(&sh)),
+                    tensor_core_plan(DecodePlan {
                         part: MIN_PARTITION,
                         parts: bound.div_ceil(MIN_PARTITION),
                         fused: bound.div_ceil(MIN_PARTITION) <= MAX_FUSED_PARTS,
                         pdl: true,
-                    },
-                    DecodePlan {
-                        tile: TC_TILE,
-                        tc: true,
                         ..unfused_plan(&sh)
-                    },
+                    }),
+                    tensor_core_plan(unfused_plan(&sh)),
                 ];
                 for plan in plans {
                     assert!(decode_workspace_len(&sh, plan.parts) <= dev.ws.len());

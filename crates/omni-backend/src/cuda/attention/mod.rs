@@ -96,15 +96,6 @@ const TC_TILE: usize = 8;
 /// Smallest GQA group the tensor-core decode kernel serves: below it the CUDA-core kernel's
 /// arithmetic per K/V byte is low enough to stream at the memory's rate.
 const TC_MIN_GROUP: usize = 4;
-/// Set to `0`, every decode stays on the CUDA-core kernel (to measure the tensor-core one
-/// against it in one build: `scripts/gpu-check.sh ab-tc`). Read once per process.
-pub const DECODE_TC_ENV: &str = "OMNI_CUDA_DECODE_TC";
-
-/// Whether [`DECODE_TC_ENV`] leaves the tensor-core decode kernel on (the default).
-fn tc_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(DECODE_TC_ENV).map_or(true, |v| v != "0"))
-}
 /// Threads of a decode CTA (the kernel assumes 4 warps).
 const DECODE_THREADS: u32 = 128;
 /// Threads of the decode reduce kernel.
@@ -121,6 +112,16 @@ const ATTN_COUNTERS: usize = 1 << 15;
 /// Most partitions a fused merge takes (its weights and sums share the kernel's score buffer,
 /// `ATTN_MAXPART` floats per query head).
 const MAX_FUSED_PARTS: usize = MAX_PARTITION / 2;
+
+/// Set to `0`, every decode stays on the CUDA-core kernel (to measure the tensor-core one
+/// against it in one build: `scripts/gpu-check.sh ab-tc`). Read once per process.
+pub const DECODE_TC_ENV: &str = "OMNI_CUDA_DECODE_TC";
+
+/// Whether [`DECODE_TC_ENV`] leaves the tensor-core decode kernel on (the default).
+fn tc_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(DECODE_TC_ENV).map_or(true, |v| v != "0"))
+}
 
 /// How one decode call is launched: a pure function of the host scalars ([`decode_plan`]), so a
 /// CUDA graph captured for a shape replays the same grid.
@@ -143,8 +144,9 @@ struct DecodePlan {
 }
 
 /// Tokens per decode partition for `shape`: 512, halved while the grid would have fewer than
-/// [`DECODE_MIN_CTAS`] CTAs ([`TC_MIN_CTAS`] on tensor cores; down to [`MIN_PARTITION`]), and whether the merge is fused (the
-/// grid's groups fit [`ATTN_COUNTERS`] and it has at most [`MAX_FUSED_PARTS`] partitions).
+/// [`DECODE_MIN_CTAS`] CTAs ([`TC_MIN_CTAS`] on tensor cores; down to [`MIN_PARTITION`]), and
+/// whether the merge is fused (the grid's groups fit [`ATTN_COUNTERS`] and it has at most
+/// [`MAX_FUSED_PARTS`] partitions).
 ///
 /// A grid that stays small even at the smallest partitions (batch 1: a few KV heads) serves
 /// at most 4 query heads per CTA: twice the CTAs (each K/V row is read twice, the second time
@@ -216,11 +218,11 @@ fn group_tiling(shape: &AttnShape) -> (usize, usize) {
 ///
 /// The bound, not the plan of `shape` itself: [`decode_plan`]'s partitions are not monotone in
 /// the shape (64 sequences of 3,000 tokens over 4 KV heads take 12 partitions of 256 tokens on
-/// the CUDA-core kernel; of 4,096, 8 of 512). The tensor-core kernel halves below
-/// [`TC_MIN_CTAS`] < [`DECODE_MIN_CTAS`] CTAs, so the argument below covers it too. Over (sequences n, partitions p) of any plan: with the largest partition, n * p is
-/// at most `num_seqs * ceil(max_seq_len / 512)`; with a smaller one, the halving before it
-/// left fewer than [`DECODE_MIN_CTAS`] CTAs, so the grid's `num_kv_heads * chunks * n * p` is
-/// below twice that; and never above `num_seqs * ceil(max_seq_len / 32)`.
+/// the CUDA-core kernel; of 4,096, 8 of 512). Over (sequences n, partitions p) of any plan:
+/// with the largest partition, n * p is at most `num_seqs * ceil(max_seq_len / 512)`; with a
+/// smaller one, the halving before it left fewer than [`DECODE_MIN_CTAS`] CTAs (fewer than
+/// [`TC_MIN_CTAS`] < [`DECODE_MIN_CTAS`] on tensor cores), so the grid's `num_kv_heads *
+/// chunks * n * p` is below twice that; and never above `num_seqs * ceil(max_seq_len / 32)`.
 pub fn paged_attention_workspace_len(shape: &AttnShape) -> usize {
     if shape.max_query_len != 1 || shape.max_seq_len <= MIN_PARTITION {
         return 0;

@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::emu::unfused_plan;
+use super::emu::{cuda_core_plan, tensor_core_plan, unfused_plan};
 use super::source::{REDUCE_FN, hd_kernels, reduce_source};
 use super::*;
 use crate::attention::{AttentionMetadata, LayerKvCache, paged_attention, reshape_and_cache};
@@ -356,17 +356,9 @@ fn paged_attention_decode_batches_match_cpu() {
             };
             fx.check_plan(&cx, "decode fused 32-token partitions", &sh, fine);
             // The tensor-core kernel, whatever the group size, fused and not.
-            let tc = DecodePlan {
-                tile: TC_TILE,
-                tc: true,
-                ..fine
-            };
+            let tc = tensor_core_plan(fine);
             fx.check_plan(&cx, "decode tensor cores 32-token partitions", &sh, tc);
-            let tc = DecodePlan {
-                tile: TC_TILE,
-                tc: true,
-                ..unfused_plan(&sh)
-            };
+            let tc = tensor_core_plan(unfused_plan(&sh));
             fx.check_plan(&cx, "decode tensor cores unfused", &sh, tc);
             // The same decodes through the tensor-core path (max_query_len an upper bound).
             let sh = fx.shape(2, fx.max_ctx);
@@ -385,12 +377,12 @@ fn paged_attention_decode_batches_match_cpu() {
         );
         assert!(decode_plan(&sh).tc, "{:?}", decode_plan(&sh));
         fx.check(&cx, "large decode batch (tensor cores)", &sh);
-        let cuda_cores = DecodePlan {
-            tile: group_tiling(&sh).0,
-            tc: false,
-            ..decode_plan(&sh)
-        };
-        fx.check_plan(&cx, "large decode batch (CUDA cores)", &sh, cuda_cores);
+        fx.check_plan(
+            &cx,
+            "large decode batch (CUDA cores)",
+            &sh,
+            cuda_core_plan(&sh),
+        );
     }
 }
 

@@ -8,7 +8,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use super::emu::unfused_plan;
+use super::emu::{cuda_core_plan, tensor_core_plan, unfused_plan};
 use super::tests::Lcg;
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, eager_us, graph_us, rand_bf16_f32};
@@ -113,31 +113,14 @@ fn fused(shape: &AttnShape, part: usize) -> DecodePlan {
         tc: false,
     }
 }
-fn now_whole_groups(shape: &AttnShape) -> DecodePlan {
-    DecodePlan {
-        tile: group_tiling(shape).0,
-        ..decode_plan(shape)
-    }
-}
 fn now_without_pdl(shape: &AttnShape) -> DecodePlan {
     DecodePlan {
         pdl: false,
         ..decode_plan(shape)
     }
 }
-fn cuda_cores(shape: &AttnShape) -> DecodePlan {
-    DecodePlan {
-        tile: group_tiling(shape).0,
-        tc: false,
-        ..decode_plan(shape)
-    }
-}
 fn tensor_cores(shape: &AttnShape, part: usize) -> DecodePlan {
-    DecodePlan {
-        tile: TC_TILE,
-        tc: true,
-        ..fused(shape, part)
-    }
+    tensor_core_plan(fused(shape, part))
 }
 fn tc32(shape: &AttnShape) -> DecodePlan {
     tensor_cores(shape, 32)
@@ -175,7 +158,7 @@ fn attention_decode_timing() {
         now,
         unfused,
         ("now-no-pdl", now_without_pdl),
-        ("now-whole-groups", now_whole_groups),
+        ("now-whole-groups", cuda_core_plan),
         ("fused-32", fused32),
         ("fused-64", fused64),
         ("fused-128", fused128),
@@ -183,7 +166,7 @@ fn attention_decode_timing() {
     ];
     let large: [(&str, PlanOf); 6] = [
         now,
-        ("cuda-cores", cuda_cores),
+        ("cuda-cores", cuda_core_plan),
         ("tc-128", tc128),
         ("tc-256", tc256),
         ("tc-512", tc512),
