@@ -43,6 +43,13 @@
 #   ab-tc   decode attention on tensor cores against the CUDA-core kernel in one build: the
 #           attention kernel tests and timings, then bench latency (batch 1/16/64) and an eager
 #           per-kernel profile (batch 64) of both shapes with OMNI_CUDA_DECODE_TC=0 and 1
+#   ab-moe  MoE prefill on cuBLAS's grouped GEMM against the in-house kernels in one build:
+#           backend-tests cuda::moe::tests (checks on every path, timings), then bench latency
+#           and an eager per-kernel profile of the Qwen3-30B-A3B shape with
+#           OMNI_CUDA_MOE_CUBLAS=0 and 1
+#   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
+#           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
+#           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
 #   cold    cold start to /health and requests 1..10 one at a time (scripts/bench-cold-start.sh)
 #           for the Qwen3-30B-A3B shape (dummy weights): request 1 must be as fast as the rest
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
@@ -98,7 +105,7 @@ step() { # name, command...
   timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
-  grep -E '^(SKIP|NCCL|\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  B=|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
+  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T|paths|cublas|dense)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
   [ $rc -ne 0 ] && fail=1
   return 0
 }
@@ -218,6 +225,33 @@ if want ab-tc; then
         --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 64 \
         --input-len 1024 --output-len 32 --prefill-len 2048
     done
+  done
+fi
+
+if want ab-moe; then
+  step moe-kernels "$BIN/backend-tests" cuda::moe::tests --test-threads=1 --nocapture
+  for c in 0 1; do
+    OMNI_STEP_TIMING=16 OMNI_CUDA_MOE_CUBLAS=$c step "moe-cublas$c-latency" "$BIN/omni-engine" bench latency \
+      --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --max-model-len 4096 \
+      --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,64 --input-len 1024 \
+      --output-len 32 --prefill-len 2048 --json "$LOGS/moe-cublas$c-latency.json"
+  done
+  for c in 0 1; do
+    OMNI_CUDA_MOE_CUBLAS=$c OMNI_CUDA_PROFILE=4 step "moe-cublas$c-profile" "$BIN/omni-engine" \
+      bench latency --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
+      --enforce-eager --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 \
+      --batch-sizes 1 --input-len 1024 --output-len 8 --prefill-len 2048
+  done
+fi
+
+if want peer; then
+  # The same shapes on Hugging Face transformers + torch.compile (random weights, static cache).
+  PEER_PY=${PEER_PYTHON:-/opt/torch/.venv/bin/python}
+  [ -x "$PEER_PY" ] || PEER_PY=python3
+  for m in ${PEER_MODELS:-qwen3-30b-a3b qwen3-8b}; do
+    step "peer-$m" "$PEER_PY" scripts/bench-hf-peer.py --model "bench/models/$m" \
+      --batch-sizes "${PEER_BATCHES:-1,8}" --input-len 1024 --output-len 64 --prefill-len 2048 \
+      --json "$LOGS/peer-$m.json"
   done
 fi
 

@@ -62,55 +62,76 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned sh
         x[i] += bf2f(b[i % cols]);
 }
 
-// One block per (token, head) over q heads then kv heads of this rank. Thread i < hd/2 owns the
-// rotary pair (i, i + hd/2). qkv row = [q heads | k heads | v heads] * hd.
-extern "C" __global__ void qkv_rope_cache_bf16(const unsigned short* __restrict__ qkv,
-        unsigned short* __restrict__ q_out, unsigned short* __restrict__ k_cache,
-        unsigned short* __restrict__ v_cache, const int* __restrict__ positions,
-        const long long* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-        const unsigned short* __restrict__ q_norm, const unsigned short* __restrict__ k_norm,
-        const unsigned char* __restrict__ mrope_axes, long long pos_stride,
-        int lq, int lkv, int hd, float eps) {
-    __shared__ float sh[32];
+// One warp per (token, head) over q heads then kv heads of this rank, QKR_WARPS heads per
+// block. Lane l owns the rotary pairs (i, i + hd/2) for i = l, l + 32, ... < hd/2 (hd <= 256).
+// qkv row = [q heads | k heads | v heads] * hd.
+#define QKR_WARPS 4
+#define QKR_MAX_PAIRS 4
+extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16(
+        const unsigned short* __restrict__ qkv, unsigned short* __restrict__ q_out,
+        unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache,
+        const int* __restrict__ positions, const long long* __restrict__ slot_mapping,
+        const float* __restrict__ inv_freq, const unsigned short* __restrict__ q_norm,
+        const unsigned short* __restrict__ k_norm, const unsigned char* __restrict__ mrope_axes,
+        long long pos_stride, int tokens, int lq, int lkv, int hd, float eps) {
     const int heads = lq + lkv;
-    const int t = blockIdx.x / heads, hh = blockIdx.x - t * heads;
-    const int half = hd >> 1, i = threadIdx.x;
+    const long long w = (long long)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);
+    if (w >= (long long)tokens * heads) return;  // whole warps
+    const long long t = w / heads;
+    const int hh = (int)(w - t * heads);
+    const int half = hd >> 1, lane = threadIdx.x & 31;
     const size_t row = (size_t)(lq + 2 * lkv) * hd;
-    const unsigned short* src;
-    const unsigned short* nw;
-    if (hh < lq) { src = qkv + t * row + (size_t)hh * hd; nw = q_norm; }
-    else { src = qkv + t * row + (size_t)(lq + (hh - lq)) * hd; nw = k_norm; }
-    float a = 0.f, b = 0.f;
-    if (i < half) { a = bf2f(src[i]); b = bf2f(src[i + half]); }
-    if (nw) {
-        float inv = rsqrtf(block_sum(a * a + b * b, sh) / (float)hd + eps);
-        if (i < half) { a = a * inv * bf2f(nw[i]); b = b * inv * bf2f(nw[i + half]); }
+    const unsigned short* src = qkv + t * row + (size_t)hh * hd;
+    const unsigned short* nw = hh < lq ? q_norm : k_norm;
+    float a[QKR_MAX_PAIRS], b[QKR_MAX_PAIRS];
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < QKR_MAX_PAIRS; ++u) {
+        const int i = lane + 32 * u;
+        a[u] = 0.f;
+        b[u] = 0.f;
+        if (i < half) {
+            a[u] = bf2f(src[i]);
+            b[u] = bf2f(src[i + half]);
+            ss += a[u] * a[u] + b[u] * b[u];
+        }
     }
-    float ra = 0.f, rb = 0.f;
-    if (i < half) {
+    if (nw) {
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = rsqrtf(ss / (float)hd + eps);
+#pragma unroll
+        for (int u = 0; u < QKR_MAX_PAIRS; ++u) {
+            const int i = lane + 32 * u;
+            if (i < half) {
+                a[u] = a[u] * inv * bf2f(nw[i]);
+                b[u] = b[u] * inv * bf2f(nw[i + half]);
+            }
+        }
+    }
+    long long slot = -1;
+    if (hh >= lq) {
+        slot = slot_mapping[t];
+        if (slot < 0) return;  // whole warps
+    }
+    const int j = hh - lq;
+    unsigned short* dst = hh < lq ? q_out + ((size_t)t * lq + hh) * hd
+                                  : k_cache + ((size_t)slot * lkv + j) * hd;
+#pragma unroll
+    for (int u = 0; u < QKR_MAX_PAIRS; ++u) {
+        const int i = lane + 32 * u;
+        if (i >= half) continue;
         // M-RoPE: frequency i turns by the temporal, height or width row of the positions.
         const long long axis = mrope_axes ? (long long)mrope_axes[i] : 0;
         const float p = (float)positions[axis * pos_stride + t];
-        float s, c;
-        sincosf(p * inv_freq[i], &s, &c);
-        ra = a * c - b * s;
-        rb = b * c + a * s;
+        float sn, cs;
+        sincosf(p * inv_freq[i], &sn, &cs);
+        dst[i] = f2bf(a[u] * cs - b[u] * sn);
+        dst[i + half] = f2bf(b[u] * cs + a[u] * sn);
     }
-    if (hh < lq) {
-        unsigned short* dst = q_out + ((size_t)t * lq + hh) * hd;
-        if (i < half) { dst[i] = f2bf(ra); dst[i + half] = f2bf(rb); }
-        return;
-    }
-    const long long slot = slot_mapping[t];
-    if (slot < 0) return;
-    const int j = hh - lq;
-    unsigned short* kd = k_cache + ((size_t)slot * lkv + j) * hd;
+    if (hh < lq) return;
     unsigned short* vd = v_cache + ((size_t)slot * lkv + j) * hd;
     const unsigned short* vs = qkv + t * row + (size_t)(lq + lkv + j) * hd;
-    if (i < half) {
-        kd[i] = f2bf(ra); kd[i + half] = f2bf(rb);
-        vd[i] = vs[i]; vd[i + half] = vs[i + half];
-    }
+    for (int i = lane; i < hd; i += 32) vd[i] = vs[i];
 }
 
 // dst[rows[r], :] += src[r, :] for r < m (rows distinct): the deepstack residual additions.

@@ -37,6 +37,7 @@ pub mod process;
 pub mod sampler;
 pub mod shm_all_reduce;
 pub mod step_model;
+pub mod step_timing;
 pub mod worker;
 
 pub use load_progress::LoadProgress;

@@ -20,6 +20,7 @@ use crate::load_progress::LoadProgress;
 use crate::model_runner::ModelRunner;
 use crate::peers::{PeerLinks, PipelineLink};
 use crate::step_model::{CpuStepModel, StepModel};
+use crate::step_timing::StepTiming;
 
 /// One rank: loads its shard (its tensor-parallel slice of its pipeline stage's layers), holds
 /// its KV cache, runs steps.
@@ -37,6 +38,8 @@ pub struct Worker {
     rank: u32,
     group: TpGroup,
     runner: Option<ModelRunner>,
+    /// `OMNI_STEP_TIMING` (output rank only).
+    timing: Option<StepTiming>,
 }
 
 /// How a worker reaches its peers.
@@ -62,6 +65,7 @@ impl Worker {
             rank,
             group: TpGroup::Given(all_reduce),
             runner: None,
+            timing: None,
         }
     }
 
@@ -77,6 +81,7 @@ impl Worker {
                 links: Some(Box::new(links)),
             },
             runner: None,
+            timing: StepTiming::from_env(),
         }
     }
 
@@ -174,7 +179,20 @@ impl Worker {
     pub fn execute_model(&mut self, so: &SchedulerOutput, buffers: &[&[u8]]) -> WorkerResponse {
         let rank = self.rank;
         let output_rank = self.is_output_rank();
-        match self.runner_mut().and_then(|r| r.execute_model(so, buffers)) {
+        let start = std::time::Instant::now();
+        let result = self.runner_mut().and_then(|r| r.execute_model(so, buffers));
+        if let Some(t) = self
+            .timing
+            .as_mut()
+            .filter(|_| output_rank && !so.is_empty())
+        {
+            let tokens = u64::from(so.total_num_scheduled_tokens);
+            let decode = so.num_scheduled_tokens.values().all(|&n| n == 1);
+            if let Some(line) = t.record(start, tokens, decode) {
+                tracing::info!(rank, "step timing: {line}");
+            }
+        }
+        match result {
             Ok(out) if output_rank => WorkerResponse::ModelRunnerOutput(out),
             Ok(_) => WorkerResponse::Ready { rank },
             Err(e) => self.error(e),

@@ -52,9 +52,11 @@ __device__ __forceinline__ void attn_prefill(
     constexpr int QPT = BM * C / NT, KPT = BN * C / NT, RSTEP = NT / C;
     static_assert(NT % C == 0 && (BM * C) % NT == 0 && (BN * C) % NT == 0, "tile shape");
     static_assert(BN % 16 == 0 && HD % 16 == 0, "mma shape");
-    __shared__ __align__(128) u16 sQ[BM * HD];
-    __shared__ __align__(128) u16 sK[BN * HD];
-    __shared__ __align__(128) u16 sV[BN * HD];
+    // Dynamic shared memory, (BM + 2 BN) * HD bf16: the Q tile, then one K and one V tile.
+    extern __shared__ __align__(128) u16 apf_smem[];
+    u16* sQ = apf_smem;
+    u16* sK = sQ + BM * HD;
+    u16* sV = sK + BN * HD;
 
     const int s = blockIdx.z, h = blockIdx.y;
     const int qt = gridDim.x - 1 - blockIdx.x;

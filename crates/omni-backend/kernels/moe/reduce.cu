@@ -1,11 +1,14 @@
 // Weighted sum of each token's expert outputs.
 // Prepended by the Rust side: bf16.cuh, moe/ptx.cuh, moe/common.cuh (src/cuda/moe/source.rs).
 
-// ---- weighted reduction: out[t, :] = sum over slots (in order) of w[t, s] * y[t * k + s, :];
-// slots with an expert id outside [0, E) contribute nothing. 8 columns per thread.
+// ---- weighted reduction: out[t, :] = sum over slots (in order) of w[t, s] * y[row(p), :] for
+// the pair p = t * k + s, where row(p) = p, or inv[p] when `inv` is not null (the cuBLAS path
+// keeps y in expert order); slots with an expert id outside [0, E) contribute nothing. 8 columns
+// per thread.
 extern "C" __global__ void moe_reduce(
         const unsigned short* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ wts,
-        unsigned short* __restrict__ out, int tokens, int hidden, int top_k, int num_experts) {
+        const int* __restrict__ inv, unsigned short* __restrict__ out, int tokens, int hidden,
+        int top_k, int num_experts) {
     moe_pdl_enter();
     const int vpr = hidden >> 3;
     const long long n = (long long)tokens * vpr;
@@ -20,7 +23,8 @@ extern "C" __global__ void moe_reduce(
             const int e = ids[p];
             if (e < 0 || e >= num_experts) continue;
             const float wv = wts[p];
-            const uint4 v = *reinterpret_cast<const uint4*>(y + p * hidden + c);
+            const long long row = inv ? (long long)inv[p] : p;
+            const uint4 v = *reinterpret_cast<const uint4*>(y + row * hidden + c);
             const unsigned u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int q = 0; q < 4; ++q) {

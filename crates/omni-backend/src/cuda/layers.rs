@@ -31,6 +31,10 @@ const LAYERS: &str = kernel_file!("layers.cu");
 const FUSED_ADD_RMSNORM_FN: &str = "fused_add_rmsnorm_f32res";
 const ADD_BIAS_F32_FN: &str = "add_bias_f32";
 const QKV_ROPE_CACHE_FN: &str = "qkv_rope_cache_bf16";
+/// Heads (warps) per block of `qkv_rope_cache_bf16` (its `QKR_WARPS`).
+const QKV_ROPE_WARPS: usize = 4;
+/// Largest head_dim of `qkv_rope_cache_bf16` (`QKR_MAX_PAIRS` rotary pairs a lane).
+const QKV_ROPE_MAX_HEAD_DIM: usize = 256;
 const EMBEDDING_IDS_FN: &str = "embedding_ids_bf16";
 const ADD_ROWS_F32_FN: &str = "add_rows_f32";
 const ADD_BIAS_FN: &str = "add_bias_bf16";
@@ -291,15 +295,27 @@ impl CudaContext {
             crate::check_len("cuda qkv q_norm", qn.len(), head_dim)?;
             crate::check_len("cuda qkv k_norm", kn.len(), head_dim)?;
         }
-        let blocks = tokens * (q_heads + kv_heads);
-        if blocks == 0 {
+        if head_dim > QKV_ROPE_MAX_HEAD_DIM {
+            return Err(shape_err(
+                "cuda qkv rope head_dim (at most 256)",
+                QKV_ROPE_MAX_HEAD_DIM,
+                head_dim,
+            ));
+        }
+        let warps = tokens * (q_heads + kv_heads);
+        if warps == 0 {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (narrow::<u32>("tokens * heads", blocks)?, 1, 1),
-            block_dim: (block_threads(head_dim / 2, 1024), 1, 1),
+            grid_dim: (
+                narrow::<u32>("tokens * heads / 4", warps.div_ceil(QKV_ROPE_WARPS))?,
+                1,
+                1,
+            ),
+            block_dim: (32 * QKV_ROPE_WARPS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
+        let tokens_i = narrow::<i32>("tokens", tokens)?;
         let (lq, lkv, hd) = (
             narrow::<i32>("q_heads", q_heads)?,
             narrow::<i32>("kv_heads", kv_heads)?,
@@ -338,6 +354,7 @@ impl CudaContext {
             .arg(&kn)
             .arg(&axes)
             .arg(&stride)
+            .arg(&tokens_i)
             .arg(&lq)
             .arg(&lkv)
             .arg(&hd)
@@ -348,8 +365,9 @@ impl CudaContext {
         // with M-RoPE the axes hold head_dim / 2 values in 0..3 (from `MropeLayout`) and the
         // positions three rows of `row_stride >= tokens` (checked above). The
         // caller guarantees every non-negative slot is inside the caches (they are produced by
-        // the block manager from block ids validated against the cache size). One block per
-        // (token, head), threads >= head_dim / 2 and a multiple of 32, at most 1024.
+        // the block manager from block ids validated against the cache size). One warp per
+        // (token, head), QKV_ROPE_WARPS per block as the kernel's QKR_WARPS (warps past
+        // tokens * heads return), head_dim <= 256 (checked above; QKR_MAX_PAIRS pairs a lane).
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }

@@ -7,8 +7,8 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use super::source::{REDUCE_FN, hd_kernels, reduce_source};
 use super::{
     ATTN_COUNTERS, AttnShape, DECODE_THREADS, DecodePlan, GROUP_TILES, MAX_FUSED_PARTS,
-    MAX_PARTITION, REDUCE_THREADS, TC_TILE, decode_plan, decode_workspace_len, group_size,
-    prefill_cfg, tc_smem_bytes,
+    MAX_PARTITION, PrefillTile, REDUCE_THREADS, TC_TILE, decode_plan, decode_workspace_len,
+    group_size, prefill_cfg, tc_smem_bytes,
 };
 use crate::cuda::launch::{aligned16, at_least, grid_yz, max_dynamic_smem, narrow, shape_err};
 use crate::cuda::{CudaContext, CudaResult, bf16};
@@ -72,6 +72,40 @@ impl CudaContext {
         workspace: &mut impl DevicePtrMut<f32>,
         shape: &AttnShape,
         plan: DecodePlan,
+    ) -> CudaResult<()> {
+        let kernels = hd_kernels(shape.head_dim)?;
+        let prefill = (prefill_cfg(shape.head_dim), kernels.prefill);
+        self.paged_attention_tiled(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            workspace,
+            shape,
+            plan,
+            prefill,
+        )
+    }
+
+    /// [`Self::paged_attention_planned`] with the prefill path on `prefill` (a tiling and the
+    /// entry point instantiating it: the prefill timing compares tilings).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn paged_attention_tiled(
+        &self,
+        q: &impl DevicePtr<bf16>,
+        k_cache: &impl DevicePtr<bf16>,
+        v_cache: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        query_start_loc: &impl DevicePtr<i32>,
+        seq_lens: &impl DevicePtr<i32>,
+        block_tables: &impl DevicePtr<i32>,
+        workspace: &mut impl DevicePtrMut<f32>,
+        shape: &AttnShape,
+        plan: DecodePlan,
+        (tile, prefill_fn): (PrefillTile, &'static str),
     ) -> CudaResult<()> {
         let sh = *shape;
         let kernels = hd_kernels(sh.head_dim)?;
@@ -278,18 +312,22 @@ impl CudaContext {
                 unsafe { launch.launch(cfg) }?;
             }
         } else {
-            let (warps, _, _) = prefill_cfg(sh.head_dim);
-            let bm = 16 * warps;
+            let bm = 16 * tile.warps;
+            let f = self.function(kernels.source, prefill_fn)?;
+            let smem = max_dynamic_smem(
+                &f,
+                "attention prefill shared memory",
+                tile.smem_bytes(sh.head_dim),
+            )?;
             let cfg = LaunchConfig {
                 grid_dim: (
                     narrow::<u32>("query tiles", sh.max_query_len.div_ceil(bm))?,
                     grid_yz("num_heads", sh.num_heads)?,
                     seqs,
                 ),
-                block_dim: (32 * warps as u32, 1, 1),
-                shared_mem_bytes: 0,
+                block_dim: (32 * tile.warps as u32, 1, 1),
+                shared_mem_bytes: smem,
             };
-            let f = self.function(kernels.source, kernels.prefill)?;
             let mut launch = self.stream.launch_builder(&f);
             launch
                 .arg(&qp)
@@ -307,8 +345,9 @@ impl CudaContext {
                 .arg(&mbps)
                 .arg(&scale_log2);
             // SAFETY: the arguments match `attn_prefill_hd*(const u16* x3, u16*, const int* x3,
-            // int x6, float)`; the block has 32 * warps threads as the template instance
-            // assumes and uses only static shared memory (48 KiB). q/out rows are read and
+            // int x6, float)` of the instance of `tile`; the block has 32 * warps threads and
+            // (BM + 2 BN) * HD bf16 of dynamic shared memory, as that instance assumes (limit
+            // raised above). q/out rows are read and
             // written only below num_tokens, metadata entries only for s < num_seqs (grid z),
             // table indices are clamped below max_blocks_per_seq and block ids into the caches'
             // num_blocks (checked); all bf16 pointers are 16-byte aligned (checked).

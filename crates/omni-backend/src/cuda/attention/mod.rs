@@ -243,11 +243,68 @@ fn decode_workspace_len(shape: &AttnShape, parts: usize) -> usize {
     shape.num_seqs * shape.num_heads * parts * (shape.head_dim + 2)
 }
 
-/// Prefill kernel tiling for `head_dim`: (warps, keys per tile, Q held in registers).
-fn prefill_cfg(head_dim: usize) -> (usize, usize, bool) {
-    if head_dim <= 128 {
-        (4, 64, true)
-    } else {
-        (2, 32, false)
+/// One tiling of the flash prefill kernel (the template arguments of an `attn_prefill_*`
+/// entry point).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PrefillTile {
+    /// Warps per CTA; each owns 16 query rows.
+    pub(super) warps: usize,
+    /// Keys per tile.
+    pub(super) bn: usize,
+    /// Q fragments held in registers for the whole key loop.
+    pub(super) qreg: bool,
+}
+
+impl PrefillTile {
+    /// Dynamic shared memory: the Q tile and one K and one V tile.
+    pub(super) fn smem_bytes(&self, head_dim: usize) -> usize {
+        (16 * self.warps + 2 * self.bn) * head_dim * 2
     }
 }
+
+/// Prefill kernel tiling for `head_dim` (the `attn_prefill_hd{HD}` entry point).
+fn prefill_cfg(head_dim: usize) -> PrefillTile {
+    if head_dim <= 128 {
+        PrefillTile {
+            warps: 4,
+            bn: 64,
+            qreg: true,
+        }
+    } else {
+        PrefillTile {
+            warps: 2,
+            bn: 32,
+            qreg: false,
+        }
+    }
+}
+
+/// Tilings the prefill timing measures against [`prefill_cfg`] at head_dim 128 (test builds
+/// only), with their entry points.
+#[cfg(test)]
+pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 3] = [
+    (
+        PrefillTile {
+            warps: 8,
+            bn: 64,
+            qreg: true,
+        },
+        "attn_prefill_hd128_w8_n64",
+    ),
+    (
+        PrefillTile {
+            warps: 8,
+            bn: 32,
+            qreg: true,
+        },
+        "attn_prefill_hd128_w8_n32",
+    ),
+    (
+        PrefillTile {
+            warps: 4,
+            bn: 32,
+            qreg: true,
+        },
+        "attn_prefill_hd128_w4_n32",
+    ),
+];

@@ -2,8 +2,8 @@
 //! `extern "C"` entry points instantiated per head dimension (and, for decode, per GQA tile).
 
 use super::{
-    ATTN_COUNTERS, DECODE_THREADS, GROUP_TILES, MAX_FUSED_PARTS, SUPPORTED_HEAD_DIMS, TC_TILE,
-    prefill_cfg,
+    ATTN_COUNTERS, DECODE_THREADS, GROUP_TILES, MAX_FUSED_PARTS, PrefillTile, SUPPORTED_HEAD_DIMS,
+    TC_TILE, prefill_cfg,
 };
 use crate::cuda::CudaResult;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
@@ -104,17 +104,32 @@ pub(crate) fn attn_source(hd: usize) -> String {
          attn_decode_tc_hd{hd}_g{TC_TILE}({decode_args}) {{ \
          attn_decode_tc<{hd}, {TC_TILE}>({decode_call}); }}\n"
     ));
-    let (warps, bn, qreg) = prefill_cfg(hd);
+    src.push_str(&prefill_entry(
+        hd,
+        &prefill_cfg(hd),
+        &format!("attn_prefill_hd{hd}"),
+    ));
+    #[cfg(test)]
+    if hd == 128 {
+        for (tile, name) in super::PREFILL_CANDIDATES {
+            src.push_str(&prefill_entry(hd, &tile, name));
+        }
+    }
+    src
+}
+
+/// The `extern "C"` entry point `name` instantiating `attn_prefill` with `tile`.
+fn prefill_entry(hd: usize, tile: &PrefillTile, name: &str) -> String {
+    let PrefillTile { warps, bn, qreg } = *tile;
     let threads = 32 * warps;
-    src.push_str(&format!(
-        "extern \"C\" __global__ void __launch_bounds__({threads}) attn_prefill_hd{hd}(\
+    format!(
+        "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
          const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \
          const int* seq_lens, const int* bt, int num_tokens, int num_heads, int nkv, int bs, \
          int num_blocks, int mbps, float scale_log2) {{ \
          attn_prefill<{hd}, {warps}, {bn}, {qreg}>(q, kc, vc, out, qsl, seq_lens, bt, \
          num_tokens, num_heads, nkv, bs, num_blocks, mbps, scale_log2); }}\n"
-    ));
-    src
+    )
 }
 
 /// The decode reduce kernel.

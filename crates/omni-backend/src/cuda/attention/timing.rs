@@ -252,4 +252,36 @@ fn attention_prefill_timing() {
         flops / (us * 1e6),
         36.0 * us / 1e3
     );
+    // Other tilings: the same answer (up to the order of the online softmax's tiles), timed.
+    let want = cx.download_f32(&out).unwrap();
+    for (tile, name) in PREFILL_CANDIDATES {
+        let run = |out: &mut CudaSlice<bf16>, ws: &mut CudaSlice<f32>| {
+            cx.paged_attention_tiled(
+                &q,
+                &kc,
+                &vc,
+                out,
+                &qsl,
+                &sl,
+                &bt,
+                ws,
+                &shape,
+                decode_plan(&shape),
+                (tile, name),
+            )
+            .unwrap()
+        };
+        cx.stream().memset_zeros(&mut out).unwrap();
+        run(&mut out, &mut ws);
+        let err = crate::cuda::tests::rel_err(&cx.download_f32(&out).unwrap(), &want);
+        let us_c = time_us(&mut || run(&mut out, &mut ws));
+        println!(
+            "attention prefill tile {name} (warps {}, keys {}): {us_c:.1} us/call, {:.1} TFLOP/s, {:.2}x the default, rel err vs it {err:.1e}",
+            tile.warps,
+            tile.bn,
+            flops / (us_c * 1e6),
+            us_c / us
+        );
+        assert!(err < 1e-2, "{name}: {err}");
+    }
 }

@@ -23,12 +23,18 @@
 //! and a prefill tile (`BM = 64`, `BN = 256`, 64 x 64 warp tiles); the choice depends only on the
 //! average number of pairs per expert.
 //!
+//! Prefill steps (the prefill tile's regime, outside a CUDA graph capture) run the two GEMMs on
+//! cuBLAS's grouped GEMM instead (`cublas.rs`): the counts go to the host once, the token rows
+//! are gathered into expert order without padding, and the reduction reads them through each
+//! pair's row. `OMNI_CUDA_MOE_CUBLAS=0` keeps the kernels below.
+//!
 //! Here: the shape and the workspace layout; in `tiles.rs` the two tile configurations, in
 //! `source.rs` the kernels' source (`kernels/moe/*`, with one `extern "C"` entry per tile and
 //! GEMM), in `launch.rs` the launchers. Steps of at most 8 tokens have a three-kernel path of
 //! their own, norm and routing included (`small.rs`; host emulators in `small_emu.rs`, GPU
 //! tests in `small_tests.rs`).
 
+mod cublas;
 mod launch;
 pub(super) mod small;
 #[cfg(test)]
@@ -40,6 +46,7 @@ pub(super) mod source;
 mod tests;
 mod tiles;
 
+pub use cublas::MOE_CUBLAS_ENV;
 pub use small::{
     MOE_SMALL_MAX_HIDDEN, MOE_SMALL_MAX_INTER, MOE_SMALL_MAX_PAIRS, MOE_SMALL_MAX_TOKENS,
     MoeRouteBuffers, moe_small_act_len,
@@ -117,4 +124,5 @@ pub fn fused_moe_workspace_bytes(shape: MoeShape) -> usize {
     Layout::new(&shape, &SMALL)
         .total
         .max(Layout::new(&shape, &LARGE).total)
+        .max(cublas::CublasLayout::new(&shape).total)
 }

@@ -18,10 +18,14 @@ const ALIGN: &str = kernel_file!("moe/align.cu");
 const GROUPED_GEMM: &str = kernel_file!("moe/grouped_gemm.cu");
 /// The weighted reduction over a token's slots.
 const REDUCE: &str = kernel_file!("moe/reduce.cu");
+/// The cuBLAS prefill path's counts and gather.
+const GATHER: &str = kernel_file!("moe/gather.cu");
 
 pub(super) const TOPK_FN: &str = "moe_topk_softmax";
 pub(super) const ALIGN_FN: &str = "moe_align";
 pub(super) const REDUCE_FN: &str = "moe_reduce";
+pub(super) const COUNT_FN: &str = "moe_count";
+pub(super) const GATHER_FN: &str = "moe_gather";
 
 /// The `extern "C"` wrapper instantiating `moe_gemm` for one tile configuration.
 fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
@@ -52,7 +56,7 @@ extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
 /// Full source of the MoE module (every MoE entry point).
 pub(crate) fn moe_source() -> String {
     let mut s = format!(
-        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{TOPK_WARP}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}"
+        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{TOPK_WARP}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}{GATHER}"
     );
     for cfg in [SMALL, LARGE] {
         s.push_str(&gemm_entry(&cfg, true));

@@ -5,6 +5,7 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::launch::MoeGemm;
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, bf16};
@@ -253,9 +254,9 @@ fn upload(
     }
 }
 
-/// Runs the fused block (with `tile`, or the public selection) into a NaN-poisoned output
+/// Runs the fused block (on `gemm`, or the public selection) into a NaN-poisoned output
 /// with a 0xff-poisoned workspace; returns the raw bf16 output.
-fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, tile: Option<TileCfg>) -> Vec<bf16> {
+fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, gemm: Option<MoeGemm>) -> Vec<bf16> {
     let mut out = cx
         .upload_bf16(&vec![bf16::NAN; s.tokens * s.hidden])
         .unwrap();
@@ -263,9 +264,9 @@ fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, tile: Option<TileCfg>) -
         .stream()
         .clone_htod(&vec![0xffu8; fused_moe_workspace_bytes(s)])
         .unwrap();
-    match tile {
+    match gemm {
         None => cx.fused_moe_bf16(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out, &mut ws, s),
-        Some(t) => cx.fused_moe_with(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out, &mut ws, s, t),
+        Some(g) => cx.fused_moe_on(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out, &mut ws, s, g),
     }
     .unwrap();
     cx.stream().clone_dtoh(&out).unwrap()
@@ -274,6 +275,27 @@ fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, tile: Option<TileCfg>) -
 fn f32s(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
+
+/// The paths every correctness test runs: the public selection, both tiles, cuBLAS.
+const GEMMS: [(&str, Option<MoeGemm>); 5] = [
+    ("public", None),
+    ("small", Some(MoeGemm::Tiles(SMALL))),
+    ("large", Some(MoeGemm::Tiles(LARGE))),
+    ("cublas", Some(CUBLAS)),
+    (
+        "cublas-grouped",
+        Some(MoeGemm::Cublas {
+            quantum: cublas::DEFAULT_QUANTUM,
+            batched: false,
+        }),
+    ),
+];
+
+/// The cuBLAS path with its default buckets.
+const CUBLAS: MoeGemm = MoeGemm::Cublas {
+    quantum: cublas::DEFAULT_QUANTUM,
+    batched: true,
+};
 
 #[test]
 fn fused_moe_matches_cpu() {
@@ -311,15 +333,11 @@ fn fused_moe_matches_cpu() {
             let want = cpu_moe_rows(&x, &w13, &w2, &ids, &ws, s, &rows);
             let d = upload(&cx, &x, &w13, &w2, &ids, &ws);
             let public = run_fused(&cx, &d, s, None);
-            for (name, tile) in [
-                ("public", None),
-                ("small", Some(SMALL)),
-                ("large", Some(LARGE)),
-            ] {
-                let got = if tile.is_none() {
+            for (name, gemm) in GEMMS {
+                let got = if gemm.is_none() {
                     public.clone()
                 } else {
-                    run_fused(&cx, &d, s, tile)
+                    run_fused(&cx, &d, s, gemm)
                 };
                 let err = rel_err(&f32s(&got), &want);
                 println!(
@@ -327,15 +345,20 @@ fn fused_moe_matches_cpu() {
                 );
                 assert!(err <= 2e-2, "t={t} h={h} i={i} e={e} k={k} {name}: {err}");
             }
-            // Deterministic: bit-identical on a second run.
-            let again = run_fused(&cx, &d, s, None);
-            assert!(
-                again
-                    .iter()
-                    .zip(&public)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "t={t} h={h}: not deterministic"
-            );
+            // Deterministic: bit-identical on a second run, on either path (the cuBLAS path's
+            // row order inside an expert varies with the gather's atomics; no row's result
+            // depends on it).
+            for gemm in [None, Some(CUBLAS)] {
+                let first = run_fused(&cx, &d, s, gemm);
+                let again = run_fused(&cx, &d, s, gemm);
+                assert!(
+                    again
+                        .iter()
+                        .zip(&first)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "t={t} h={h} {gemm:?}: not deterministic"
+                );
+            }
         }
     }
 }
@@ -401,12 +424,8 @@ fn fused_moe_one_expert_gets_every_token() {
         };
         let want = cpu_moe_rows(&x, &w13, &w2, &ids, &ws, s, &(0..t).collect::<Vec<_>>());
         let d = upload(&cx, &x, &w13, &w2, &ids, &ws);
-        for (name, tile) in [
-            ("public", None),
-            ("small", Some(SMALL)),
-            ("large", Some(LARGE)),
-        ] {
-            let got = f32s(&run_fused(&cx, &d, s, tile));
+        for (name, gemm) in GEMMS {
+            let got = f32s(&run_fused(&cx, &d, s, gemm));
             let err = rel_err(&got, &want);
             println!("moe one-expert-all t={t} tile={name}: rel err vs CPU f32 {err:.2e}");
             assert!(err <= 2e-2, "t={t} {name}: {err}");
@@ -414,70 +433,84 @@ fn fused_moe_one_expert_gets_every_token() {
     }
 }
 
+/// Routing on the device feeding the fused block, eager and captured in a CUDA graph: at 37
+/// tokens (the decode tile) the replay is bit-identical to the eager run; at 600 (32+ pairs per
+/// expert) the eager run takes cuBLAS and the capture falls back to the prefill tile, whose
+/// replay equals that tile's eager run bit for bit.
 #[test]
 fn fused_moe_after_gpu_routing_and_in_a_cuda_graph() {
     let Some(cx) = ctx_or_skip("fused_moe_after_gpu_routing_and_in_a_cuda_graph") else {
         return;
     };
-    let (t, h, i, e, k) = (37usize, 128usize, 64usize, 16usize, 4usize);
-    let s = MoeShape {
-        tokens: t,
-        hidden: h,
-        inter: i,
-        num_experts: e,
-        top_k: k,
-    };
-    let x = rand_bf16_f32(t * h, 201);
-    let logits = test_logits(t, e, 203);
+    let (h, i, e, k) = (128usize, 64usize, 16usize, 4usize);
     let w13 = rand_bf16_scaled(e * 2 * i * h, 205, 0.2);
     let w2 = rand_bf16_scaled(e * h * i, 207, 0.2);
-    let (ids, ws) = cpu_topk(&logits, e, k, true);
-    let want = cpu_moe_rows(&x, &w13, &w2, &ids, &ws, s, &(0..t).collect::<Vec<_>>());
+    for t in [37usize, 600] {
+        let s = MoeShape {
+            tokens: t,
+            hidden: h,
+            inter: i,
+            num_experts: e,
+            top_k: k,
+        };
+        let x = rand_bf16_f32(t * h, 201 + t as u64);
+        let logits = test_logits(t, e, 203 + t as u64);
+        let (ids, ws) = cpu_topk(&logits, e, k, true);
+        let want = cpu_moe_rows(&x, &w13, &w2, &ids, &ws, s, &(0..t).collect::<Vec<_>>());
+        let eager_gemm = cx.select_gemm(&s).unwrap();
+        assert_eq!(
+            eager_gemm == CUBLAS,
+            t == 600 && cublas::cublas_enabled(),
+            "t={t}: {eager_gemm:?}"
+        );
 
-    // Routing on the device feeding the fused block, all queued without a host sync.
-    let mut d = upload(&cx, &x, &w13, &w2, &vec![0; t * k], &vec![0.0; t * k]);
-    let dl = cx.stream().clone_htod(&logits).unwrap();
-    let mut out = cx.zeros_bf16(t * h).unwrap();
-    let mut wsp = cx
-        .stream()
-        .alloc_zeros::<u8>(fused_moe_workspace_bytes(s))
-        .unwrap();
-    let step = |d: &mut DevMoe, out: &mut CudaSlice<bf16>, wsp: &mut CudaSlice<u8>| {
-        cx.moe_topk_softmax(&dl, &mut d.ids, &mut d.ws, t, e, k, true)
+        // Routing on the device feeding the fused block, all queued without a host sync.
+        let mut d = upload(&cx, &x, &w13, &w2, &vec![0; t * k], &vec![0.0; t * k]);
+        let dl = cx.stream().clone_htod(&logits).unwrap();
+        let mut out = cx.zeros_bf16(t * h).unwrap();
+        let mut wsp = cx
+            .stream()
+            .alloc_zeros::<u8>(fused_moe_workspace_bytes(s))
             .unwrap();
-        cx.fused_moe_bf16(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, out, wsp, s)
-            .unwrap();
-    };
-    step(&mut d, &mut out, &mut wsp);
-    let eager = cx.stream().clone_dtoh(&out).unwrap();
-    let err = rel_err(&f32s(&eager), &want);
-    println!("moe routing + fused t={t}: rel err vs CPU f32 {err:.2e}");
-    assert!(err <= 2e-2, "{err}");
+        let step = |d: &mut DevMoe, out: &mut CudaSlice<bf16>, wsp: &mut CudaSlice<u8>| {
+            cx.moe_topk_softmax(&dl, &mut d.ids, &mut d.ws, t, e, k, true)
+                .unwrap();
+            cx.fused_moe_bf16(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, out, wsp, s)
+                .unwrap();
+        };
+        step(&mut d, &mut out, &mut wsp);
+        let eager = cx.stream().clone_dtoh(&out).unwrap();
+        let err = rel_err(&f32s(&eager), &want);
+        println!("moe routing + fused t={t} ({eager_gemm:?}): rel err vs CPU f32 {err:.2e}");
+        assert!(err <= 2e-2, "{err}");
+        // What the capture must replay: the tile the selection falls back to.
+        let tiles = run_fused(&cx, &d, s, Some(MoeGemm::Tiles(TileCfg::select(&s))));
 
-    // The same step captured into a CUDA graph and replayed over a zeroed output.
-    cx.synchronize().unwrap();
-    cx.stream()
-        .begin_capture(
-            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        )
-        .unwrap();
-    step(&mut d, &mut out, &mut wsp);
-    let graph = cx
-        .stream()
-        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-        .unwrap()
-        .expect("captured graph");
-    cx.stream().memset_zeros(&mut out).unwrap();
-    graph.launch().unwrap();
-    let replay = cx.stream().clone_dtoh(&out).unwrap();
-    assert!(
-        replay
-            .iter()
-            .zip(&eager)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "graph replay differs from the eager run"
-    );
-    println!("moe routing + fused t={t}: CUDA graph replay bit-identical");
+        // The same step captured into a CUDA graph and replayed over a zeroed output.
+        cx.synchronize().unwrap();
+        cx.stream()
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .unwrap();
+        step(&mut d, &mut out, &mut wsp);
+        let graph = cx
+            .stream()
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .expect("captured graph");
+        cx.stream().memset_zeros(&mut out).unwrap();
+        graph.launch().unwrap();
+        let replay = cx.stream().clone_dtoh(&out).unwrap();
+        assert!(
+            replay
+                .iter()
+                .zip(&tiles)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "t={t}: graph replay differs from the tile's eager run"
+        );
+        println!("moe routing + fused t={t}: CUDA graph replay bit-identical to the tile path");
+    }
 }
 
 #[test]
@@ -573,7 +606,7 @@ fn fused_moe_real_shape_and_timing() {
     };
     let mut ws_buf = cx
         .stream()
-        .alloc_zeros::<u8>(fused_moe_workspace_bytes(shape(2048)))
+        .alloc_zeros::<u8>(fused_moe_workspace_bytes(shape(4096)))
         .unwrap();
 
     for &(t, sample) in &[(4usize, 4usize), (512, 16)] {
@@ -587,13 +620,17 @@ fn fused_moe_real_shape_and_timing() {
         let dx = cx.upload_f32_as_bf16(&x).unwrap();
         let dids = cx.stream().clone_htod(&ids).unwrap();
         let dws = cx.stream().clone_htod(&ws).unwrap();
-        let candidates = super::tiles::CANDIDATES.map(|c| (c.down_fn, c));
-        for (name, tile) in [("small", SMALL), ("large", LARGE)]
-            .into_iter()
-            .chain(candidates.into_iter().filter(|_| t <= 64))
+        let candidates = super::tiles::CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
+        for (name, gemm) in [
+            ("small", MoeGemm::Tiles(SMALL)),
+            ("large", MoeGemm::Tiles(LARGE)),
+            ("cublas", CUBLAS),
+        ]
+        .into_iter()
+        .chain(candidates.into_iter().filter(|_| t <= 64))
         {
             let mut out = cx.upload_bf16(&vec![bf16::NAN; t * h]).unwrap();
-            cx.fused_moe_with(
+            cx.fused_moe_on(
                 &dx,
                 &dw13,
                 &dw2,
@@ -602,7 +639,7 @@ fn fused_moe_real_shape_and_timing() {
                 &mut out,
                 &mut ws_buf,
                 s,
-                tile,
+                gemm,
             )
             .unwrap();
             let got = cx.download_f32(&out).unwrap();
@@ -620,7 +657,7 @@ fn fused_moe_real_shape_and_timing() {
 
     // Timing: the fused block only (routing precomputed on the device).
     let bytes_per_expert = (3 * i * h * 2) as f64;
-    for &t in &[1usize, 8, 64, 128, 256, 512, 2048] {
+    for &t in &[1usize, 8, 64, 128, 256, 512, 1024, 2048, 4096] {
         let s = shape(t);
         let (x, ids, ws) = setup(t);
         let touched = {
@@ -634,9 +671,9 @@ fn fused_moe_real_shape_and_timing() {
         let dids = cx.stream().clone_htod(&ids).unwrap();
         let dws = cx.stream().clone_htod(&ws).unwrap();
         let mut out = cx.zeros_bf16(t * h).unwrap();
-        let mut run = |tile: TileCfg| {
+        let mut run_on = |gemm: MoeGemm| {
             time_us(&cx, || {
-                cx.fused_moe_with(
+                cx.fused_moe_on(
                     &dx,
                     &dw13,
                     &dw2,
@@ -645,14 +682,34 @@ fn fused_moe_real_shape_and_timing() {
                     &mut out,
                     &mut ws_buf,
                     s,
-                    tile,
+                    gemm,
                 )
                 .unwrap()
             })
         };
-        let (us_small, us_large) = (run(SMALL), run(LARGE));
-        let chosen = TileCfg::select(&s);
-        let us = if chosen == SMALL { us_small } else { us_large };
+        let (us_small, us_large) = (run_on(MoeGemm::Tiles(SMALL)), run_on(MoeGemm::Tiles(LARGE)));
+        let variants = [
+            (32usize, true),
+            (64, true),
+            (128, true),
+            (64, false),
+            (1, false),
+        ];
+        let us_var = variants.map(|(quantum, batched)| {
+            if t >= 64 {
+                run_on(MoeGemm::Cublas { quantum, batched })
+            } else {
+                f64::NAN
+            }
+        });
+        let us_cublas = us_var[1];
+        let mut run = |tile: TileCfg| run_on(MoeGemm::Tiles(tile));
+        let chosen = cx.select_gemm(&s).unwrap();
+        let us = match chosen {
+            MoeGemm::Tiles(t) if t == SMALL => us_small,
+            MoeGemm::Tiles(_) => us_large,
+            MoeGemm::Cublas { .. } => us_cublas,
+        };
         let gbs = touched as f64 * bytes_per_expert / (us * 1e-6) / 1e9;
         let tflops = 2.0 * (t * k * 3 * h * i) as f64 / (us * 1e-6) / 1e12;
         if t <= 64 {
@@ -665,10 +722,36 @@ fn fused_moe_real_shape_and_timing() {
                 "moe prefill T={t}: {us:.1} µs, {tflops:.1} TFLOP/s, {gbs:.0} GB/s of expert weights ({touched} experts)"
             );
         }
+        let tf = |us: f64| 2.0 * (t * k * 3 * h * i) as f64 / (us * 1e-6) / 1e12;
         println!(
-            "moe tiles T={t}: small {us_small:.1} µs, large {us_large:.1} µs, chosen {}",
-            if chosen == SMALL { "small" } else { "large" }
+            "moe paths T={t}: small {us_small:.1} µs, large {us_large:.1} µs ({:.0} TFLOP/s), cublas {us_cublas:.1} µs ({:.0} TFLOP/s), chosen {chosen:?}",
+            tf(us_large),
+            tf(us_cublas)
         );
+        if t >= 512 {
+            // The ceiling: the same FLOPs as two dense cuBLAS GEMMs over all pairs.
+            let p = t * k;
+            let a = cx.zeros_bf16(p * h).unwrap();
+            let mut g = cx.zeros_bf16(p * 2 * i).unwrap();
+            let mut y = cx.zeros_bf16(p * h).unwrap();
+            let w_gu = dw13.slice(..2 * i * h);
+            let w_d = dw2.slice(..h * i);
+            let us_dense = time_us(&cx, || {
+                cx.matmul_nt_bf16(&a, &w_gu, &mut g, p, h, 2 * i).unwrap();
+                cx.matmul_nt_bf16(&g.slice(..p * i), &w_d, &mut y, p, i, h)
+                    .unwrap();
+            });
+            println!(
+                "moe dense-equivalent T={t}: {us_dense:.1} µs ({:.0} TFLOP/s)",
+                tf(us_dense)
+            );
+        }
+        if t >= 64 {
+            println!(
+                "moe cublas T={t}: batched per bucket, quantum 32 {:.1} µs, 64 {:.1} µs, 128 {:.1} µs; grouped, quantum 64 {:.1} µs, no buckets {:.1} µs",
+                us_var[0], us_var[1], us_var[2], us_var[3], us_var[4]
+            );
+        }
         if t <= 64 {
             for cand in super::tiles::CANDIDATES {
                 let us_c = run(cand);
