@@ -1,22 +1,22 @@
-//! The prefill path of the expert block on cuBLAS's grouped GEMM (`cublasGemmGroupedBatchedEx`,
-//! Hopper's wgmma kernels), for steps with many pairs per expert.
+//! The prefill path of the expert block on cuBLAS (batched GEMMs, Hopper's wgmma kernels), for
+//! steps with many pairs per expert.
 //!
 //! 1. `moe_count`: pairs per expert, copied to the host (the one synchronization: cuBLAS takes
 //!    each problem's size on the host).
 //! 2. The host rounds each expert's count up to a bucket ([`bucket_rows`]), lays the experts
 //!    out back to back in buckets of that many rows, uploads each expert's first row as its
-//!    cursor and the problems' pointers. Experts of one bucket size form one cuBLAS group: a
-//!    group is one batched launch, and one launch per expert (all sizes distinct) ran at a
-//!    fifth of the tensor cores' rate on an H200 (each expert alone fills a few SMs).
+//!    cursor and the problems' pointers. Experts of one bucket size form one group, one
+//!    batched launch: one launch per expert (all sizes distinct) ran at a fifth of the tensor
+//!    cores' rate on an H200 (each expert alone fills a few SMs).
 //! 3. `moe_gather`: the token rows into expert order (`xg`), and each pair's row (`inv`).
-//! 4. One grouped GEMM over the experts that got pairs: `gate_up_e = xg_e @ w13[e]^T`.
+//! 4. A batched GEMM per bucket over the experts that got pairs: `gate_up_e = xg_e @ w13[e]^T`.
 //! 5. SiLU-and-mul (`silu_mul_bf16`) into `act`.
-//! 6. One grouped GEMM: `y_e = act_e @ w2[e]^T`.
+//! 6. A batched GEMM per bucket: `y_e = act_e @ w2[e]^T`.
 //! 7. `moe_reduce` reading `y` through `inv`, slots in order.
 //!
 //! Padding rows (past an expert's count, inside its bucket) are computed and never read. Not
-//! capturable in a CUDA graph
-//! (step 1 reads the device), so [`CudaContext::fused_moe_bf16`] takes it only outside a capture.
+//! capturable in a CUDA graph (step 1 reads the device), so [`CudaContext::fused_moe_bf16`]
+//! takes it only outside a capture.
 
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -119,8 +119,7 @@ impl CudaContext {
     /// The cuBLAS path of [`CudaContext::fused_moe_bf16`] (same contract; the caller checked
     /// the shapes and lengths, that the stream is not capturing and that `workspace` holds
     /// [`CublasLayout::total`] bytes). Synchronizes once.
-    /// `quantum` is the smallest bucket ([`bucket_rows`]; at most [`MAX_QUANTUM`]); `batched`
-    /// runs each bucket as one `cublasGemmBatchedEx` instead of one grouped call for all.
+    /// `quantum` is the smallest bucket ([`bucket_rows`]; at most [`MAX_QUANTUM`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_moe_cublas(
         &self,
@@ -133,7 +132,6 @@ impl CudaContext {
         workspace: &mut impl DevicePtrMut<u8>,
         shape: MoeShape,
         quantum: usize,
-        batched: bool,
     ) -> CudaResult<()> {
         if quantum == 0 || quantum > MAX_QUANTUM {
             return Err(shape_err("moe bucket quantum", MAX_QUANTUM, quantum));
@@ -286,7 +284,6 @@ impl CudaContext {
                     sizes: &sizes,
                 },
                 (at_ptr(0), at_ptr(1), at_ptr(2)),
-                batched,
             )?;
             // 5. SiLU-and-mul into act (every bucket row; padding rows are never read).
             let f_silu = self.function(kernels::silu_mul_source, kernels::SILU_MUL_FN)?;
@@ -317,7 +314,6 @@ impl CudaContext {
                     sizes: &sizes,
                 },
                 (at_ptr(3), at_ptr(4), at_ptr(5)),
-                batched,
             )?;
         }
 
@@ -335,63 +331,10 @@ impl CudaContext {
     }
 
     /// The problems of `p` (`p.sizes[j]` problems of `p.ns[j]` rows each), bf16 in and out
-    /// with f32 accumulation; `(a, b, c)` are device arrays of the problems' pointers, in group
-    /// order. One `cublasGemmBatchedEx` per group when `batched`, else one
-    /// `cublasGemmGroupedBatchedEx` over all groups.
-    fn grouped_gemm(
-        &self,
-        p: &Grouped<'_>,
-        (a, b, c): (u64, u64, u64),
-        batched: bool,
-    ) -> CudaResult<()> {
-        if batched {
-            return self.batched_gemms(p, (a, b, c));
-        }
-        let g = p.ns.len();
-        let group_count = narrow::<i32>("moe grouped gemm groups", g)?;
-        let transa = vec![blas_sys::cublasOperation_t::CUBLAS_OP_T; g];
-        let transb = vec![blas_sys::cublasOperation_t::CUBLAS_OP_N; g];
-        let (ms, ks) = (vec![p.m; g], vec![p.k; g]);
-        let (ldas, ldcs) = (vec![p.k; g], vec![p.m; g]);
-        let (alpha, beta) = (vec![1f32; g], vec![0f32; g]);
-        let bf = blas_sys::cudaDataType_t::CUDA_R_16BF;
-        // SAFETY: every host array has one entry per group (`sizes` sums to the problem count);
-        // `a`, `b`, `c` are device arrays of that many pointers written on this stream before
-        // the call: weights of m x k (row-major [m, k], ld k), inputs of n rows of k (ld k) and
-        // outputs of n rows of m (ld m), all inside their allocations (the buckets lie inside
-        // the workspace's `rows`);
-        // alpha / beta are f32 as CUBLAS_COMPUTE_32F requires; the handle is bound to this
-        // context's stream.
-        unsafe {
-            blas_sys::cublasGemmGroupedBatchedEx(
-                *self.blas.handle(),
-                transa.as_ptr(),
-                transb.as_ptr(),
-                ms.as_ptr(),
-                p.ns.as_ptr(),
-                ks.as_ptr(),
-                alpha.as_ptr().cast(),
-                a as *const *const std::ffi::c_void,
-                bf,
-                ldas.as_ptr(),
-                b as *const *const std::ffi::c_void,
-                bf,
-                ks.as_ptr(),
-                beta.as_ptr().cast(),
-                c as *const *mut std::ffi::c_void,
-                bf,
-                ldcs.as_ptr(),
-                group_count,
-                p.sizes.as_ptr(),
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            )
-        }
-        .result()?;
-        Ok(())
-    }
-
-    /// [`Self::grouped_gemm`] as one `cublasGemmBatchedEx` per group.
-    fn batched_gemms(&self, p: &Grouped<'_>, (a, b, c): (u64, u64, u64)) -> CudaResult<()> {
+    /// with f32 accumulation, as one `cublasGemmBatchedEx` per group; `(a, b, c)` are device
+    /// arrays of the problems' pointers, in group order. (`cublasGemmGroupedBatchedEx` over the
+    /// same groups measured 1.4-1.9x slower on an H200 at 1024-4096 tokens.)
+    fn grouped_gemm(&self, p: &Grouped<'_>, (a, b, c): (u64, u64, u64)) -> CudaResult<()> {
         let bf = blas_sys::cudaDataType_t::CUDA_R_16BF;
         let (alpha, beta) = (1f32, 0f32);
         let mut done = 0u64;

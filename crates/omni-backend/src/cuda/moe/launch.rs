@@ -53,13 +53,11 @@ pub(super) const CUBLAS_MIN_PAIRS_PER_EXPERT: usize = 32;
 pub(super) enum MoeGemm {
     /// The in-house grouped GEMM kernels with this tile (graph capturable).
     Tiles(TileCfg),
-    /// cuBLAS's grouped GEMM (`cublas.rs`; synchronizes once, not capturable), experts'
-    /// rows rounded up to buckets of at least `quantum` rows.
+    /// cuBLAS, one batched GEMM per bucket of experts (`cublas.rs`; synchronizes once, not
+    /// capturable), experts' rows rounded up to buckets of at least `quantum` rows.
     Cublas {
         /// The smallest bucket (`cublas::bucket_rows`).
         quantum: usize,
-        /// One `cublasGemmBatchedEx` per bucket instead of one grouped GEMM.
-        batched: bool,
     },
 }
 
@@ -182,7 +180,6 @@ impl CudaContext {
             if status == CaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
                 return Ok(MoeGemm::Cublas {
                     quantum: DEFAULT_QUANTUM,
-                    batched: true,
                 });
             }
         }
@@ -238,7 +235,7 @@ impl CudaContext {
         }
         let tile = match gemm {
             MoeGemm::Tiles(tile) => tile,
-            MoeGemm::Cublas { quantum, batched } => {
+            MoeGemm::Cublas { quantum } => {
                 return self.fused_moe_cublas(
                     x,
                     w13,
@@ -249,7 +246,6 @@ impl CudaContext {
                     workspace,
                     shape,
                     quantum,
-                    batched,
                 );
             }
         };

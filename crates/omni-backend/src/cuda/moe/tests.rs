@@ -277,24 +277,16 @@ fn f32s(v: &[bf16]) -> Vec<f32> {
 }
 
 /// The paths every correctness test runs: the public selection, both tiles, cuBLAS.
-const GEMMS: [(&str, Option<MoeGemm>); 5] = [
+const GEMMS: [(&str, Option<MoeGemm>); 4] = [
     ("public", None),
     ("small", Some(MoeGemm::Tiles(SMALL))),
     ("large", Some(MoeGemm::Tiles(LARGE))),
     ("cublas", Some(CUBLAS)),
-    (
-        "cublas-grouped",
-        Some(MoeGemm::Cublas {
-            quantum: cublas::DEFAULT_QUANTUM,
-            batched: false,
-        }),
-    ),
 ];
 
 /// The cuBLAS path with its default buckets.
 const CUBLAS: MoeGemm = MoeGemm::Cublas {
     quantum: cublas::DEFAULT_QUANTUM,
-    batched: true,
 };
 
 #[test]
@@ -688,16 +680,10 @@ fn fused_moe_real_shape_and_timing() {
             })
         };
         let (us_small, us_large) = (run_on(MoeGemm::Tiles(SMALL)), run_on(MoeGemm::Tiles(LARGE)));
-        let variants = [
-            (32usize, true),
-            (64, true),
-            (128, true),
-            (64, false),
-            (1, false),
-        ];
-        let us_var = variants.map(|(quantum, batched)| {
+        let quanta = [1usize, 32, 64, 128];
+        let us_var = quanta.map(|quantum| {
             if t >= 64 {
-                run_on(MoeGemm::Cublas { quantum, batched })
+                run_on(MoeGemm::Cublas { quantum })
             } else {
                 f64::NAN
             }
@@ -748,8 +734,8 @@ fn fused_moe_real_shape_and_timing() {
         }
         if t >= 64 {
             println!(
-                "moe cublas T={t}: batched per bucket, quantum 32 {:.1} µs, 64 {:.1} µs, 128 {:.1} µs; grouped, quantum 64 {:.1} µs, no buckets {:.1} µs",
-                us_var[0], us_var[1], us_var[2], us_var[3], us_var[4]
+                "moe cublas T={t}: bucket quantum 1 {:.1} µs, 32 {:.1} µs, 64 {:.1} µs, 128 {:.1} µs",
+                us_var[0], us_var[1], us_var[2], us_var[3]
             );
         }
         if t <= 64 {
