@@ -43,6 +43,9 @@
 #   ab-tc   decode attention on tensor cores against the CUDA-core kernel in one build: the
 #           attention kernel tests and timings, then bench latency (batch 1/16/64) and an eager
 #           per-kernel profile (batch 64) of both shapes with OMNI_CUDA_DECODE_TC=0 and 1
+#   ab-bal  balanced decode partitions against `part` tokens and a tail in one build: the
+#           attention kernel tests and timings, then bench latency (batch 1/16/64) of both
+#           shapes with OMNI_CUDA_DECODE_BALANCED=0 and 1
 #   ab-moe  MoE prefill on cuBLAS's grouped GEMM against the in-house kernels in one build:
 #           backend-tests cuda::moe::tests (checks on every path, timings), then bench latency
 #           and an eager per-kernel profile of the Qwen3-30B-A3B shape with
@@ -224,6 +227,18 @@ if want ab-tc; then
         bench latency --model "bench/models/$m" --load-format dummy --device cuda --enforce-eager \
         --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 64 \
         --input-len 1024 --output-len 32 --prefill-len 2048
+    done
+  done
+fi
+
+if want ab-bal; then
+  step attn-kernels "$BIN/backend-tests" cuda::attention --test-threads=1 --nocapture
+  for m in qwen3-30b-a3b qwen3-8b; do
+    for b in 0 1; do
+      OMNI_CUDA_DECODE_BALANCED=$b step "bal$b-latency-$m" "$BIN/omni-engine" bench latency \
+        --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
+        --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 \
+        --output-len 64 --prefill-len 2048 --json "$LOGS/bal$b-latency-$m.json"
     done
   done
 fi

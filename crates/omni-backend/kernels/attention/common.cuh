@@ -32,3 +32,14 @@ __device__ __forceinline__ int kv_slot(const int* __restrict__ btab, int key, in
     blk = min(max(blk, 0), num_blocks - 1);
     return blk * bs + off;
 }
+
+// Keys per partition of a sequence of `seq_len` keys: `part_size`, or, `balanced`, the
+// sequence split into as many equal partitions (multiples of 16 keys, at most `part_size`) as
+// `part_size` alone would give, so no partition is a short tail.
+__device__ __forceinline__ int attn_part_len(int seq_len, int part_size, int max_parts,
+                                             int balanced) {
+    if (!balanced || seq_len <= 0) return part_size;
+    const int np = min((seq_len + part_size - 1) / part_size, max_parts);
+    const int per = (seq_len + np - 1) / np;
+    return min((per + 15) / 16 * 16, part_size);
+}

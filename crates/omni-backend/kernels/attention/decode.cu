@@ -190,7 +190,7 @@ __device__ __forceinline__ void attn_decode(
     u16* __restrict__ out, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
     const int* __restrict__ bt, float* __restrict__ ws, int num_tokens, int num_heads, int nkv,
     int bs, int num_blocks, int mbps, int part_size, int max_parts, int head_chunks,
-    int fused, float scale_log2)
+    int fused, int balanced, float scale_log2)
 {
     // U: tokens per lane per iteration (U independent 16-byte loads in flight per lane).
     constexpr int NW = 4, NT = 128, L = HD / 8, TPW = 32 / L, TPS = NW * TPW, U = GM >= 8 ? 4 : 8;
@@ -210,7 +210,9 @@ __device__ __forceinline__ void attn_decode(
     const int G = num_heads / nkv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tg = lane / L, lig = lane - tg * L;
-    const int start = part * part_size;
+    // Balanced partitions need the length first (host-written metadata: legal before the wait).
+    const int plen = balanced ? attn_part_len(seq_lens[s], part_size, max_parts, 1) : part_size;
+    const int start = part * plen;
     const int* btab = bt + (size_t)s * mbps;
     const size_t head_off = (size_t)kvh * HD + lig * 8;
     const size_t tok_stride = (size_t)nkv * HD;
@@ -219,11 +221,11 @@ __device__ __forceinline__ void attn_decode(
     int slot0[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        slot0[u] = kv_slot(btab, start + min(warp * TPW + u * TPS + tg, part_size - 1), bs, mbps,
+        slot0[u] = kv_slot(btab, start + min(warp * TPW + u * TPS + tg, plen - 1), bs, mbps,
                            num_blocks);
     }
     int qs, n, np;
-    if (!attn_decode_begin(qsl, seq_lens, s, start, num_tokens, part_size, max_parts, qs, n, np))
+    if (!attn_decode_begin(qsl, seq_lens, s, start, num_tokens, plen, max_parts, qs, n, np))
         return;
     const int hbase = kvh * G + g0;
 

@@ -31,7 +31,7 @@ __device__ __forceinline__ void attn_decode_tc(
     u16* __restrict__ out, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
     const int* __restrict__ bt, float* __restrict__ ws, int num_tokens, int num_heads, int nkv,
     int bs, int num_blocks, int mbps, int part_size, int max_parts, int head_chunks,
-    int fused, float scale_log2)
+    int fused, int balanced, float scale_log2)
 {
     constexpr int NW = 4, NT = 128, C = HD / 8;
     // Elements of one K (or V) chunk; floats of one warp's ring; cp.async per lane per chunk.
@@ -47,10 +47,11 @@ __device__ __forceinline__ void attn_decode_tc(
     const int g0 = (blockIdx.x - kvh * head_chunks) * GM;
     const int G = num_heads / nkv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int start = part * part_size;
+    const int plen = balanced ? attn_part_len(seq_lens[s], part_size, max_parts, 1) : part_size;
+    const int start = part * plen;
     const int* btab = bt + (size_t)s * mbps;
     int qs, n, np;
-    if (!attn_decode_begin(qsl, seq_lens, s, start, num_tokens, part_size, max_parts, qs, n, np))
+    if (!attn_decode_begin(qsl, seq_lens, s, start, num_tokens, plen, max_parts, qs, n, np))
         return;
     const int hbase = kvh * G + g0;
     const int rows = min(GM, G - g0);

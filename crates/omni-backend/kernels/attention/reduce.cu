@@ -6,13 +6,14 @@
 extern "C" __global__ void __launch_bounds__(128) attn_decode_reduce(
     const float* __restrict__ ws, u16* __restrict__ out, const int* __restrict__ qsl,
     const int* __restrict__ seq_lens, int num_tokens, int num_heads, int hd, int part_size,
-    int max_parts)
+    int max_parts, int balanced)
 {
     const int s = blockIdx.y, h = blockIdx.x;
     const int qs = qsl[s];
     if (qsl[s + 1] - qs != 1 || qs < 0 || qs >= num_tokens) return;
     const int seq_len = seq_lens[s];
-    const int np = seq_len > 0 ? min((seq_len + part_size - 1) / part_size, max_parts) : 0;
+    const int plen = attn_part_len(seq_len, part_size, max_parts, balanced);
+    const int np = seq_len > 0 ? min((seq_len + plen - 1) / plen, max_parts) : 0;
     const size_t nrows = (size_t)gridDim.y * num_heads * max_parts;
     const size_t row0 = ((size_t)s * num_heads + h) * max_parts;
     const float* wm = ws + nrows * hd + row0;

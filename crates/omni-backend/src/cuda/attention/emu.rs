@@ -205,7 +205,7 @@ fn emu_decode(
     let (tpw, u_n) = (32 / l, if gm >= 8 { 4 } else { 8 });
     let tps = nw * tpw;
     let (grid_x, grid_y, grid_z) = (nkv * chunks, sh.num_seqs, plan.parts);
-    let (part_size, max_parts) = (plan.part as i32, plan.parts as i32);
+    let max_parts = plan.parts as i32;
     let (bs, mbps, nblk) = (b.bs as i32, b.mbps as i32, b.num_blocks as i32);
     let scale_log2 = sh.scale * std::f32::consts::LOG2_E;
     let g_n = nh / nkv;
@@ -223,14 +223,16 @@ fn emu_decode(
     for (x, s, part) in ctas {
         let kvh = x / chunks;
         let g0 = (x - kvh * chunks) * gm;
-        let start = part as i32 * part_size;
+        // The partition length: balanced plans read the length first.
+        let plen = part_len(&plan, b.seq_lens[s].max(0) as usize) as i32;
+        let start = part as i32 * plen;
         let btab = &b.bt[s * b.mbps..(s + 1) * b.mbps];
         // First-round slots, before the metadata: (warp, u, tg) -> slot.
         let mut slot0 = vec![vec![vec![0i32; tpw]; u_n]; nw];
         for w in 0..nw {
             for u in 0..u_n {
                 for tg in 0..tpw {
-                    let i = ((w * tpw + u * tps + tg) as i32).min(part_size - 1);
+                    let i = ((w * tpw + u * tps + tg) as i32).min(plen - 1);
                     slot0[w][u][tg] = kv_slot(btab, start + i, bs, mbps, nblk);
                 }
             }
@@ -239,8 +241,8 @@ fn emu_decode(
         if qe - qs != 1 || qs < 0 || qs >= b.num_tokens as i32 || start >= seq_len {
             continue;
         }
-        let n = part_size.min(seq_len - start) as usize;
-        let np = ((seq_len + part_size - 1) / part_size).min(max_parts);
+        let n = plen.min(seq_len - start) as usize;
+        let np = ((seq_len + plen - 1) / plen).min(max_parts);
         let hbase = kvh * g_n + g0;
         let heads: Vec<usize> = (0..gm).filter(|g| g0 + g < g_n).collect();
         // (head in the tile, max, sum, normalized output) of the CTA's partition.
@@ -341,8 +343,9 @@ fn emu_decode(
                 continue;
             }
             let sl = b.seq_lens[s];
+            let plen = part_len(&plan, sl.max(0) as usize) as i32;
             let np = if sl > 0 {
-                ((sl + part_size - 1) / part_size).min(max_parts)
+                ((sl + plen - 1) / plen).min(max_parts)
             } else {
                 0
             };
@@ -516,6 +519,7 @@ pub(super) fn unfused_plan(shape: &AttnShape) -> DecodePlan {
         fused: false,
         pdl: false,
         tc: false,
+        balanced: false,
     }
 }
 
@@ -526,6 +530,18 @@ pub(super) fn tensor_core_plan(plan: DecodePlan) -> DecodePlan {
         tc: true,
         ..plan
     }
+}
+
+/// Balanced 512-token partitions for `shape` (grid bound `bound`), on tensor cores or not.
+fn long_balanced(shape: &AttnShape, bound: usize, tc: bool) -> DecodePlan {
+    let plan = DecodePlan {
+        part: MAX_PARTITION,
+        parts: bound.div_ceil(MAX_PARTITION),
+        fused: true,
+        balanced: true,
+        ..cuda_core_plan(shape)
+    };
+    if tc { tensor_core_plan(plan) } else { plan }
 }
 
 /// `shape`'s plan on the CUDA-core kernel with whole GQA groups per CTA.
@@ -631,6 +647,9 @@ fn emulated_decode_matches_the_reference_for_every_plan() {
         (4, 2, 256, 16),
     ];
     let lens: [&[usize]; 3] = [&[1056], &[1, 0, 33, 700, 64, 31], &[2000, 5]];
+    let plan = long_balanced(&decode_shape(1, 32, 4, 4096), 4096, false);
+    assert_eq!((part_len(&plan, 1056), part_len(&plan, 700)), (352, 352));
+    assert_eq!((part_len(&plan, 1024), part_len(&plan, 5)), (512, 16));
     // The workspace and the counters are shared by every launch, as in the engine (a buffer
     // sized for the worst shape, one counter array per loaded module).
     let mut dev = Device::new(1 << 22);
@@ -664,6 +683,27 @@ fn emulated_decode_matches_the_reference_for_every_plan() {
                         ..unfused_plan(&sh)
                     }),
                     tensor_core_plan(unfused_plan(&sh)),
+                    // Balanced partitions on both kernels, fused and through the reduce.
+                    DecodePlan {
+                        balanced: true,
+                        ..unfused_plan(&sh)
+                    },
+                    DecodePlan {
+                        balanced: true,
+                        ..cuda_core_plan(&sh)
+                    },
+                    tensor_core_plan(DecodePlan {
+                        balanced: true,
+                        ..decode_plan(&sh)
+                    }),
+                    tensor_core_plan(DecodePlan {
+                        balanced: true,
+                        ..unfused_plan(&sh)
+                    }),
+                    // Long balanced partitions, where they differ from `part` and a tail
+                    // (1056 tokens: three of 352; 700: two of 352).
+                    long_balanced(&sh, bound, false),
+                    long_balanced(&sh, bound, true),
                 ];
                 for plan in plans {
                     assert!(decode_workspace_len(&sh, plan.parts) <= dev.ws.len());

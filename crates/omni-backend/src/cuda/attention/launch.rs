@@ -222,6 +222,7 @@ impl CudaContext {
                 fused,
                 pdl,
                 tc,
+                balanced,
             } = plan;
             let chunks = group_size(&sh).div_ceil(tile);
             let tile_idx = GROUP_TILES.iter().position(|&t| t == tile).unwrap_or(0);
@@ -229,6 +230,7 @@ impl CudaContext {
             let mut parts_i = narrow::<i32>("decode partitions", parts)?;
             let mut chunks_i = narrow::<i32>("head chunks", chunks)?;
             let mut fused_i = i32::from(fused);
+            let mut balanced_i = i32::from(balanced);
             let grid = (
                 narrow::<u32>("num_kv_heads * head chunks", sh.num_kv_heads * chunks)?,
                 seqs,
@@ -247,7 +249,7 @@ impl CudaContext {
             let (mut num_tokens, mut num_heads, mut nkv, mut bs, mut num_blocks_i, mut mbps) =
                 (num_tokens, num_heads, nkv, bs, num_blocks_i, mbps);
             let mut scale = scale_log2;
-            let mut args: [*mut c_void; 19] = [
+            let mut args: [*mut c_void; 20] = [
                 (&raw mut qp).cast(),
                 (&raw mut kp).cast(),
                 (&raw mut vp).cast(),
@@ -266,11 +268,12 @@ impl CudaContext {
                 (&raw mut parts_i).cast(),
                 (&raw mut chunks_i).cast(),
                 (&raw mut fused_i).cast(),
+                (&raw mut balanced_i).cast(),
                 (&raw mut scale).cast(),
             ];
             // SAFETY: `args` points at the arguments of `attn_decode_hd*_g*` (or
             // `attn_decode_tc_hd*_g8`, the same list) `(const u16* x3, u16*,
-            // const int* x3, float*, int x10, float)` in order, with those types (device
+            // const int* x3, float*, int x11, float)` in order, with those types (device
             // pointers are CUdeviceptr = u64). q/out hold num_tokens rows of num_heads *
             // head_dim and the kernel only touches rows qsl[s] < num_tokens; the metadata
             // buffers hold num_seqs (+1) entries and num_seqs * max_blocks_per_seq table entries
@@ -303,9 +306,10 @@ impl CudaContext {
                     .arg(&num_heads)
                     .arg(&hd_i)
                     .arg(&part_i)
-                    .arg(&parts_i);
+                    .arg(&parts_i)
+                    .arg(&balanced_i);
                 // SAFETY: the arguments match `attn_decode_reduce(const float*, u16*, const
-                // int*, const int*, int x5)`; the workspace holds the num_seqs * num_heads *
+                // int*, const int*, int x6)`; the workspace holds the num_seqs * num_heads *
                 // parts rows (and their max / sum) written by the decode launch above on the
                 // same stream; out rows are only written for qsl[s] < num_tokens, and the
                 // kernel reads at most `parts` partitions per row.

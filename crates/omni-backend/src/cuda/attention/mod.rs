@@ -141,12 +141,19 @@ struct DecodePlan {
     pdl: bool,
     /// The tensor-core kernel (`decode_tc.cu`, tile [`TC_TILE`]) instead of the CUDA-core one.
     tc: bool,
+    /// Each sequence's partitions are equal (`attn_part_len`: as many as `part` tokens need,
+    /// of at most `part` tokens each, multiples of 16) instead of `part` tokens and a tail.
+    balanced: bool,
 }
 
 /// Tokens per decode partition for `shape`: 512, halved while the grid would have fewer than
 /// [`DECODE_MIN_CTAS`] CTAs ([`TC_MIN_CTAS`] on tensor cores; down to [`MIN_PARTITION`]), and
 /// whether the merge is fused (the grid's groups fit [`ATTN_COUNTERS`] and it has at most
 /// [`MAX_FUSED_PARTS`] partitions).
+///
+/// With [`DECODE_BALANCED_ENV`], grids that are not small split each sequence into equal
+/// partitions of at most that many tokens ([`DecodePlan::balanced`]): 1,056 tokens in 512-token
+/// partitions are three of 352, not two of 512 and a tail of 32.
 ///
 /// A grid that stays small even at the smallest partitions (batch 1: a few KV heads) serves
 /// at most 4 query heads per CTA: twice the CTAs (each K/V row is read twice, the second time
@@ -180,7 +187,36 @@ fn decode_plan(shape: &AttnShape) -> DecodePlan {
         fused: groups <= ATTN_COUNTERS && parts <= MAX_FUSED_PARTS,
         pdl: true,
         tc,
+        balanced: !small && balanced_enabled(),
     }
+}
+
+/// Set to `1`, grids that are not small split sequences into balanced partitions (off by
+/// default: on an H200 the 30B-A3B attention kernel at batch 64 and 1,056 tokens took 49.6
+/// instead of 57.8 µs, but `bench latency` at batch 64 moved -1.6% / -1.8% for the 8B / 30B
+/// shapes, within what two runs differ by; `scripts/gpu-check.sh ab-bal` measures both).
+/// Read once per process.
+pub const DECODE_BALANCED_ENV: &str = "OMNI_CUDA_DECODE_BALANCED";
+
+/// Whether [`DECODE_BALANCED_ENV`] turns balanced partitions on.
+fn balanced_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(DECODE_BALANCED_ENV).is_ok_and(|v| v == "1"))
+}
+
+/// [`DecodePlan::balanced`]'s partition length for a sequence of `seq_len` tokens (the
+/// kernels' `attn_part_len`; the emulator's copy).
+#[cfg(test)]
+fn part_len(plan: &DecodePlan, seq_len: usize) -> usize {
+    if !plan.balanced || seq_len == 0 {
+        return plan.part;
+    }
+    let np = seq_len.div_ceil(plan.part).min(plan.parts);
+    seq_len
+        .div_ceil(np)
+        .div_ceil(16)
+        .saturating_mul(16)
+        .min(plan.part)
 }
 
 /// Dynamic shared memory of the tensor-core decode kernel at `head_dim`, in bytes: four warps'

@@ -90,9 +90,9 @@ pub(crate) fn attn_source(hd: usize) -> String {
     let decode_args = "const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \
         const int* seq_lens, const int* bt, float* ws, int num_tokens, int num_heads, int nkv, \
         int bs, int num_blocks, int mbps, int part_size, int max_parts, int head_chunks, \
-        int fused, float scale_log2";
+        int fused, int balanced, float scale_log2";
     let decode_call = "q, kc, vc, out, qsl, seq_lens, bt, ws, num_tokens, num_heads, nkv, bs, \
-        num_blocks, mbps, part_size, max_parts, head_chunks, fused, scale_log2";
+        num_blocks, mbps, part_size, max_parts, head_chunks, fused, balanced, scale_log2";
     for gm in GROUP_TILES {
         src.push_str(&format!(
             "extern \"C\" __global__ void __launch_bounds__({DECODE_THREADS}) \

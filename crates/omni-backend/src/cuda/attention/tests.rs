@@ -353,8 +353,28 @@ fn paged_attention_decode_batches_match_cpu() {
                 fused: true,
                 pdl: true,
                 tc: false,
+                balanced: false,
             };
             fx.check_plan(&cx, "decode fused 32-token partitions", &sh, fine);
+            // Balanced partitions: both kernels, fused and through the reduce.
+            for (what, plan) in [
+                ("decode balanced", cuda_core_plan(&sh)),
+                ("decode balanced unfused", unfused_plan(&sh)),
+                (
+                    "decode balanced tensor cores",
+                    tensor_core_plan(decode_plan(&sh)),
+                ),
+                (
+                    "decode balanced tensor cores unfused",
+                    tensor_core_plan(unfused_plan(&sh)),
+                ),
+            ] {
+                let plan = DecodePlan {
+                    balanced: true,
+                    ..plan
+                };
+                fx.check_plan(&cx, what, &sh, plan);
+            }
             // The tensor-core kernel, whatever the group size, fused and not.
             let tc = tensor_core_plan(fine);
             fx.check_plan(&cx, "decode tensor cores 32-token partitions", &sh, tc);

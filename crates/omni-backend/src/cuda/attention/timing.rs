@@ -111,6 +111,13 @@ fn fused(shape: &AttnShape, part: usize) -> DecodePlan {
         fused: true,
         pdl: true,
         tc: false,
+        balanced: false,
+    }
+}
+fn now_balanced(shape: &AttnShape) -> DecodePlan {
+    DecodePlan {
+        balanced: true,
+        ..decode_plan(shape)
     }
 }
 fn now_without_pdl(shape: &AttnShape) -> DecodePlan {
@@ -164,8 +171,10 @@ fn attention_decode_timing() {
         ("fused-128", fused128),
         ("tc-32", tc32),
     ];
-    let large: [(&str, PlanOf); 6] = [
+    let balance: [(&str, PlanOf); 2] = [now, ("now-balanced", now_balanced)];
+    let large: [(&str, PlanOf); 7] = [
         now,
+        ("now-balanced", now_balanced),
         ("cuda-cores", cuda_core_plan),
         ("tc-128", tc128),
         ("tc-256", tc256),
@@ -175,7 +184,9 @@ fn attention_decode_timing() {
     for (model, nkv) in [("qwen3-30b-a3b", 4usize), ("qwen3-8b", 8)] {
         // (batch, context, grid bound, plans): batch 1 with the engine's graph bound
         // (max_model_len 4096) gets the sweep; context 1 gives the fixed cost.
-        let cases: [Case; 7] = [
+        let cases: [Case; 9] = [
+            (16, 1056, 4096, &balance),
+            (64, 1056, 4096, &balance),
             (1, 1056, 4096, &sweep),
             (1, 1056, 1056, &[now, unfused]),
             (1, 1, 4096, &[now, unfused]),
@@ -190,12 +201,13 @@ fn attention_decode_timing() {
             for &(name, plan_of) in plans {
                 let (plan, eager, graph) = b.time(&cx, bound, plan_of);
                 println!(
-                    "attention decode {model} 32/{nkv} heads B={seqs} ctx {ctx} bound {bound} plan {name} (tile {} part {} x {}{}{}): eager {eager:.1} us/call, graph {graph:.1} us/call, KV read {:.0} GB/s",
+                    "attention decode {model} 32/{nkv} heads B={seqs} ctx {ctx} bound {bound} plan {name} (tile {} part {} x {}{}{}{}): eager {eager:.1} us/call, graph {graph:.1} us/call, KV read {:.0} GB/s",
                     plan.tile,
                     plan.part,
                     plan.parts,
                     if plan.fused { " fused" } else { "" },
                     if plan.tc { " tc" } else { "" },
+                    if plan.balanced { " balanced" } else { "" },
                     bytes / (graph * 1e3)
                 );
             }
