@@ -12,7 +12,6 @@
 //! Query `i` of a chunk sees context positions `0..=start + i` (causal inside the chunk). Grouped
 //! query attention maps query head `h` to KV head `h / (num_heads / num_kv_heads)`.
 
-use rayon::prelude::*;
 
 use crate::linalg::{MatMut, MatRef, Threads, gemm_strided};
 use crate::ops::softmax_inplace;
@@ -186,62 +185,70 @@ pub fn paged_attention(
         .flat_map(|s| (0..nkv).map(move |g| (s, g)))
         .filter(|&(s, _)| meta.query_start_loc[s + 1] > meta.query_start_loc[s])
         .collect();
-    let results: Vec<Result<Vec<f32>>> = tasks
-        .par_iter()
-        .map(|&(s, g)| {
-            let q0 = meta.query_start_loc[s];
-            let qlen = meta.query_start_loc[s + 1] - q0;
-            let ctx = meta.seq_lens[s];
-            let start = ctx - qlen;
-            let table = &meta.block_tables[s];
-            let mut kbuf = vec![0.0f32; ctx * hd];
-            let mut vbuf = vec![0.0f32; ctx * hd];
-            for p in 0..ctx {
-                let slot = table[p / bs] as usize * bs + p % bs;
-                let src = (slot * nkv + g) * hd;
-                kbuf[p * hd..(p + 1) * hd].copy_from_slice(&cache.k[src..src + hd]);
-                vbuf[p * hd..(p + 1) * hd].copy_from_slice(&cache.v[src..src + hd]);
+    let task = |&(s, g): &(usize, usize)| -> Result<Vec<f32>> {
+        let q0 = meta.query_start_loc[s];
+        let qlen = meta.query_start_loc[s + 1] - q0;
+        let ctx = meta.seq_lens[s];
+        let start = ctx - qlen;
+        let table = &meta.block_tables[s];
+        let mut kbuf = vec![0.0f32; ctx * hd];
+        let mut vbuf = vec![0.0f32; ctx * hd];
+        for p in 0..ctx {
+            let slot = table[p / bs] as usize * bs + p % bs;
+            let src = (slot * nkv + g) * hd;
+            kbuf[p * hd..(p + 1) * hd].copy_from_slice(&cache.k[src..src + hd]);
+            vbuf[p * hd..(p + 1) * hd].copy_from_slice(&cache.v[src..src + hd]);
+        }
+        let mut scores = vec![0.0f32; qlen * ctx];
+        let mut head_out = vec![0.0f32; group * qlen * hd];
+        for hi in 0..group {
+            let h = g * group + hi;
+            let q_off = q0 * q_row + h * hd;
+            gemm_strided(
+                MatMut::row_major(&mut scores, qlen, ctx),
+                MatRef {
+                    data: &q[q_off..],
+                    rows: qlen,
+                    cols: hd,
+                    rs: q_row,
+                    cs: 1,
+                },
+                MatRef::row_major(&kbuf, ctx, hd).t(),
+                scale,
+                false,
+                Threads::Single,
+            )?;
+            for (i, row) in scores.chunks_exact_mut(ctx).enumerate() {
+                let visible = start + i + 1;
+                row[visible..].fill(f32::NEG_INFINITY);
+                softmax_inplace(row);
             }
-            let mut scores = vec![0.0f32; qlen * ctx];
-            let mut head_out = vec![0.0f32; group * qlen * hd];
-            for hi in 0..group {
-                let h = g * group + hi;
-                let q_off = q0 * q_row + h * hd;
-                gemm_strided(
-                    MatMut::row_major(&mut scores, qlen, ctx),
-                    MatRef {
-                        data: &q[q_off..],
-                        rows: qlen,
-                        cols: hd,
-                        rs: q_row,
-                        cs: 1,
-                    },
-                    MatRef::row_major(&kbuf, ctx, hd).t(),
-                    scale,
-                    false,
-                    Threads::Single,
-                )?;
-                for (i, row) in scores.chunks_exact_mut(ctx).enumerate() {
-                    let visible = start + i + 1;
-                    row[visible..].fill(f32::NEG_INFINITY);
-                    softmax_inplace(row);
-                }
-                gemm_strided(
-                    MatMut::row_major(
-                        &mut head_out[hi * qlen * hd..(hi + 1) * qlen * hd],
-                        qlen,
-                        hd,
-                    ),
-                    MatRef::row_major(&scores, qlen, ctx),
-                    MatRef::row_major(&vbuf, ctx, hd),
-                    1.0,
-                    false,
-                    Threads::Single,
-                )?;
-            }
-            Ok(head_out)
-        })
-        .collect();
+            gemm_strided(
+                MatMut::row_major(
+                    &mut head_out[hi * qlen * hd..(hi + 1) * qlen * hd],
+                    qlen,
+                    hd,
+                ),
+                MatRef::row_major(&scores, qlen, ctx),
+                MatRef::row_major(&vbuf, ctx, hd),
+                1.0,
+                false,
+                Threads::Single,
+            )?;
+        }
+        Ok(head_out)
+    };
+    // The spinning pool (a decode step runs one of these per layer, tens of µs apart: rayon's
+    // threads would be asleep); each task fills its own slot.
+    let slots: Vec<std::sync::OnceLock<Result<Vec<f32>>>> =
+        tasks.iter().map(|_| std::sync::OnceLock::new()).collect();
+    crate::spin_pool::SpinPool::global().run(tasks.len(), &|i| {
+        let _ = slots[i].set(task(&tasks[i]));
+    });
+    let results = slots.into_iter().map(|slot| {
+        slot.into_inner()
+            .unwrap_or_else(|| Err(Error::Metadata("attention task did not run".into())))
+    });
 
     for (&(s, g), res) in tasks.iter().zip(results) {
         let head_out = res?;

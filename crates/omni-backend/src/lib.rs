@@ -39,6 +39,7 @@ pub mod linalg;
 pub mod ops;
 pub mod quant;
 pub mod rope;
+pub mod spin_pool;
 #[cfg(test)]
 mod test_util;
 pub mod varlen_attention;

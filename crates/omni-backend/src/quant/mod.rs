@@ -346,7 +346,20 @@ impl QMatrix {
             &mut transposed
         };
         if parallel {
-            t.par_chunks_mut(chunk * m).enumerate().for_each(piece);
+            // The spinning pool, not rayon's: ~120 of these products make a decode step, tens
+            // of µs apart, and rayon's threads sleep between them (`crate::spin_pool`).
+            let (len, step) = (t.len(), chunk * m);
+            let base = t.as_mut_ptr() as usize;
+            crate::spin_pool::SpinPool::global().run(len.div_ceil(step), &|c| {
+                let start = c * step;
+                let part = step.min(len - start);
+                // SAFETY: task c takes elements start .. start + part of `t`, disjoint from
+                // every other task's and inside it; `t` is borrowed until `run` returns, after
+                // every task.
+                let chunk_t =
+                    unsafe { std::slice::from_raw_parts_mut((base as *mut f32).add(start), part) };
+                piece((c, chunk_t));
+            });
         } else {
             t.chunks_mut(chunk * m).enumerate().for_each(piece);
         }
