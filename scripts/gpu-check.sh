@@ -213,15 +213,22 @@ if want ab-attn; then
   done
 fi
 
+ab_latency() { # VAR prefix model: bench latency (batch 1/16/64) of one shape with VAR=0, then 1
+  local v
+  for v in 0 1; do
+    declare -x "$1=$v"
+    step "$2$v-latency-$3" "$BIN/omni-engine" bench latency --model "bench/models/$3" \
+      --load-format dummy --device cuda --max-model-len 4096 --max-num-seqs 64 \
+      --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 --output-len 64 \
+      --prefill-len 2048 --json "$LOGS/$2$v-latency-$3.json"
+    unset "$1"
+  done
+}
+
 if want ab-tc; then
   step attn-kernels "$BIN/backend-tests" cuda::attention --test-threads=1 --nocapture
   for m in qwen3-30b-a3b qwen3-8b; do
-    for t in 0 1; do
-      OMNI_CUDA_DECODE_TC=$t step "tc$t-latency-$m" "$BIN/omni-engine" bench latency \
-        --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
-        --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 \
-        --output-len 64 --prefill-len 2048 --json "$LOGS/tc$t-latency-$m.json"
-    done
+    ab_latency OMNI_CUDA_DECODE_TC tc "$m"
     for t in 0 1; do
       OMNI_CUDA_DECODE_TC=$t OMNI_CUDA_PROFILE=16 step "tc$t-profile-$m" "$BIN/omni-engine" \
         bench latency --model "bench/models/$m" --load-format dummy --device cuda --enforce-eager \
@@ -234,12 +241,7 @@ fi
 if want ab-bal; then
   step attn-kernels "$BIN/backend-tests" cuda::attention --test-threads=1 --nocapture
   for m in qwen3-30b-a3b qwen3-8b; do
-    for b in 0 1; do
-      OMNI_CUDA_DECODE_BALANCED=$b step "bal$b-latency-$m" "$BIN/omni-engine" bench latency \
-        --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
-        --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 \
-        --output-len 64 --prefill-len 2048 --json "$LOGS/bal$b-latency-$m.json"
-    done
+    ab_latency OMNI_CUDA_DECODE_BALANCED bal "$m"
   done
 fi
 
