@@ -12,7 +12,6 @@
 //! Query `i` of a chunk sees context positions `0..=start + i` (causal inside the chunk). Grouped
 //! query attention maps query head `h` to KV head `h / (num_heads / num_kv_heads)`.
 
-
 use crate::linalg::{MatMut, MatRef, Threads, gemm_strided};
 use crate::ops::softmax_inplace;
 use crate::{Error, Result};
