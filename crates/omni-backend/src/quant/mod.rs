@@ -417,12 +417,13 @@ impl QMatrix {
 /// Tasks per pool thread of a parallel product.
 const TASKS_PER_THREAD: usize = 4;
 
-/// Weight rows per task: about [`TASKS_PER_THREAD`] tasks per thread, at least 16 rows.
+/// Weight rows per task: about [`TASKS_PER_THREAD`] tasks per thread of the pool that runs
+/// them ([`crate::spin_pool::SpinPool::global`]), at least 16 rows.
 fn chunk_rows(n: usize, parallel: bool) -> usize {
     if !parallel {
         return n.max(1);
     }
-    n.div_ceil(TASKS_PER_THREAD * rayon::current_num_threads())
+    n.div_ceil(TASKS_PER_THREAD * crate::spin_pool::SpinPool::global().threads())
         .max(16)
 }
 

@@ -152,6 +152,9 @@ impl CudaContext {
                 workspace.len(),
             ));
         }
+        if tokens == 0 {
+            return Ok(());
+        }
         let (mut h_i, i_i, mut e_i, mut k_i, mut t_i, mut p_i) = (
             narrow::<i32>("hidden", hidden)?,
             narrow::<i32>("inter", inter)?,

@@ -230,9 +230,6 @@ impl CudaContext {
         crate::check_len("fused moe topk ids", topk_ids.len(), pairs)?;
         crate::check_len("fused moe topk weights", topk_weights.len(), pairs)?;
         crate::check_len("fused moe out", out.len(), tokens * hidden)?;
-        if tokens == 0 {
-            return Ok(());
-        }
         let tile = match gemm {
             MoeGemm::Tiles(tile) => tile,
             MoeGemm::Cublas { quantum } => {
@@ -256,6 +253,9 @@ impl CudaContext {
                 lay.total,
                 workspace.len(),
             ));
+        }
+        if tokens == 0 {
+            return Ok(());
         }
         // Every int the kernels take, and the row products they form in int.
         let (mut h_i, mut i_i, mut e_i, mut k_i, mut t_i) = (
