@@ -35,7 +35,9 @@
 #           a 30 s clip)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
-#   ab-gemv bench latency (batch 1/4/8/64) of both shapes with OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
+#   ab-gemv the GEMV and small-batch MoE kernel tests and timings, the fused-path model tests,
+#           then bench latency (batch 1/2/4/8, GEMV_BATCHES) of both shapes with
+#           OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
 #   ab-attn decode attention before/after: backend-tests cuda::attention (checks and timing
 #           lines), eager per-kernel profiles and bench latency at batch 1 and 64 of both shapes,
 #           for this tree's binaries and, when staged, base-omni-engine / base-backend-tests
@@ -108,7 +110,7 @@ step() { # name, command...
   timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
-  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T|paths|cublas|dense)|sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
+  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T|paths|cublas|dense)|gemv |fused gemv |sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
   [ $rc -ne 0 ] && fail=1
   return 0
 }
@@ -173,14 +175,17 @@ if want bench; then
   done
 fi
 
-# The small-batch GEMVs (fused dense and MoE decode layers) against cuBLAS, in one run.
+# The small-batch GEMVs (fused dense and MoE decode layers) against cuBLAS, in one run: the
+# kernels' checks and timings, the fused decoder path vs the unfused one, then bench latency.
 if want ab-gemv; then
-  for m in qwen3-8b qwen3-30b-a3b; do
+  step gemv-kernels "$BIN/backend-tests" cuda::gemv cuda::moe::small --test-threads=1 --nocapture
+  [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1 --nocapture
+  for m in qwen3-30b-a3b qwen3-8b; do
     for g in 0 1; do
       OMNI_CUDA_SMALL_BATCH_GEMV=$g step "gemv$g-$m" "$BIN/omni-engine" bench latency \
         --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
-        --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,4,8,64 --input-len 1024 \
-        --output-len 64 --prefill-len 2048 --json "$LOGS/gemv$g-$m.json"
+        --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes ${GEMV_BATCHES:-1,2,4,8} \
+        --input-len 1024 --output-len 64 --prefill-len 2048 --json "$LOGS/gemv$g-$m.json"
     done
   done
 fi

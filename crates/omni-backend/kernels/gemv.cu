@@ -54,12 +54,13 @@ __device__ __forceinline__ void gv_norm_row(const float* __restrict__ x,
 }
 
 // Grid: ceil(n / warps) blocks of `warps` warps; warp o of the grid owns output column o.
-// Dynamic shared memory: rows * k bf16 for GV_IN_NORM (none otherwise). A normalising launch
-// takes the norm's threads, up to 1024 (hidden 4096): the bound keeps the registers within them.
-extern "C" __global__ void __launch_bounds__(1024) gemv_fused_bf16(
-        const unsigned short* __restrict__ x, float* residual, const unsigned short* __restrict__ norm_w,
-        const unsigned short* __restrict__ w, void* y, int rows, int k, int n, int in_mode,
-        int out_mode, int set, float eps) {
+// Dynamic shared memory: rows * k bf16 for GV_IN_NORM (none otherwise). The accumulators are
+// indexed by compile-time rows only (unrolled, predicated on `rows`), so they stay in registers;
+// PAIR (SiLU-and-mul) streams two weight rows per warp, UNROLL chunks of each in flight per lane.
+template <bool PAIR, int UNROLL>
+__device__ __forceinline__ void gemv_body(const unsigned short* __restrict__ x, float* residual,
+        const unsigned short* __restrict__ norm_w, const unsigned short* __restrict__ w, void* y,
+        int rows, int k, int n, int in_mode, int out_mode, int set, float eps) {
     extern __shared__ __align__(16) unsigned short gv_xs[];
     __shared__ float sh[32];
     gv_launch_dependents();
@@ -68,16 +69,15 @@ extern "C" __global__ void __launch_bounds__(1024) gemv_fused_bf16(
     const int lane = threadIdx.x & 31;
     const bool live = o < n;
     const int chunks = k >> 3;
-    const bool pair = out_mode == GV_OUT_SILU;
     const uint4* w0 = reinterpret_cast<const uint4*>(w + (size_t)(live ? o : 0) * k);
-    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(live ? o + (pair ? n : 0) : 0) * k);
-    uint4 wa[GV_UNROLL], wb[GV_UNROLL];
+    const uint4* w1 = reinterpret_cast<const uint4*>(w + (size_t)(live ? o + (PAIR ? n : 0) : 0) * k);
+    uint4 wa[UNROLL], wb[PAIR ? UNROLL : 1];
 #pragma unroll
-    for (int u = 0; u < GV_UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
         const int c = lane + 32 * u;
         if (live && c < chunks) {
             wa[u] = w0[c];
-            if (pair) wb[u] = w1[c];
+            if (PAIR) wb[u] = w1[c];
         }
     }
     gv_wait();
@@ -89,49 +89,78 @@ extern "C" __global__ void __launch_bounds__(1024) gemv_fused_bf16(
         __syncthreads();
     }
     if (!live) return;
-    const unsigned short* xin = in_mode == GV_IN_NORM ? gv_xs : x;
-    float acc[GV_MAX_ROWS], accb[GV_MAX_ROWS];
-    for (int r = 0; r < GV_MAX_ROWS; ++r) { acc[r] = 0.f; accb[r] = 0.f; }
-    for (int base = 0; base < chunks; base += 32 * GV_UNROLL) {
+    const uint4* xin = reinterpret_cast<const uint4*>(in_mode == GV_IN_NORM ? gv_xs : x);
+    float acc[GV_MAX_ROWS], accb[PAIR ? GV_MAX_ROWS : 1];
+#pragma unroll
+    for (int r = 0; r < GV_MAX_ROWS; ++r) {
+        acc[r] = 0.f;
+        if (PAIR) accb[r] = 0.f;
+    }
+    for (int base = 0; base < chunks; base += 32 * UNROLL) {
         if (base > 0) {
 #pragma unroll
-            for (int u = 0; u < GV_UNROLL; ++u) {
+            for (int u = 0; u < UNROLL; ++u) {
                 const int c = base + lane + 32 * u;
                 if (c < chunks) {
                     wa[u] = w0[c];
-                    if (pair) wb[u] = w1[c];
+                    if (PAIR) wb[u] = w1[c];
                 }
             }
         }
 #pragma unroll
-        for (int u = 0; u < GV_UNROLL; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const int c = base + lane + 32 * u;
             if (c < chunks) {
                 float wf[8], wg[8];
                 gv_unpack(wa[u], wf);
-                if (pair) gv_unpack(wb[u], wg);
-                for (int r = 0; r < rows; ++r) {
-                    const uint4 xv = reinterpret_cast<const uint4*>(xin + (size_t)r * k)[c];
-                    acc[r] += gv_dot8(xv, wf);
-                    if (pair) accb[r] += gv_dot8(xv, wg);
+                if (PAIR) gv_unpack(wb[u], wg);
+#pragma unroll
+                for (int r = 0; r < GV_MAX_ROWS; ++r) {
+                    if (r < rows) {
+                        const uint4 xv = xin[(size_t)r * chunks + c];
+                        acc[r] += gv_dot8(xv, wf);
+                        if (PAIR) accb[r] += gv_dot8(xv, wg);
+                    }
                 }
             }
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        float v = acc[r], vb = accb[r];
+#pragma unroll
+    for (int r = 0; r < GV_MAX_ROWS; ++r) {
+        if (r >= rows) break;
+        float v = acc[r], vb = PAIR ? accb[r] : 0.f;
         for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
-        if (pair) for (int s = 16; s > 0; s >>= 1) vb += __shfl_xor_sync(0xffffffffu, vb, s);
+        if (PAIR) for (int s = 16; s > 0; s >>= 1) vb += __shfl_xor_sync(0xffffffffu, vb, s);
         if (lane == 0) {
             const size_t at = (size_t)r * n + o;
-            if (out_mode == GV_OUT_F32) reinterpret_cast<float*>(y)[at] = v;
-            else if (out_mode == GV_OUT_ADD) residual[at] += v;
-            else if (out_mode == GV_OUT_SILU) {
+            if (PAIR) {
                 const float g = bf2f(f2bf(v)), u = bf2f(f2bf(vb));
                 reinterpret_cast<unsigned short*>(y)[at] = f2bf(g / (1.0f + expf(-g)) * u);
-            } else reinterpret_cast<unsigned short*>(y)[at] = f2bf(v);
+            } else if (out_mode == GV_OUT_F32) reinterpret_cast<float*>(y)[at] = v;
+            else if (out_mode == GV_OUT_ADD) residual[at] += v;
+            else reinterpret_cast<unsigned short*>(y)[at] = f2bf(v);
         }
     }
+}
+
+// The entries: {one weight row, SiLU-and-mul pair} x {blocks of at most 512, 1024 threads} (a
+// normalising launch takes the norm's threads, up to 1024 at hidden 4096: the bound keeps the
+// registers within them; 512-thread blocks get twice the registers).
+#define GV_ARGS const unsigned short* __restrict__ x, float* residual, \
+        const unsigned short* __restrict__ norm_w, const unsigned short* __restrict__ w, void* y, \
+        int rows, int k, int n, int in_mode, int out_mode, int set, float eps
+#define GV_PASS x, residual, norm_w, w, y, rows, k, n, in_mode, out_mode, set, eps
+extern "C" __global__ void __launch_bounds__(512) gemv_fused_bf16(GV_ARGS) {
+    gemv_body<false, GV_UNROLL>(GV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_fused_silu_bf16(GV_ARGS) {
+    gemv_body<true, GV_UNROLL>(GV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(1024) gemv_fused_bf16_1024(GV_ARGS) {
+    gemv_body<false, GV_UNROLL>(GV_PASS);
+}
+extern "C" __global__ void __launch_bounds__(1024) gemv_fused_silu_bf16_1024(GV_ARGS) {
+    gemv_body<true, GV_UNROLL / 4>(GV_PASS);
 }
 
 // out[b] = bf16(rms_norm(residual[rows[b]]) * w) for b < n_rows: the final norm of the rows a

@@ -13,17 +13,22 @@
 //                      routed to an expert streams that expert's gate and up rows once for every
 //                      pair routed to it (other pairs' blocks exit), one warp per column, and
 //                      writes act[pair] = bf16(silu(gate) * up) (the grouped GEMM's rounding);
-//   moe_small_down:    one block per MS_DOWN_ROWS output rows: for each distinct routed expert
-//                      (pair order) a warp streams its w2 row once, y[pair] = bf16(act[pair] .
-//                      w2 row) for the pairs routed to it, then residual[t, n] += bf16(sum over
-//                      the token's slots in order of w * y) (the rounding of `moe_reduce`).
+//                      one entry per bound R on the members (<= tokens) an expert can have;
+//   moe_small_down:    one warp per output row n: for each distinct routed expert (pair order)
+//                      it streams that expert's w2 row n once, up to MS_DOWN_SLOTS 16-byte chunks
+//                      per lane in flight (the first group issued before the wait),
+//                      y[pair] = bf16(act[pair] . w2 row) for the pairs routed to it, then
+//                      residual[t, n] += bf16(sum over the token's slots in order of w * y) (the
+//                      rounding of `moe_reduce`); one entry per V = ceil(inter / 256), the
+//                      chunks of a w2 row a lane holds.
 //
 // Dot products accumulate in f32 in the order of the plain loop `for (c = lane; c < chunks;
 // c += 32)` over 8-wide chunks, then the xor-shuffle warp reduction (as gemv.cu).
 // Prepended by the Rust side: bf16.cuh, gemv_common.cuh, moe/topk_warp.cuh.
 
 #define MS_MAX_PAIRS 256
-#define MS_DOWN_ROWS 2
+#define MS_DOWN_ROWS 8
+#define MS_DOWN_SLOTS 24
 #define MS_ROUTE_UNROLL 16
 
 // Grid: tokens * groups blocks of block_threads(hidden / 4) threads (the unfused norm's); warp
@@ -130,15 +135,18 @@ __device__ __forceinline__ int ms_members(const int* __restrict__ ids, int p, in
 
 // Grid: pairs * col_blocks blocks of 256 threads (8 warps); block b serves pair b / col_blocks
 // and columns (b % col_blocks) * 8 + warp. act is [pairs, inter] bf16 (rows of pairs whose id
-// is invalid are not written).
-extern "C" __global__ void __launch_bounds__(256, 2) moe_small_gate_up(
-        const unsigned short* __restrict__ x, const unsigned short* __restrict__ w13,
-        const int* __restrict__ ids, unsigned short* __restrict__ act, int pairs, int top_k,
-        int hidden, int inter, int num_experts, int col_blocks) {
+// is invalid are not written). R bounds the accumulators: members are taken R at a time.
+template <int R>
+__device__ __forceinline__ void ms_gate_up(const unsigned short* __restrict__ x,
+        const unsigned short* __restrict__ w13, const int* __restrict__ ids,
+        unsigned short* __restrict__ act, int pairs, int top_k, int hidden, int inter,
+        int num_experts, int col_blocks) {
     __shared__ int s_members[MS_MAX_PAIRS];
     __shared__ int s_n;
-    gv_launch_dependents();
     gv_wait();
+    // Triggered after the wait: when the down kernel launches, the routing this grid waited for
+    // is complete, so the down kernel may read it before its own wait.
+    gv_launch_dependents();
     const int p = blockIdx.x / col_blocks, cb = blockIdx.x - p * col_blocks;
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x < 32) {
@@ -154,12 +162,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_small_gate_up(
     const uint4* w0 = reinterpret_cast<const uint4*>(w13 + ((size_t)e * 2 * inter + o) * hidden);
     const uint4* w1 = w0 + (size_t)inter * chunks;  // up row o
     const uint4* xb = reinterpret_cast<const uint4*>(x);
-    for (int mb = 0; mb < n; mb += GV_MAX_ROWS) {
-        const int rows = min(GV_MAX_ROWS, n - mb);
-        float acc[GV_MAX_ROWS], accb[GV_MAX_ROWS];
-        int xo[GV_MAX_ROWS];  // the member's token row of x, in uint4 chunks
+    for (int mb = 0; mb < n; mb += R) {
+        const int rows = min(R, n - mb);
+        float acc[R], accb[R];
+        int xo[R];  // the member's token row of x, in uint4 chunks
 #pragma unroll
-        for (int r = 0; r < GV_MAX_ROWS; ++r) {
+        for (int r = 0; r < R; ++r) {
             acc[r] = 0.f;
             accb[r] = 0.f;
             xo[r] = (s_members[mb + min(r, rows - 1)] / top_k) * chunks;
@@ -182,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_small_gate_up(
                     gv_unpack(wa[u], wf);
                     gv_unpack(wb[u], wg);
 #pragma unroll
-                    for (int r = 0; r < GV_MAX_ROWS; ++r) {
+                    for (int r = 0; r < R; ++r) {
                         if (r < rows) {
                             const uint4 xv = xb[xo[r] + c];
                             acc[r] += gv_dot8(xv, wf);
@@ -193,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_small_gate_up(
             }
         }
 #pragma unroll
-        for (int r = 0; r < GV_MAX_ROWS; ++r) {
+        for (int r = 0; r < R; ++r) {
             if (r < rows) {
                 float g = acc[r], u = accb[r];
                 for (int s = 16; s > 0; s >>= 1) g += __shfl_xor_sync(0xffffffffu, g, s);
@@ -205,27 +213,44 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_small_gate_up(
     }
 }
 
+#define MS_GATE_UP_ARGS const unsigned short* __restrict__ x, \
+        const unsigned short* __restrict__ w13, const int* __restrict__ ids, \
+        unsigned short* __restrict__ act, int pairs, int top_k, int hidden, int inter, \
+        int num_experts, int col_blocks
+#define MS_GATE_UP_PASS x, w13, ids, act, pairs, top_k, hidden, inter, num_experts, col_blocks
+// Single-member blocks fit three per SM (24 warps, 8 KiB of weights in flight each).
+#define MS_GATE_UP_ENTRY(name, r, min_blocks) \
+    extern "C" __global__ void __launch_bounds__(256, min_blocks) name(MS_GATE_UP_ARGS) { \
+        ms_gate_up<r>(MS_GATE_UP_PASS); \
+    }
+MS_GATE_UP_ENTRY(moe_small_gate_up_r1, 1, 3)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r2, 2, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r4, 4, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r8, 8, 2)
+
 // Grid: ceil(hidden / MS_DOWN_ROWS) blocks of MS_MAX_PAIRS (256) threads: thread q first owns
-// pair q (its id, whether it is the first pair of its expert), then item i = r * owners + u
-// (row row0 + r, the u-th distinct expert in pair order) goes to warp i % 8, then thread
-// r * tokens + t sums token t's slots of row row0 + r. inter <= 32 * 8 * GV_UNROLL (a lane
-// holds its whole share of a w2 row).
-extern "C" __global__ void __launch_bounds__(256) moe_small_down(
-        const unsigned short* __restrict__ act, const unsigned short* __restrict__ w2,
-        const int* __restrict__ ids, const float* __restrict__ wts,
-        float* __restrict__ residual, int tokens, int top_k, int hidden, int inter,
-        int num_experts) {
+// pair q (its id, whether it is the first pair of its expert), then warp w owns output row
+// blockIdx.x * MS_DOWN_ROWS + w and streams the w2 rows of G = MS_DOWN_SLOTS / V distinct
+// experts at a time (V chunks of each per lane), then lane t < tokens sums token t's slots.
+// inter <= 32 * 8 * V.
+template <int V>
+__device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
+        const unsigned short* __restrict__ w2, const int* __restrict__ ids,
+        const float* __restrict__ wts, float* __restrict__ residual, int tokens, int top_k,
+        int hidden, int inter, int num_experts) {
+    constexpr int G = MS_DOWN_SLOTS / V;
     __shared__ int s_ids[MS_MAX_PAIRS];
     __shared__ int s_own[MS_MAX_PAIRS];
     __shared__ int s_wcount[MS_MAX_PAIRS / 32];
     __shared__ float s_y[MS_DOWN_ROWS][MS_MAX_PAIRS];
     gv_launch_dependents();
-    gv_wait();
+    // The routing (moe_small_route's) is complete before this grid launches: the gate_up
+    // kernel between them triggers it only after its own wait. Read past L1 all the same.
     const int pairs = tokens * top_k;
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, warps = blockDim.x >> 5;
     int e = -1;
     if (tid < pairs) {
-        e = ids[tid];
+        e = __ldcg(ids + tid);
         if (e < 0 || e >= num_experts) e = -1;
     }
     s_ids[tid] = e;
@@ -242,49 +267,78 @@ extern "C" __global__ void __launch_bounds__(256) moe_small_down(
     }
     if (first) s_own[off + __popc(bal & ((1u << lane) - 1u))] = tid;
     __syncthreads();
-    const int row0 = blockIdx.x * MS_DOWN_ROWS;
+    const int n = blockIdx.x * MS_DOWN_ROWS + wid;
+    const bool live = n < hidden;  // warp-uniform
     const int chunks = inter >> 3;
-    for (int it = wid; it < MS_DOWN_ROWS * owners; it += warps) {
-        const int r = it / owners, u = it - r * owners;
-        const int n = row0 + r;
-        if (n >= hidden) continue;  // warp-uniform
-        const int p = s_own[u], ex = s_ids[p];
-        const uint4* wr = reinterpret_cast<const uint4*>(w2 + ((size_t)ex * hidden + n) * inter);
-        uint4 wa[GV_UNROLL];
+    uint4 wa[G * V];
+    // The w2 rows n of the distinct experts u0 .. u0 + G - 1 (weights: readable before the wait).
+#define MS_DOWN_LOAD(u0)                                                                     \
+    _Pragma("unroll") for (int g = 0; g < G; ++g) {                                          \
+        const int u = (u0) + g;                                                              \
+        if (live && u < owners) {                                                            \
+            const uint4* wr = reinterpret_cast<const uint4*>(                                \
+                w2 + ((size_t)s_ids[s_own[u]] * hidden + n) * inter);                        \
+            _Pragma("unroll") for (int v = 0; v < V; ++v) {                                  \
+                const int c = lane + 32 * v;                                                 \
+                if (c < chunks) wa[g * V + v] = wr[c];                                       \
+            }                                                                                \
+        }                                                                                    \
+    }
+    MS_DOWN_LOAD(0)
+    gv_wait();
+    for (int u0 = 0; u0 < owners; u0 += G) {
+        if (u0 > 0) { MS_DOWN_LOAD(u0) }
 #pragma unroll
-        for (int v = 0; v < GV_UNROLL; ++v) {
-            const int c = lane + 32 * v;
-            if (c < chunks) wa[v] = wr[c];
-        }
-        for (int q = p; q < pairs; ++q) {
-            if (s_ids[q] != ex) continue;  // warp-uniform (shared broadcast)
-            const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)q * inter);
-            float acc = 0.f;
+        for (int g = 0; g < G; ++g) {
+            const int u = u0 + g;
+            if (!live || u >= owners) break;  // warp-uniform
+            const int p = s_own[u], ex = s_ids[p];
+            for (int q = p; q < pairs; ++q) {
+                if (s_ids[q] != ex) continue;  // warp-uniform (shared broadcast)
+                const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)q * inter);
+                float acc = 0.f;
 #pragma unroll
-            for (int v = 0; v < GV_UNROLL; ++v) {
-                const int c = lane + 32 * v;
-                if (c < chunks) {
-                    float wf[8];
-                    gv_unpack(wa[v], wf);
-                    acc += gv_dot8(ar[c], wf);
+                for (int v = 0; v < V; ++v) {
+                    const int c = lane + 32 * v;
+                    if (c < chunks) {
+                        float wf[8];
+                        gv_unpack(wa[g * V + v], wf);
+                        acc += gv_dot8(ar[c], wf);
+                    }
                 }
+                for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+                if (lane == 0) s_y[wid][q] = bf2f(f2bf(acc));
             }
-            for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-            if (lane == 0) s_y[r][q] = bf2f(f2bf(acc));
         }
     }
-    __syncthreads();
-    if (tid < MS_DOWN_ROWS * tokens) {
-        const int r = tid / tokens, t = tid - r * tokens;
-        const int n = row0 + r;
-        if (n < hidden) {
-            float acc = 0.f;
-            for (int s = 0; s < top_k; ++s) {
-                const int q = t * top_k + s;
-                if (s_ids[q] < 0) continue;
-                acc += wts[q] * s_y[r][q];
-            }
-            residual[(size_t)t * hidden + n] += bf2f(f2bf(acc));
+#undef MS_DOWN_LOAD
+    __syncwarp();
+    if (live && lane < tokens) {
+        const int t = lane;
+        float acc = 0.f;
+        for (int s = 0; s < top_k; ++s) {
+            const int q = t * top_k + s;
+            if (s_ids[q] < 0) continue;
+            acc += wts[q] * s_y[wid][q];
         }
+        residual[(size_t)t * hidden + n] += bf2f(f2bf(acc));
     }
 }
+
+#define MS_DOWN_ARGS const unsigned short* __restrict__ act, \
+        const unsigned short* __restrict__ w2, const int* __restrict__ ids, \
+        const float* __restrict__ wts, float* __restrict__ residual, int tokens, int top_k, \
+        int hidden, int inter, int num_experts
+#define MS_DOWN_PASS act, w2, ids, wts, residual, tokens, top_k, hidden, inter, num_experts
+#define MS_DOWN_ENTRY(name, v) \
+    extern "C" __global__ void __launch_bounds__(256) name(MS_DOWN_ARGS) { \
+        ms_down<v>(MS_DOWN_PASS); \
+    }
+MS_DOWN_ENTRY(moe_small_down_v1, 1)
+MS_DOWN_ENTRY(moe_small_down_v2, 2)
+MS_DOWN_ENTRY(moe_small_down_v3, 3)
+MS_DOWN_ENTRY(moe_small_down_v4, 4)
+MS_DOWN_ENTRY(moe_small_down_v5, 5)
+MS_DOWN_ENTRY(moe_small_down_v6, 6)
+MS_DOWN_ENTRY(moe_small_down_v7, 7)
+MS_DOWN_ENTRY(moe_small_down_v8, 8)

@@ -30,7 +30,12 @@ use super::{CudaContext, CudaError, CudaResult};
 /// The GEMV helpers shared with the small-batch MoE kernels.
 pub(super) const GEMV_COMMON: &str = kernel_file!("gemv_common.cuh");
 const GEMV: &str = kernel_file!("gemv.cu");
-const GEMV_FN: &str = "gemv_fused_bf16";
+/// The GEMV's entries by (SiLU-and-mul pair, blocks of up to 1024 threads); blocks of at most
+/// 512 threads take the first pair (twice the registers per thread).
+const GEMV_FNS: [[&str; 2]; 2] = [
+    ["gemv_fused_bf16", "gemv_fused_bf16_1024"],
+    ["gemv_fused_silu_bf16", "gemv_fused_silu_bf16_1024"],
+];
 const NORM_ROWS_FN: &str = "rms_norm_rows_f32res";
 
 /// The most rows [`CudaContext::gemv_nt_bf16`] takes.
@@ -427,7 +432,8 @@ impl CudaContext {
     }
 
     fn launch_gemv(&self, l: GemvLaunch) -> CudaResult<()> {
-        let f = self.function(gemv_source, GEMV_FN)?;
+        let entry = GEMV_FNS[usize::from(l.out_mode == OUT_SILU)][usize::from(l.threads > 512)];
+        let f = self.function(gemv_source, entry)?;
         let GemvLaunch {
             mut x,
             mut residual,
@@ -448,8 +454,9 @@ impl CudaContext {
         let mut args = kernel_args!(
             x, residual, norm_w, w, y, rows, k, n, in_mode, out_mode, set, eps
         );
-        // SAFETY: the arguments match `gemv_fused_bf16(const u16*, float*, const u16*, const
-        // u16*, void*, int, int, int, int, int, int, float)` in order and type. The callers
+        // SAFETY: the arguments match each `gemv_fused_*` entry's `(const u16*, float*, const
+        // u16*, const u16*, void*, int, int, int, int, int, int, float)` in order and type,
+        // and the entry's launch bound holds the block (512 or 1024 threads, chosen above). The callers
         // checked every buffer against rows, k and n: x (or init) holds rows * k bf16, the
         // residual rows * k (normalised input) or rows * n (added output) f32, the weight n *
         // k (2n * k for SiLU-and-mul) bf16, y rows * n of the output's type; k is a multiple
@@ -641,8 +648,15 @@ mod tests {
             return;
         };
         let s = cx.stream().clone();
-        let (k, n, eps) = (1024usize, 100usize, 1e-6f32);
-        for rows in [1usize, 3, 8] {
+        let (n, eps) = (100usize, 1e-6f32);
+        // k = 1024 normalises with 256 threads, 4096 with 1024 (the other kernel entries).
+        for (k, rows) in [
+            (1024usize, 1usize),
+            (1024, 3),
+            (1024, 8),
+            (4096, 1),
+            (4096, 5),
+        ] {
             let w = cx.upload_f32_as_bf16(&rand_bf16_f32(2 * n * k, 1)).unwrap();
             let wn: Vec<f32> = rand_bf16_f32(k, 2).iter().map(|x| 1.0 + x / 4.0).collect();
             let wn = cx.upload_f32_as_bf16(&wn).unwrap();
@@ -758,7 +772,76 @@ mod tests {
                     "rows {rows}: final norm"
                 );
             }
-            println!("fused gemv rows {rows}: bitwise equal to the unfused kernels");
+            println!("fused gemv k {k} rows {rows}: bitwise equal to the unfused kernels");
+        }
+    }
+
+    /// Timing lines, not a check: the fused GEMV against cuBLAS on the decoder's real shapes
+    /// (Qwen3-30B-A3B and Qwen3-8B projections) in a CUDA graph, each call on another copy of
+    /// the weights so that none is found in L2 (as in a model's layer sequence).
+    #[test]
+    fn gemv_real_shape_timing() {
+        use crate::cuda::tests::{ctx_or_skip, graph_us, rand_bf16_f32};
+        let Some(cx) = ctx_or_skip("gemv_real_shape_timing") else {
+            return;
+        };
+        let s = cx.stream().clone();
+        // (name, k, n, normalised input, SiLU pair)
+        let shapes = [
+            ("30b qkv", 2048usize, 5120usize, true, false),
+            ("30b o", 4096, 2048, false, false),
+            ("8b qkv", 4096, 6144, true, false),
+            ("8b o", 4096, 4096, false, false),
+            ("8b gate_up", 4096, 12288, true, true),
+            ("8b down", 12288, 4096, false, false),
+        ];
+        for (name, k, n, norm, silu) in shapes {
+            let wrows = if silu { 2 * n } else { n };
+            let bytes = wrows * k * 2;
+            let copies = (200_000_000 / bytes).clamp(1, 16);
+            let ws: Vec<CudaSlice<bf16>> = (0..copies)
+                .map(|c| s.alloc_zeros::<bf16>(wrows * k + c).unwrap())
+                .collect();
+            let wn = cx.upload_f32_as_bf16(&vec![1.0; k]).unwrap();
+            for rows in [1usize, 4, 8] {
+                let x = cx.upload_f32_as_bf16(&rand_bf16_f32(rows * k, 9)).unwrap();
+                let mut res = s.clone_htod(&rand_bf16_f32(rows * k.max(n), 10)).unwrap();
+                let mut y = s.alloc_zeros::<bf16>(rows * wrows).unwrap();
+                let mut y32 = s.alloc_zeros::<f32>(rows * n).unwrap();
+                let mut i = 0usize;
+                let us_gemv = graph_us(&cx, &mut || {
+                    let w = ws[i % copies].slice(..wrows * k);
+                    i += 1;
+                    let input = if norm {
+                        GemvIn::Norm {
+                            residual: &mut res,
+                            weight: &wn,
+                            eps: 1e-6,
+                        }
+                    } else {
+                        GemvIn::X(x.slice(..))
+                    };
+                    let out = if silu {
+                        GemvOut::SiluMul(y.slice_mut(..rows * n))
+                    } else if norm {
+                        GemvOut::Bf16(y.slice_mut(..rows * n))
+                    } else {
+                        GemvOut::F32(y32.slice_mut(..))
+                    };
+                    cx.gemv_fused(&w, input, out, rows, k, n).unwrap();
+                });
+                let us_cublas = graph_us(&cx, &mut || {
+                    let w = ws[i % copies].slice(..wrows * k);
+                    i += 1;
+                    cx.matmul_nt_bf16(&x, &w, &mut y, rows, k, wrows).unwrap();
+                });
+                let mb = bytes as f64 / 1e6;
+                println!(
+                    "gemv {name} rows {rows}: fused {us_gemv:.1} µs ({:.2} TB/s), cuBLAS {us_cublas:.1} µs ({:.2} TB/s)",
+                    mb / us_gemv,
+                    mb / us_cublas
+                );
+            }
         }
     }
 }

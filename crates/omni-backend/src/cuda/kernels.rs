@@ -71,6 +71,11 @@ pub(crate) fn cubin(src: &str, arch: &str) -> Result<Arc<Vec<u8>>, CudaError> {
 }
 
 fn compile_cubin(src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
+    compile_with(src, arch, &[]).map(|(cubin, _)| cubin)
+}
+
+/// Compiles `src` for `arch` with `extra` NVRTC options: the CUBIN and the program log.
+fn compile_with(src: &str, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String), CudaError> {
     // SAFETY: querying whether a shared library can be dlopen'ed has no preconditions.
     if !unsafe { ns::is_culib_present() } {
         return Err(CudaError::MissingLibrary("libnvrtc"));
@@ -83,27 +88,26 @@ fn compile_cubin(src: &str, arch: &str) -> Result<Vec<u8>, CudaError> {
         stage: "nvrtcCreateProgram",
         log: format!("{e:?}"),
     })?;
-    let opts = [
+    let mut opts = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
     ];
+    opts.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: `prog` is a live program from nvrtcCreateProgram; destroyed exactly once below.
     let res = unsafe { nr::compile_program(prog, &opts) };
+    // SAFETY: `prog` is still live; the log is read before it is destroyed.
+    let log = unsafe { nr::get_program_log(prog) }.unwrap_or_default();
+    let log: String = log
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8 as char)
+        .collect();
     let out = match res {
-        Err(e) => {
-            // SAFETY: `prog` is still live; the log is read before it is destroyed.
-            let log = unsafe { nr::get_program_log(prog) }.unwrap_or_default();
-            let log: String = log
-                .iter()
-                .take_while(|&&c| c != 0)
-                .map(|&c| c as u8 as char)
-                .collect();
-            Err(CudaError::Nvrtc {
-                stage: "nvrtcCompileProgram",
-                log: format!("{e:?}: {log}"),
-            })
-        }
-        Ok(()) => read_cubin(prog),
+        Err(e) => Err(CudaError::Nvrtc {
+            stage: "nvrtcCompileProgram",
+            log: format!("{e:?}: {log}"),
+        }),
+        Ok(()) => read_cubin(prog).map(|c| (c, log)),
     };
     // SAFETY: `prog` is live and not used after this call.
     let _ = unsafe { nr::destroy_program(prog) };
@@ -237,6 +241,31 @@ mod tests {
             }
         }
         assert!(files >= 21, "found only {files} kernel files");
+    }
+
+    /// Not a check: ptxas's registers, spills and shared memory per kernel of every module
+    /// (`cargo test -p omni-backend --features cuda --lib -- --ignored ptxas_report
+    /// --nocapture`, NVRTC on the library path), to reason about occupancy without a GPU.
+    #[test]
+    #[ignore]
+    fn ptxas_report() {
+        if !nvrtc_present() {
+            println!("SKIP ptxas_report: libnvrtc.so not loadable");
+            return;
+        }
+        let only = std::env::var("PTXAS_MODULE").ok();
+        for (what, src) in every_module() {
+            if only.as_ref().is_some_and(|o| !what.contains(o.as_str())) {
+                continue;
+            }
+            let (_, log) = compile_with(&src, "sm_90", &["--ptxas-options=-v"]).unwrap();
+            println!("== {what}");
+            log.lines()
+                .filter(|l| {
+                    l.contains("Compiling entry") || l.contains("Used") || l.contains("spill")
+                })
+                .for_each(|l| println!("{}", l.trim()));
+        }
     }
 
     #[test]

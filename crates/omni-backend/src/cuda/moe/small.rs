@@ -13,8 +13,9 @@
 //!    pair routed to an expert streams that expert's rows once for every pair routed to it (at
 //!    batch 1 there is one pair per expert; at 8 tokens shared experts are read once).
 //! 3. [`CudaContext::moe_small_down`]: `residual[t] += sum_slot w * down_e(act[pair])`; grid
-//!    `ceil(hidden / 2)` blocks of 256 threads, each owning two output rows and looping over the
-//!    distinct routed experts in pair order, then over each token's slots in order.
+//!    `ceil(hidden / 8)` blocks of 8 warps, each warp owning one output row and streaming the
+//!    distinct routed experts' w2 rows in pair order, `MS_DOWN_SLOTS / V` at a time (the first
+//!    group before it waits for gate_up), then summing each token's slots in order.
 //!
 //! All three read routing from device memory only (CUDA-graph capturable), use no float
 //! atomics and sum in a fixed order (deterministic), and are launched with programmatic
@@ -44,15 +45,36 @@ pub const MOE_SMALL_MAX_HIDDEN: usize = 2048;
 /// The largest expert intermediate size: a lane holds its share of a w2 row in registers.
 pub const MOE_SMALL_MAX_INTER: usize = 8 * 32 * 8;
 
-/// Output rows per block of the down kernel (`MS_DOWN_ROWS`).
-pub(crate) const DOWN_ROWS: usize = 2;
+/// Output rows per block of the down kernel (`MS_DOWN_ROWS`: one per warp).
+pub(crate) const DOWN_ROWS: usize = 8;
+/// The 16-byte w2 chunks a lane of the down kernel holds in flight (`MS_DOWN_SLOTS`): the
+/// rows of `DOWN_SLOTS / V` experts at a time, `V` = [`down_chunks_per_lane`].
+#[cfg(test)]
+pub(crate) const DOWN_SLOTS: usize = 24;
 /// Warps per block of the gate_up and down kernels.
 pub(crate) const EXPERT_WARPS: usize = 8;
 
 const SMALL: &str = kernel_file!("moe/small.cu");
 const ROUTE_FN: &str = "moe_small_route";
-const GATE_UP_FN: &str = "moe_small_gate_up";
-const DOWN_FN: &str = "moe_small_down";
+/// The gate_up entries by the bound on an expert's members (1, 2, 4, 8 = tokens rounded up to
+/// a power of two).
+const GATE_UP_FNS: [&str; 4] = [
+    "moe_small_gate_up_r1",
+    "moe_small_gate_up_r2",
+    "moe_small_gate_up_r4",
+    "moe_small_gate_up_r8",
+];
+/// The down entries by [`down_chunks_per_lane`] (1..=8).
+const DOWN_FNS: [&str; 8] = [
+    "moe_small_down_v1",
+    "moe_small_down_v2",
+    "moe_small_down_v3",
+    "moe_small_down_v4",
+    "moe_small_down_v5",
+    "moe_small_down_v6",
+    "moe_small_down_v7",
+    "moe_small_down_v8",
+];
 
 /// Full source of the small-batch MoE module.
 pub(crate) fn moe_small_source() -> String {
@@ -97,6 +119,18 @@ pub(crate) fn route_launch(hidden: usize, num_experts: usize) -> (usize, u32, us
         threads,
         (hidden + num_experts) * 4,
     )
+}
+
+/// The 16-byte chunks of a w2 row (`inter` bf16) one lane of the down kernel holds: its
+/// template's `V` (`inter <=` [`MOE_SMALL_MAX_INTER`] keeps it within 1..=8).
+pub(crate) fn down_chunks_per_lane(inter: usize) -> usize {
+    (inter / 8).div_ceil(32).max(1)
+}
+
+/// Distinct experts the down kernel streams at a time (its `G`).
+#[cfg(test)]
+pub(crate) fn down_group(inter: usize) -> usize {
+    DOWN_SLOTS / down_chunks_per_lane(inter)
 }
 
 /// Blocks per pair of the gate_up kernel (one warp per intermediate column).
@@ -257,7 +291,8 @@ impl CudaContext {
         aligned16("moe gate_up x", xp)?;
         aligned16("moe gate_up w13", wp)?;
         let col_blocks = gate_up_col_blocks(i);
-        let f = self.function(moe_small_source, GATE_UP_FN)?;
+        let r = t.next_power_of_two().trailing_zeros() as usize;
+        let f = self.function(moe_small_source, GATE_UP_FNS[r])?;
         let (mut a0, mut a1, mut a2, mut a3) = (xp, wp, ip, ap);
         let (mut a4, mut a5, mut a6, mut a7, mut a8, mut a9) = (
             narrow::<i32>("pairs", t * k)?,
@@ -268,8 +303,9 @@ impl CudaContext {
             narrow::<i32>("moe gate_up column blocks", col_blocks)?,
         );
         let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9);
-        // SAFETY: the arguments match `moe_small_gate_up(const u16*, const u16*, const int*,
-        // u16*, int, int, int, int, int, int)` in order and type; x holds t * h, w13 e * 2i * h
+        // SAFETY: the arguments match `moe_small_gate_up_r*(const u16*, const u16*, const int*,
+        // u16*, int, int, int, int, int, int)` in order and type (the entry's bound R >= t:
+        // top-k routes a token to an expert once, so an expert has at most t members); x holds t * h, w13 e * 2i * h
         // and act t * k * i elements, ids t * k (checked above); expert ids are range-checked
         // by the kernel before they index w13 and pair indices stay below t * k <= 256 (its
         // shared member list); h and i are multiples of 8 and x, w13 16-byte aligned for the
@@ -292,6 +328,10 @@ impl CudaContext {
     /// nothing), `w2[e]` `[hidden, inter]` as in [`CudaContext::fused_moe_bf16`]: the expert
     /// block's output added straight into the f32 residual stream (where the next layer's
     /// fused QKV GEMV normalises it). Each routed expert's rows are streamed once per call.
+    ///
+    /// Queue it right after the [`CudaContext::moe_small_gate_up`] that wrote `act` from the
+    /// same `topk_ids`: the kernel reads the ids and starts streaming w2 before it waits for
+    /// that launch, which lets it start only once everything queued before it is complete.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_small_down(
         &self,
@@ -323,7 +363,7 @@ impl CudaContext {
         let (rp, _g4) = residual.device_ptr_mut(s);
         aligned16("moe down act", ap)?;
         aligned16("moe down w2", wp)?;
-        let f = self.function(moe_small_source, DOWN_FN)?;
+        let f = self.function(moe_small_source, DOWN_FNS[down_chunks_per_lane(i) - 1])?;
         let (mut a0, mut a1, mut a2, mut a3, mut a4) = (ap, wp, ip, tp, rp);
         let (mut a5, mut a6, mut a7, mut a8, mut a9) = (
             narrow::<i32>("tokens", t)?,
@@ -333,13 +373,16 @@ impl CudaContext {
             narrow::<i32>("num_experts", e)?,
         );
         let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9);
-        // SAFETY: the arguments match `moe_small_down(const u16*, const u16*, const int*, const
-        // float*, float*, int, int, int, int, int)` in order and type; act holds t * k * i, w2
-        // e * h * i, ids / weights t * k and residual t * h elements (checked above); expert
-        // ids are range-checked by the kernel before they index w2; t * k <= 256 = the block
-        // size (one thread per pair) and i <= MOE_SMALL_MAX_INTER (a lane's registers hold its
-        // chunks of a w2 row); i is a multiple of 8 and act, w2 16-byte aligned for the uint4
-        // loads; each residual element is added by one thread of one block.
+        // SAFETY: the arguments match `moe_small_down_v*(const u16*, const u16*, const int*,
+        // const float*, float*, int, int, int, int, int)` in order and type; act holds t * k *
+        // i, w2 e * h * i, ids / weights t * k and residual t * h elements (checked above);
+        // expert ids are range-checked by the kernel before they index w2; t * k <= 256 = the
+        // block size (one thread per pair), t <= 8 < 32 (one lane per token) and the entry's V
+        // covers a w2 row's i / 8 chunks in 32 * V (i <= MOE_SMALL_MAX_INTER); i is a multiple
+        // of 8 and act, w2 16-byte aligned for the uint4 loads; each residual element is added
+        // by one lane of one warp. The kernel reads the ids before its dependency wait: every
+        // launcher queues it after `moe_small_gate_up`, which triggers it only after its own
+        // wait, when every earlier launch (the ids' writer) is complete.
         unsafe {
             self.launch_programmatic(
                 &f,

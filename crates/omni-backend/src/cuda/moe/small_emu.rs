@@ -257,29 +257,31 @@ fn emu_down(
         .map(|&e| if (0..e_n as i32).contains(&e) { e } else { -1 })
         .collect();
     let owners = distinct_owners(&ids[..pairs], e_n);
+    let group = down_group(i_n);
+    assert!(group * down_chunks_per_lane(i_n) <= DOWN_SLOTS);
+    assert!(
+        32 * 8 * down_chunks_per_lane(i_n) >= i_n,
+        "a lane's chunks cover a w2 row"
+    );
     let mut adds = vec![0u8; t_n * h];
     for b in 0..h.div_ceil(DOWN_ROWS) {
-        let mut s_y = vec![vec![f32::NAN; pairs]; DOWN_ROWS];
-        for it in 0..DOWN_ROWS * owners.len() {
-            let (r, u) = (it / owners.len(), it % owners.len());
-            let n = b * DOWN_ROWS + r;
+        for w in 0..DOWN_ROWS {
+            let n = b * DOWN_ROWS + w;
             if n >= h {
                 continue;
             }
-            let p = owners[u];
-            let ex = s_ids[p];
-            let wr = &w2[(ex as usize * h + n) * i_n..][..i_n];
-            for q in p..pairs {
-                if s_ids[q] == ex {
-                    assert!(s_y[r][q].is_nan(), "y written twice");
-                    s_y[r][q] = bf(warp_dot(&act[q * i_n..][..i_n], wr));
+            let mut s_y = vec![f32::NAN; pairs];
+            for u0 in (0..owners.len()).step_by(group) {
+                for &p in &owners[u0..(u0 + group).min(owners.len())] {
+                    let ex = s_ids[p];
+                    let wr = &w2[(ex as usize * h + n) * i_n..][..i_n];
+                    for q in p..pairs {
+                        if s_ids[q] == ex {
+                            assert!(s_y[q].is_nan(), "y written twice");
+                            s_y[q] = bf(warp_dot(&act[q * i_n..][..i_n], wr));
+                        }
+                    }
                 }
-            }
-        }
-        for r in 0..DOWN_ROWS {
-            let n = b * DOWN_ROWS + r;
-            if n >= h {
-                continue;
             }
             for t in 0..t_n {
                 let mut acc = 0f32;
@@ -288,8 +290,8 @@ fn emu_down(
                     if s_ids[q] < 0 {
                         continue;
                     }
-                    assert!(!s_y[r][q].is_nan(), "pair {q} row {n}: y not computed");
-                    acc = ws[q].mul_add(s_y[r][q], acc);
+                    assert!(!s_y[q].is_nan(), "pair {q} row {n}: y not computed");
+                    acc = ws[q].mul_add(s_y[q], acc);
                 }
                 residual[t * h + n] += bf(acc);
                 adds[t * h + n] += 1;

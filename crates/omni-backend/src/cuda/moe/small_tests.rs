@@ -402,10 +402,26 @@ fn small_moe_real_shape_timing() {
             .unwrap()
     });
     let us_route = graph_us(&cx, &mut || o.route(&cx, &l, s, &res));
+    // Each kernel alone (the down kernel reads ids uploaded before the graph: nothing in it
+    // writes them).
+    let us_gate_up = graph_us(&cx, &mut || {
+        let (ids, _) = &routes[n % routes.len()];
+        n += 1;
+        cx.moe_small_gate_up(s, &o.h, &l.w13, ids, &mut o.act)
+            .unwrap();
+    });
+    let us_down = graph_us(&cx, &mut || {
+        let (ids, _) = &routes[n % routes.len()];
+        n += 1;
+        cx.moe_small_down(s, &o.act, &l.w2, ids, &o.ws, &mut res)
+            .unwrap();
+    });
     let mb = k as f64 * bytes_per_expert / 1e6;
     println!(
-        "moe decode T=1 in a CUDA graph, experts cold in L2: small-batch experts {us_small:.1} µs ({:.2} TB/s), grouped-GEMM experts {us_grouped:.1} µs ({:.2} TB/s), route {us_route:.1} µs",
+        "moe decode T=1 in a CUDA graph, experts cold in L2: small-batch experts {us_small:.1} µs ({:.2} TB/s; gate_up alone {us_gate_up:.1} µs {:.2} TB/s, down alone {us_down:.1} µs {:.2} TB/s), grouped-GEMM experts {us_grouped:.1} µs ({:.2} TB/s), route {us_route:.1} µs",
         mb / us_small,
+        mb * 2.0 / 3.0 / us_gate_up,
+        mb / 3.0 / us_down,
         mb / us_grouped
     );
 }
