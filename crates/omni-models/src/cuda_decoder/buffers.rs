@@ -40,8 +40,6 @@ pub(super) struct Activations {
     /// Row-parallel GEMM outputs (o_proj, down_proj, MoE) in f32: all-reduced in f32 so that
     /// tensor-parallel ranks sum unrounded partials.
     pub(super) proj: CudaSlice<f32>,
-    /// The fused MoE block's bf16 output, widened into `proj`.
-    pub(super) moe_out: CudaSlice<bf16>,
     pub(super) gate_up: CudaSlice<bf16>,
     pub(super) act: CudaSlice<bf16>,
     pub(super) sel: CudaSlice<bf16>,
@@ -135,7 +133,6 @@ impl CudaDecoderModel {
             q: s.alloc_zeros(t * heads.local_heads * hd)?,
             attn: s.alloc_zeros(t * heads.local_heads * hd)?,
             proj: s.alloc_zeros(t * h)?,
-            moe_out: s.alloc_zeros(if moe_shape.is_some() { t * h } else { 1 })?,
             gate_up: s.alloc_zeros((t * 2 * inter).max(1))?,
             act: s.alloc_zeros((t * inter).max(1))?,
             sel: s.alloc_zeros(n * h)?,

@@ -330,13 +330,13 @@ impl CudaDecoderModel {
                         *renormalize,
                     )?;
                     mark!("moe_topk");
-                    cx.fused_moe_bf16(
+                    cx.fused_moe_f32(
                         &a.h.slice(..t * h),
                         w13,
                         w2,
                         &a.topk_ids.slice(..t * k),
                         &a.topk_weights.slice(..t * k),
-                        &mut a.moe_out.slice_mut(..t * h),
+                        &mut a.proj.slice_mut(..t * h),
                         &mut a.moe_workspace,
                         MoeShape {
                             tokens: t,
@@ -346,7 +346,6 @@ impl CudaDecoderModel {
                             top_k: *top_k,
                         },
                     )?;
-                    cx.bf16_to_f32(&a.moe_out, &mut a.proj, t * h)?;
                     mark!("fused_moe");
                     if let Some(se) = shared {
                         let si = se.inter;

@@ -21,7 +21,8 @@
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-use super::source::{COUNT_FN, GATHER_FN, REDUCE_FN, moe_source};
+use super::launch::MoeOut;
+use super::source::{COUNT_FN, GATHER_FN, moe_source};
 use super::{MoeShape, align256};
 use crate::cuda::launch::{block_threads, elementwise_cfg, narrow, shape_err};
 use crate::cuda::{CudaContext, CudaResult, bf16, kernels};
@@ -128,7 +129,7 @@ impl CudaContext {
         w2: &impl DevicePtr<bf16>,
         topk_ids: &impl DevicePtr<i32>,
         topk_weights: &impl DevicePtr<f32>,
-        out: &mut impl DevicePtrMut<bf16>,
+        out: MoeOut,
         workspace: &mut impl DevicePtrMut<u8>,
         shape: MoeShape,
         quantum: usize,
@@ -155,12 +156,11 @@ impl CudaContext {
         if tokens == 0 {
             return Ok(());
         }
-        let (mut h_i, i_i, mut e_i, mut k_i, mut t_i, mut p_i) = (
+        let (mut h_i, i_i, mut e_i, mut k_i, mut p_i) = (
             narrow::<i32>("hidden", hidden)?,
             narrow::<i32>("inter", inter)?,
             narrow::<i32>("num_experts", num_experts)?,
             narrow::<i32>("top_k", top_k)?,
-            narrow::<i32>("tokens", tokens)?,
             narrow::<i32>("tokens * top_k", pairs)?,
         );
         let two_i = narrow::<i32>("2 * inter", 2 * inter)?;
@@ -168,8 +168,7 @@ impl CudaContext {
         let (w13_p, _g13) = w13.device_ptr(&self.stream);
         let (w2_p, _g2) = w2.device_ptr(&self.stream);
         let (mut ids_p, _gi) = topk_ids.device_ptr(&self.stream);
-        let (mut tw_p, _gw) = topk_weights.device_ptr(&self.stream);
-        let (mut out_p, _go) = out.device_ptr_mut(&self.stream);
+        let (tw_p, _gw) = topk_weights.device_ptr(&self.stream);
         let (ws_p, _gws) = workspace.device_ptr_mut(&self.stream);
         let at = |off: usize| ws_p + off as u64;
         let (mut counts_p, mut cursor_p, ptrs_p, mut inv_p) =
@@ -321,15 +320,11 @@ impl CudaContext {
         }
 
         // 7. Weighted reduction through inv.
-        let f_red = self.function(moe_source, REDUCE_FN)?;
-        let cfg = elementwise_cfg(tokens * (hidden / 8));
-        let mut args = kernel_args![xg_p, ids_p, tw_p, inv_p, out_p, t_i, h_i, k_i, e_i];
-        // SAFETY: `args` points at the arguments of `moe_reduce(const u16*, const int*, const
-        // float*, const int*, u16*, int, int, int, int)` in order; the pairs of valid experts
-        // have inv rows < row <= lay.rows written by the gather, and their y rows by step 6
-        // (y holds lay.rows * hidden); other pairs are skipped; out holds tokens * hidden; hidden is a
-        // multiple of 8 and the pointers 16-byte aligned.
-        unsafe { self.launch_ex(&f_red, cfg.grid_dim, (cfg.block_dim.0, 0), false, &mut args) }?;
+        // SAFETY: the pairs of valid experts have inv rows < row <= lay.rows written by the
+        // gather, and their y rows (y holds lay.rows * hidden, over xg) by step 6; other pairs
+        // are skipped; ids / weights hold pairs elements and out tokens * hidden of its type
+        // (checked by the caller); hidden is a multiple of 8 and the pointers 16-byte aligned.
+        unsafe { self.moe_reduce_launch((xg_p, ids_p, tw_p, inv_p), out, &shape, false) }?;
         Ok(())
     }
 

@@ -48,6 +48,24 @@ fn set_smem(f: &CudaFunction, bytes: usize) -> CudaResult<()> {
 /// (426 vs 547 µs; 0.65x at 2048 tokens, 0.53x at 4096); below it the tile kernels are as fast.
 pub(super) const CUBLAS_MIN_PAIRS_PER_EXPERT: usize = 32;
 
+/// Where the expert block's weighted sum goes: a device pointer to `tokens * hidden` elements
+/// of bf16, or of f32 (the bf16-rounded sum widened: the residual stream's type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MoeOut {
+    /// bf16 out.
+    Bf16(u64),
+    /// f32 out (the bf16 values).
+    F32(u64),
+}
+
+impl MoeOut {
+    fn ptr(self) -> u64 {
+        match self {
+            Self::Bf16(p) | Self::F32(p) => p,
+        }
+    }
+}
+
 /// The GEMMs of one fused MoE call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum MoeGemm {
@@ -152,6 +170,9 @@ impl CudaContext {
         shape: MoeShape,
     ) -> CudaResult<()> {
         let gemm = self.select_gemm(&shape)?;
+        let len = out.len();
+        let (p, _g) = out.device_ptr_mut(&self.stream);
+        let out = (MoeOut::Bf16(p), len);
         self.fused_moe_on(
             x,
             w13,
@@ -163,6 +184,84 @@ impl CudaContext {
             shape,
             gemm,
         )
+    }
+
+    /// [`CudaContext::fused_moe_bf16`] with its bf16 result widened into the f32 `out`
+    /// (`[tokens, hidden]`): the same values, without a separate widening launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fused_moe_f32(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        w13: &impl DevicePtr<bf16>,
+        w2: &impl DevicePtr<bf16>,
+        topk_ids: &impl DevicePtr<i32>,
+        topk_weights: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        workspace: &mut impl DevicePtrMut<u8>,
+        shape: MoeShape,
+    ) -> CudaResult<()> {
+        let gemm = self.select_gemm(&shape)?;
+        let len = out.len();
+        let (p, _g) = out.device_ptr_mut(&self.stream);
+        let out = (MoeOut::F32(p), len);
+        self.fused_moe_on(
+            x,
+            w13,
+            w2,
+            topk_ids,
+            topk_weights,
+            out,
+            workspace,
+            shape,
+            gemm,
+        )
+    }
+
+    /// `moe_reduce` (both GEMM paths): `out[t] = sum_s w[t, s] * y[row(t * k + s)]`, slots in
+    /// order, `row(p) = inv[p]` when `inv` is not 0, else `p`.
+    ///
+    /// # Safety
+    /// `y`, `ids`, `weights`, `inv` and the output are device pointers on this context: ids and
+    /// weights hold `shape.pairs()` elements, inv (when not 0) as many rows of y, y a row of
+    /// `hidden` bf16 at every row a valid pair maps to (written before this launch in stream
+    /// order), the output `tokens * hidden` elements of its type; `hidden` is a multiple of 8
+    /// and y and the output are 16-byte aligned.
+    pub(super) unsafe fn moe_reduce_launch(
+        &self,
+        (y, ids, weights, inv): (u64, u64, u64, u64),
+        out: MoeOut,
+        shape: &MoeShape,
+        programmatic: bool,
+    ) -> CudaResult<()> {
+        let f_red = self.function(moe_source, REDUCE_FN)?;
+        let cfg = elementwise_cfg(shape.tokens * (shape.hidden / 8));
+        let (mut y, mut ids, mut weights, mut inv) = (y, ids, weights, inv);
+        let (mut out16, mut out32) = match out {
+            MoeOut::Bf16(p) => (p, 0u64),
+            MoeOut::F32(p) => (0u64, p),
+        };
+        let (mut t_i, mut h_i, mut k_i, mut e_i) = (
+            narrow::<i32>("tokens", shape.tokens)?,
+            narrow::<i32>("hidden", shape.hidden)?,
+            narrow::<i32>("top_k", shape.top_k)?,
+            narrow::<i32>("num_experts", shape.num_experts)?,
+        );
+        let mut args = kernel_args![y, ids, weights, inv, out16, out32, t_i, h_i, k_i, e_i];
+        // SAFETY: `args` points at the arguments of `moe_reduce(const u16*, const int*, const
+        // float*, const int*, u16*, float*, int, int, int, int)` in order, one of the two
+        // outputs null; the buffers hold what the caller's contract says, so every read row
+        // (p, or inv[p], for pairs with a valid expert id) and every written element (below
+        // tokens * hidden) is in bounds; the grid-stride loop stays below tokens * hidden / 8
+        // and the vector accesses are 16-byte aligned.
+        unsafe {
+            self.launch_ex(
+                &f_red,
+                cfg.grid_dim,
+                (cfg.block_dim.0, 0),
+                programmatic,
+                &mut args,
+            )
+        }
     }
 
     /// The GEMMs [`CudaContext::fused_moe_bf16`] runs `shape` on: the tile of
@@ -196,7 +295,7 @@ impl CudaContext {
         w2: &impl DevicePtr<bf16>,
         topk_ids: &impl DevicePtr<i32>,
         topk_weights: &impl DevicePtr<f32>,
-        out: &mut impl DevicePtrMut<bf16>,
+        (out, out_len): (MoeOut, usize),
         workspace: &mut impl DevicePtrMut<u8>,
         shape: MoeShape,
         gemm: MoeGemm,
@@ -229,7 +328,8 @@ impl CudaContext {
         crate::check_len("fused moe w2", w2.len(), num_experts * hidden * inter)?;
         crate::check_len("fused moe topk ids", topk_ids.len(), pairs)?;
         crate::check_len("fused moe topk weights", topk_weights.len(), pairs)?;
-        crate::check_len("fused moe out", out.len(), tokens * hidden)?;
+        crate::check_len("fused moe out", out_len, tokens * hidden)?;
+        aligned16("fused moe out", out.ptr())?;
         let tile = match gemm {
             MoeGemm::Tiles(tile) => tile,
             MoeGemm::Cublas { quantum } => {
@@ -258,13 +358,13 @@ impl CudaContext {
             return Ok(());
         }
         // Every int the kernels take, and the row products they form in int.
-        let (mut h_i, mut i_i, mut e_i, mut k_i, mut t_i) = (
+        let (mut h_i, mut i_i, mut e_i, mut k_i) = (
             narrow::<i32>("hidden", hidden)?,
             narrow::<i32>("inter", inter)?,
             narrow::<i32>("num_experts", num_experts)?,
             narrow::<i32>("top_k", top_k)?,
-            narrow::<i32>("tokens", tokens)?,
         );
+        narrow::<i32>("tokens", tokens)?;
         narrow::<i32>("2 * inter", 2 * inter)?;
         let mut p_i = narrow::<i32>("tokens * top_k", pairs)?;
         let mut bm_i = narrow::<i32>("moe tile rows", tile.bm)?;
@@ -275,7 +375,6 @@ impl CudaContext {
         let f_align = self.function(moe_source, ALIGN_FN)?;
         let f_gu = self.function(moe_source, tile.gate_up_fn)?;
         let f_down = self.function(moe_source, tile.down_fn)?;
-        let f_red = self.function(moe_source, REDUCE_FN)?;
         let smem = tile.smem_bytes();
         set_smem(&f_gu, smem)?;
         set_smem(&f_down, smem)?;
@@ -284,13 +383,11 @@ impl CudaContext {
         let (mut w13_p, _g13) = w13.device_ptr(&self.stream);
         let (mut w2_p, _g2) = w2.device_ptr(&self.stream);
         let (mut ids_p, _gi) = topk_ids.device_ptr(&self.stream);
-        let (mut tw_p, _gw) = topk_weights.device_ptr(&self.stream);
-        let (mut out_p, _go) = out.device_ptr_mut(&self.stream);
+        let (tw_p, _gw) = topk_weights.device_ptr(&self.stream);
         let (ws_p, _gws) = workspace.device_ptr_mut(&self.stream);
         aligned16("fused moe x", x_p)?;
         aligned16("fused moe w13", w13_p)?;
         aligned16("fused moe w2", w2_p)?;
-        aligned16("fused moe out", out_p)?;
         aligned16("fused moe workspace", ws_p)?;
         let mut sorted_p = ws_p + lay.sorted as u64;
         let mut bexp_p = ws_p + lay.block_expert as u64;
@@ -353,16 +450,11 @@ impl CudaContext {
         unsafe { self.launch_ex(&f_down, down_grid, (threads, smem as u32), true, &mut args) }?;
 
         // 4. Weighted reduction into out.
-        let cfg = elementwise_cfg(tokens * (hidden / 8));
-        let mut no_inv = 0u64;
-        let mut args = kernel_args![y_p, ids_p, tw_p, no_inv, out_p, t_i, h_i, k_i, e_i];
-        // SAFETY: `args` points at the arguments of `moe_reduce(const u16*, const int*, const
-        // float*, const int*, u16*, int, int, int, int)` in order (a null `inv`: y is in pair
-        // order); ids / weights hold pairs elements, y
-        // pairs * hidden (rows of valid ids were written by step 3, others are skipped), out
-        // tokens * hidden; hidden is a multiple of 8 and all pointers 16-byte aligned for the
-        // vector accesses; the grid-stride loop stays below tokens * hidden / 8.
-        unsafe { self.launch_ex(&f_red, cfg.grid_dim, (cfg.block_dim.0, 0), true, &mut args) }?;
+        // SAFETY: y (pairs * hidden bf16, in the workspace) is in pair order (inv 0) with the
+        // rows of valid ids written by step 3; ids / weights hold pairs elements and out
+        // tokens * hidden of its type (checked above); hidden is a multiple of 8 and every
+        // pointer 16-byte aligned.
+        unsafe { self.moe_reduce_launch((y_p, ids_p, tw_p, 0), out, &shape, true) }?;
         Ok(())
     }
 }

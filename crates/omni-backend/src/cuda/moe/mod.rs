@@ -13,7 +13,8 @@
 //!    into `act` (`[sorted rows, inter]`).
 //! 3. A grouped GEMM `y[pair] = act @ w2[e]^T`, scattering rows back to pair order.
 //! 4. `moe_reduce`: `out[t] = sum_slot w[t, slot] * y[t * top_k + slot]` in f32, slots in order
-//!    (deterministic, no float atomics).
+//!    (deterministic, no float atomics), rounded to bf16 (widened back to f32 by
+//!    [`CudaContext::fused_moe_f32`], which writes the residual stream's type directly).
 //!
 //! Both GEMMs run on tensor cores (`mma.sync.m16n8k16` bf16 -> f32, `ldmatrix`, a multi-stage
 //! `cp.async` pipeline). Launch grids depend only on host scalars: the number of `BM`-row blocks

@@ -1,7 +1,7 @@
 //! The small-batch MoE layer (steps of at most [`MOE_SMALL_MAX_TOKENS`] tokens): three
 //! weight-streaming kernels (`kernels/moe/small.cu`) in place of the post-attention norm, the
-//! router GEMM, the top-k softmax, the four launches of [`CudaContext::fused_moe_bf16`], its
-//! widening to f32 and the residual add:
+//! router GEMM, the top-k softmax, the four launches of [`CudaContext::fused_moe_f32`] and the
+//! residual add:
 //!
 //! 1. [`CudaContext::moe_small_route`]: RMSNorm of the f32 residual (the bits of
 //!    [`CudaContext::fused_add_rms_norm_f32_out`]), the f32 router logits from the unrounded

@@ -3,9 +3,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 
-use super::launch::MoeGemm;
+use super::launch::{MoeGemm, MoeOut};
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, bf16};
@@ -266,10 +266,46 @@ fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, gemm: Option<MoeGemm>) -
         .unwrap();
     match gemm {
         None => cx.fused_moe_bf16(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out, &mut ws, s),
-        Some(g) => cx.fused_moe_on(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out, &mut ws, s, g),
+        Some(g) => {
+            let o = bf16_out(cx, &mut out);
+            cx.fused_moe_on(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, o, &mut ws, s, g)
+        }
     }
     .unwrap();
-    cx.stream().clone_dtoh(&out).unwrap()
+    let got = cx.stream().clone_dtoh(&out).unwrap();
+    // The f32 output of the same path: the same values, widened.
+    let mut out32 = cx
+        .stream()
+        .clone_htod(&vec![f32::NAN; s.tokens * s.hidden])
+        .unwrap();
+    match gemm {
+        None => cx.fused_moe_f32(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out32, &mut ws, s),
+        Some(g) => {
+            let len = out32.len();
+            let o = (MoeOut::F32(out32.device_ptr_mut(cx.stream()).0), len);
+            cx.fused_moe_on(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, o, &mut ws, s, g)
+        }
+    }
+    .unwrap();
+    let wide: Vec<u32> = got.iter().map(|v| v.to_f32().to_bits()).collect();
+    let got32: Vec<u32> = cx
+        .stream()
+        .clone_dtoh(&out32)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert_eq!(
+        got32, wide,
+        "{gemm:?}: the f32 output is the bf16 one widened"
+    );
+    got
+}
+
+/// `out` as [`CudaContext::fused_moe_on`] takes it (the tests' stream orders every access).
+pub(super) fn bf16_out(cx: &CudaContext, out: &mut CudaSlice<bf16>) -> (MoeOut, usize) {
+    let len = out.len();
+    (MoeOut::Bf16(out.device_ptr_mut(cx.stream()).0), len)
 }
 
 fn f32s(v: &[bf16]) -> Vec<f32> {
@@ -628,7 +664,7 @@ fn fused_moe_real_shape_and_timing() {
                 &dw2,
                 &dids,
                 &dws,
-                &mut out,
+                bf16_out(&cx, &mut out),
                 &mut ws_buf,
                 s,
                 gemm,
@@ -671,7 +707,7 @@ fn fused_moe_real_shape_and_timing() {
                     &dw2,
                     &dids,
                     &dws,
-                    &mut out,
+                    bf16_out(&cx, &mut out),
                     &mut ws_buf,
                     s,
                     gemm,
