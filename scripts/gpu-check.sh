@@ -35,7 +35,7 @@
 #           a 30 s clip)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
-#   ab-gemv the GEMV and small-batch MoE kernel tests and timings, the fused-path model tests,
+#   ab-gemv the GEMV and MoE kernel tests and timings, the fused-path and reference model tests,
 #           then bench latency (batch 1/2/4/8, GEMV_BATCHES) of both shapes with
 #           OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
 #   ab-attn decode attention before/after: backend-tests cuda::attention (checks and timing
@@ -179,7 +179,9 @@ fi
 # kernels' checks and timings, the fused decoder path vs the unfused one, then bench latency.
 if want ab-gemv; then
   step gemv-kernels "$BIN/backend-tests" cuda::gemv cuda::moe::small --test-threads=1 --nocapture
+  step moe-kernels "$BIN/backend-tests" cuda::moe::tests --skip real_shape --test-threads=1
   [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1 --nocapture
+  [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
   for m in qwen3-30b-a3b qwen3-8b; do
     for g in 0 1; do
       OMNI_CUDA_SMALL_BATCH_GEMV=$g step "gemv$g-$m" "$BIN/omni-engine" bench latency \
