@@ -470,15 +470,32 @@ impl CudaContext {
         if n == 0 {
             return Ok(());
         }
-        let (inter_i, n_i) = (narrow::<i64>("inter", inter)?, narrow::<i64>("n", n)?);
-        let f = self.function(kernels::silu_mul_source, kernels::SILU_MUL_FN)?;
         let (gu, _g1) = gate_up.device_ptr(&self.stream);
         let (o, _g2) = out.device_ptr_mut(&self.stream);
+        // SAFETY: gate_up holds 2 * n and out n elements (checked above), both on this stream.
+        unsafe { self.silu_and_mul_ptrs(gu, o, n, inter) }
+    }
+
+    /// [`CudaContext::silu_and_mul_bf16`] on raw device pointers: `n` outputs (rows of
+    /// `inter`) from `2 * n` inputs (the cuBLAS MoE path's workspace parts).
+    ///
+    /// # Safety
+    /// `gate_up` must hold `2 * n` and `out` `n` bf16 elements of this context's device
+    /// memory, with `n` a multiple of `inter`, ordered on this stream against other accesses.
+    pub(crate) unsafe fn silu_and_mul_ptrs(
+        &self,
+        gate_up: u64,
+        out: u64,
+        n: usize,
+        inter: usize,
+    ) -> CudaResult<()> {
+        let (inter_i, n_i) = (narrow::<i64>("inter", inter)?, narrow::<i64>("n", n)?);
+        let f = self.function(kernels::silu_mul_source, kernels::SILU_MUL_FN)?;
         let mut launch = self.stream.launch_builder(&f);
-        launch.arg(&gu).arg(&o).arg(&inter_i).arg(&n_i);
+        launch.arg(&gate_up).arg(&out).arg(&inter_i).arg(&n_i);
         // SAFETY: the arguments match `silu_mul_bf16(const u16*, u16*, long long, long long)`;
-        // gate_up holds 2 * n and out n elements (checked above); the kernel's grid-stride loop
-        // stays below n for any grid.
+        // gate_up holds 2 * n and out n elements (the caller's contract); the kernel's
+        // grid-stride loop stays below n for any grid.
         unsafe { launch.launch(elementwise_cfg(n)) }?;
         Ok(())
     }

@@ -25,7 +25,7 @@ use super::launch::MoeOut;
 use super::source::{COUNT_FN, GATHER_FN, moe_source};
 use super::{MoeShape, align256};
 use crate::cuda::launch::{block_threads, elementwise_cfg, narrow, shape_err};
-use crate::cuda::{CudaContext, CudaResult, bf16, kernels};
+use crate::cuda::{CudaContext, CudaResult, bf16};
 
 /// Set to `0`, prefill steps stay on the in-house grouped GEMM kernels (to measure the cuBLAS
 /// path against them in one build). Read once per process.
@@ -173,7 +173,7 @@ impl CudaContext {
         let at = |off: usize| ws_p + off as u64;
         let (mut counts_p, mut cursor_p, ptrs_p, mut inv_p) =
             (at(lay.counts), at(lay.cursor), at(lay.ptrs), at(lay.inv));
-        let (mut xg_p, mut gu_p, mut act_p) = (at(lay.xg_y), at(lay.gate_up), at(lay.act));
+        let (mut xg_p, gu_p, act_p) = (at(lay.xg_y), at(lay.gate_up), at(lay.act));
 
         // 1. Counts, to the host.
         let f_count = self.function(moe_source, COUNT_FN)?;
@@ -288,25 +288,9 @@ impl CudaContext {
                 (at_ptr(0), at_ptr(1), at_ptr(2)),
             )?;
             // 5. SiLU-and-mul into act (every bucket row; padding rows are never read).
-            let f_silu = self.function(kernels::silu_mul_source, kernels::SILU_MUL_FN)?;
-            let (mut inter_l, mut n_l) = (
-                narrow::<i64>("inter", inter)?,
-                narrow::<i64>("n", row * inter)?,
-            );
-            let cfg = elementwise_cfg(row * inter);
-            let mut args = kernel_args![gu_p, act_p, inter_l, n_l];
-            // SAFETY: `args` points at the arguments of `silu_mul_bf16(const u16*, u16*, long
-            // long, long long)`; gate_up holds row * 2I and act row * I elements of the
-            // workspace (row <= lay.rows); the grid-stride loop stays below n.
-            unsafe {
-                self.launch_ex(
-                    &f_silu,
-                    cfg.grid_dim,
-                    (cfg.block_dim.0, 0),
-                    false,
-                    &mut args,
-                )
-            }?;
+            // SAFETY: gate_up holds row * 2I and act row * I elements of the workspace (row <=
+            // lay.rows), both device pointers on this context.
+            unsafe { self.silu_and_mul_ptrs(gu_p, act_p, row * inter, inter) }?;
             // 6. down: y_e [n_e, H] = act_e [n_e, I] @ w2[e]^T (y over xg, dead by now).
             self.grouped_gemm(
                 &Grouped {
