@@ -144,7 +144,7 @@ impl CudaDecoderModel {
             .all_reduce
             .as_ref()
             .is_none_or(|ar| ar.world_size() == 1);
-        self.small_batch_gemv
+        self.gemv_step(t)
             && self.fused_small_batch
             && one_rank
             && self.stage.size <= 1
@@ -187,7 +187,7 @@ impl CudaDecoderModel {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let rank0 = self.rank == 0;
-        let gemv = self.small_batch_gemv;
+        let gemv = self.gemv_step(t);
         let mut prof = self.profiler.take();
         let stream = cx.stream().clone();
         macro_rules! mark {

@@ -180,7 +180,7 @@ impl CudaDecoderModel {
             last_tokens: 0,
             capture: None,
             profiler,
-            small_batch_gemv: false,
+            small_batch_tokens: 0,
             fused_small_batch: true,
         })
     }
