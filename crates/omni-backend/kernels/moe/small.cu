@@ -3,12 +3,13 @@
 // that read all routing from device memory (graph capturable), use no float atomics and sum in a
 // fixed order (deterministic):
 //
-//   moe_small_route:   one block per (token, group of experts): the post-attention RMSNorm of
-//                      the f32 residual (the threads and reduction order of
+//   moe_route_r*:      one block per (tile of RT tokens, group of experts), any token count:
+//                      the post-attention RMSNorm of the f32 residual (optionally after adding
+//                      the attention output to it; the threads and reduction order of
 //                      `fused_add_rmsnorm_f32res`: the same bits), h = bf16 of it (group 0
-//                      writes it), the group's f32 router logits from the unrounded normed row
-//                      (one warp per expert), then the token's last block to finish (an int
-//                      counter per token, left at 0) routes it with `moe_topk_warp`;
+//                      writes it), the group's f32 router logits from the unrounded normed rows
+//                      (one warp per expert), then the tile's last block to finish (an int
+//                      counter per tile, left at 0) routes its tokens with `moe_topk_warp`;
 //   moe_small_gate_up: one block per (pair, chunk of 8 intermediate columns): the first pair
 //                      routed to an expert streams that expert's gate and up rows once for every
 //                      pair routed to it (other pairs' blocks exit), one warp per column, and
@@ -31,22 +32,28 @@
 #define MS_DOWN_SLOTS 24
 #define MS_ROUTE_UNROLL 16
 
-// Grid: tokens * groups blocks of block_threads(hidden / 4) threads (the unfused norm's); warp
-// w of group g owns expert g * warps + w. Dynamic shared memory: (hidden + num_experts) floats.
-extern "C" __global__ void __launch_bounds__(512) moe_small_route(const float* __restrict__ residual,
+// Grid: tiles * groups blocks of block_threads(hidden / 4) threads (the unfused norm's); block
+// (tile, g) serves tokens tile * RT .. + RT (fewer in the last tile) and warp w of it expert
+// g * warps + w. With `delta` (not null) the row normalised is residual + delta (the add of
+// `fused_add_rmsnorm_f32res`, mode 0), and the tile's last block writes it back into the
+// residual once every block of the tile has read the old rows. Dynamic shared memory:
+// RT * (hidden + num_experts) floats. counters: one int per tile, left at 0.
+template <int RT>
+__device__ __forceinline__ void ms_route(float* residual, const float* __restrict__ delta,
         const unsigned short* __restrict__ norm_w, const float* __restrict__ router,
         unsigned short* __restrict__ h_out, float* logits, int* __restrict__ ids,
-        float* __restrict__ wts, int* counters, int hidden, int num_experts, int top_k,
-        int groups, int renorm, float eps) {
+        float* __restrict__ wts, int* counters, int tokens, int hidden, int num_experts,
+        int top_k, int groups, int renorm, float eps) {
     extern __shared__ __align__(16) float ms_route_smem[];
-    __shared__ float sh[32];
+    __shared__ float sh[RT][32];
     __shared__ int s_last;
-    float* xs = ms_route_smem;
-    float* probs = ms_route_smem + hidden;
+    float* xs = ms_route_smem;                  // [RT][hidden]
+    float* probs = ms_route_smem + RT * hidden;  // [RT][num_experts]
     gv_launch_dependents();
-    const int t = blockIdx.x / groups, g = blockIdx.x - t * groups;
-    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    const int e = g * warps + (threadIdx.x >> 5);
+    const int tile = blockIdx.x / groups, g = blockIdx.x - tile * groups;
+    const int t0 = tile * RT, rows = min(RT, tokens - t0);
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int e = g * warps + wid;
     const bool live = e < num_experts;
     const int chunks = hidden >> 2;
     const float4* wr = reinterpret_cast<const float4*>(router + (size_t)(live ? e : 0) * hidden);
@@ -57,22 +64,63 @@ extern "C" __global__ void __launch_bounds__(512) moe_small_route(const float* _
         if (live && c < chunks) wv[u] = wr[c];
     }
     gv_wait();
-    // The norm: `fused_add_rmsnorm_f32res` after its add (the o_proj epilogue did it).
-    const float* x = residual + (size_t)t * hidden;
-    float ss = 0.f;
-    for (int i = threadIdx.x * 4; i < hidden; i += blockDim.x * 4) {
-        const float4 v = *reinterpret_cast<const float4*>(x + i);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    // The norm of each row: `fused_add_rmsnorm_f32res` (the same per-thread partial sums and
+    // the same block reduction, here for the tile's rows at once).
+    float ss[RT];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        ss[r] = 0.f;
+        if (r < rows) {
+            const float* x = residual + (size_t)(t0 + r) * hidden;
+            const float* d = delta ? delta + (size_t)(t0 + r) * hidden : nullptr;
+            for (int i = threadIdx.x * 4; i < hidden; i += blockDim.x * 4) {
+                float4 v = *reinterpret_cast<const float4*>(x + i);
+                if (d) {
+                    const float4 dv = *reinterpret_cast<const float4*>(d + i);
+                    v.x += dv.x; v.y += dv.y; v.z += dv.z; v.w += dv.w;
+                }
+                *reinterpret_cast<float4*>(xs + (size_t)r * hidden + i) = v;
+                ss[r] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+        }
     }
-    const float inv = rsqrtf(gv_block_sum(ss, sh) / (float)hidden + eps);
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const float v = bf2f(norm_w[i]) * (x[i] * inv);
-        xs[i] = v;
-        if (g == 0) h_out[(size_t)t * hidden + i] = f2bf(v);
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+        for (int o = 16; o > 0; o >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], o);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) sh[r][wid] = ss[r];
+    }
+    __syncthreads();
+    if (wid == 0) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            float v = lane < warps ? sh[r][lane] : 0.f;
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) sh[r][0] = v;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        if (r >= rows) break;
+        const float inv = rsqrtf(sh[r][0] / (float)hidden + eps);
+        float* xr = xs + (size_t)r * hidden;
+        // Each thread rewrites the elements it wrote above: no barrier between.
+        for (int i = threadIdx.x * 4; i < hidden; i += blockDim.x * 4) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float v = bf2f(norm_w[i + j]) * (xr[i + j] * inv);
+                xr[i + j] = v;
+                if (g == 0) h_out[(size_t)(t0 + r) * hidden + i + j] = f2bf(v);
+            }
+        }
     }
     __syncthreads();
     if (live) {
-        float acc = 0.f;
+        float acc[RT];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) acc[r] = 0.f;
         for (int base = 0; base < chunks; base += 32 * MS_ROUTE_UNROLL) {
             if (base > 0) {
 #pragma unroll
@@ -85,31 +133,72 @@ extern "C" __global__ void __launch_bounds__(512) moe_small_route(const float* _
             for (int u = 0; u < MS_ROUTE_UNROLL; ++u) {
                 const int c = base + lane + 32 * u;
                 if (c < chunks) {
-                    const float4 xv = reinterpret_cast<const float4*>(xs)[c];
-                    acc += xv.x * wv[u].x;
-                    acc += xv.y * wv[u].y;
-                    acc += xv.z * wv[u].z;
-                    acc += xv.w * wv[u].w;
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+                        if (r < rows) {
+                            const float4 xv = reinterpret_cast<const float4*>(xs + (size_t)r * hidden)[c];
+                            acc[r] += xv.x * wv[u].x;
+                            acc[r] += xv.y * wv[u].y;
+                            acc[r] += xv.z * wv[u].z;
+                            acc[r] += xv.w * wv[u].w;
+                        }
+                    }
                 }
             }
         }
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) logits[(size_t)t * num_experts + e] = acc;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            if (r >= rows) break;
+            float a = acc[r];
+            for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            if (lane == 0) logits[(size_t)(t0 + r) * num_experts + e] = a;
+        }
     }
-    // The last of the token's blocks routes it: every block publishes its logits (fence) before
-    // it counts itself; the one that sees groups - 1 reads them all back past L1.
+    // The tile's last block routes it: every block publishes its logits (fence) before it
+    // counts itself; the one that sees groups - 1 reads them all back past L1. Its count also
+    // tells it every block of the tile has read the residual rows, so it may write them.
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(counters + t, 1) == groups - 1;
+    if (threadIdx.x == 0) s_last = atomicAdd(counters + tile, 1) == groups - 1;
     __syncthreads();
-    if (!s_last || threadIdx.x >= 32) return;
-    if (lane == 0) counters[t] = 0;
+    if (!s_last) return;
+    if (threadIdx.x == 0) counters[tile] = 0;
     __threadfence();
-    const volatile float* row = logits + (size_t)t * num_experts;
-    for (int i = lane; i < num_experts; i += 32) probs[i] = row[i];
-    __syncwarp();
-    moe_topk_warp(probs, probs, ids + (size_t)t * top_k, wts + (size_t)t * top_k, num_experts,
-                  top_k, renorm, lane);
+    if (delta) {
+        for (int r = 0; r < rows; ++r) {
+            float* x = residual + (size_t)(t0 + r) * hidden;
+            const float* d = delta + (size_t)(t0 + r) * hidden;
+            for (int i = threadIdx.x * 4; i < hidden; i += blockDim.x * 4) {
+                float4 v = *reinterpret_cast<const float4*>(x + i);
+                const float4 dv = *reinterpret_cast<const float4*>(d + i);
+                v.x += dv.x; v.y += dv.y; v.z += dv.z; v.w += dv.w;
+                *reinterpret_cast<float4*>(x + i) = v;
+            }
+        }
+    }
+    // Warp w routes rows w, w + warps, ... in its own slice of probs (RT slices).
+    for (int r = wid; r < rows; r += warps) {
+        float* pr = probs + (size_t)r * num_experts;
+        const volatile float* row = logits + (size_t)(t0 + r) * num_experts;
+        for (int i = lane; i < num_experts; i += 32) pr[i] = row[i];
+        __syncwarp();
+        moe_topk_warp(pr, pr, ids + (size_t)(t0 + r) * top_k, wts + (size_t)(t0 + r) * top_k,
+                      num_experts, top_k, renorm, lane);
+    }
+}
+
+#define MS_ROUTE_ARGS float* residual, const float* __restrict__ delta, \
+        const unsigned short* __restrict__ norm_w, const float* __restrict__ router, \
+        unsigned short* __restrict__ h_out, float* logits, int* __restrict__ ids, \
+        float* __restrict__ wts, int* counters, int tokens, int hidden, int num_experts, \
+        int top_k, int groups, int renorm, float eps
+#define MS_ROUTE_PASS residual, delta, norm_w, router, h_out, logits, ids, wts, counters, \
+        tokens, hidden, num_experts, top_k, groups, renorm, eps
+extern "C" __global__ void __launch_bounds__(512) moe_route_r1(MS_ROUTE_ARGS) {
+    ms_route<1>(MS_ROUTE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(512) moe_route_r4(MS_ROUTE_ARGS) {
+    ms_route<4>(MS_ROUTE_PASS);
 }
 
 // Warp 0 of the block of pair p: the pairs q >= p routed to p's expert, in order, into

@@ -149,7 +149,7 @@ impl CudaDecoderModel {
             topk_weights: s.alloc_zeros((t * k).max(1))?,
             moe_workspace: s.alloc_zeros(moe_shape.map_or(1, fused_moe_workspace_bytes))?,
             shared_out: s.alloc_zeros(if shared { t * h } else { 1 })?,
-            moe_counters: s.alloc_zeros(t.min(MOE_SMALL_MAX_TOKENS))?,
+            moe_counters: s.alloc_zeros(t.clamp(1, super::moe_small::MOE_ROUTE_MAX_TOKENS))?,
             moe_act: s.alloc_zeros(moe_shape.map_or(1, |m| {
                 moe_small_act_len(MoeShape {
                     tokens: t.min(MOE_SMALL_MAX_TOKENS),

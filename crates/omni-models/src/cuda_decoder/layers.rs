@@ -265,18 +265,25 @@ impl CudaDecoderModel {
             mark!("o_proj");
             Self::all_reduce(&self.all_reduce, &mut a.proj, t * h)?;
             mark!("all_reduce");
-            let is_moe = matches!(l.mlp, DMlp::Moe { .. });
-            cx.fused_add_rms_norm_f32_out(
-                &mut a.x,
-                ResidualUpdate::Add(a.proj.slice(..t * h)),
-                &l.post_norm,
-                &mut a.h,
-                is_moe.then(|| a.h32.slice_mut(..t * h)).as_mut(),
-                t,
-                h,
-                eps,
-            )?;
-            mark!("rms_norm");
+            // x += attention output, h = norm(x): in the router's launch on MoE decode steps.
+            let routed = Self::routes_fused(&l.mlp, t, h);
+            if routed {
+                Self::small_moe_route(&cx, a, l, (t, h), eps, true)?;
+                mark!("rms_norm+moe_router+topk");
+            } else {
+                let is_moe = matches!(l.mlp, DMlp::Moe { .. });
+                cx.fused_add_rms_norm_f32_out(
+                    &mut a.x,
+                    ResidualUpdate::Add(a.proj.slice(..t * h)),
+                    &l.post_norm,
+                    &mut a.h,
+                    is_moe.then(|| a.h32.slice_mut(..t * h)).as_mut(),
+                    t,
+                    h,
+                    eps,
+                )?;
+                mark!("rms_norm");
+            }
             match &l.mlp {
                 DMlp::Dense {
                     gate_up,
@@ -309,27 +316,22 @@ impl CudaDecoderModel {
                     renormalize,
                     shared,
                 } => {
-                    let mut logits = a.router_logits.slice_mut(..t * num_experts);
-                    cx.matmul_nt_f32(
-                        &a.h32.slice(..t * h),
-                        router,
-                        &mut logits,
-                        t,
-                        h,
-                        *num_experts,
-                    )?;
-                    mark!("moe_router");
                     let (e, k) = (*num_experts, *top_k);
-                    cx.moe_topk_softmax(
-                        &a.router_logits.slice(..t * e),
-                        &mut a.topk_ids.slice_mut(..t * k),
-                        &mut a.topk_weights.slice_mut(..t * k),
-                        t,
-                        e,
-                        k,
-                        *renormalize,
-                    )?;
-                    mark!("moe_topk");
+                    if !routed {
+                        let mut logits = a.router_logits.slice_mut(..t * e);
+                        cx.matmul_nt_f32(&a.h32.slice(..t * h), router, &mut logits, t, h, e)?;
+                        mark!("moe_router");
+                        cx.moe_topk_softmax(
+                            &a.router_logits.slice(..t * e),
+                            &mut a.topk_ids.slice_mut(..t * k),
+                            &mut a.topk_weights.slice_mut(..t * k),
+                            t,
+                            e,
+                            k,
+                            *renormalize,
+                        )?;
+                        mark!("moe_topk");
+                    }
                     cx.fused_moe_f32(
                         &a.h.slice(..t * h),
                         w13,
@@ -556,7 +558,7 @@ impl CudaDecoderModel {
                 inter,
             } = &l.mlp
             else {
-                Self::small_moe_route(&cx, a, l, t, h, eps)?;
+                Self::small_moe_route(&cx, a, l, (t, h), eps, false)?;
                 mark!("rms_norm+moe_router+topk");
                 Self::small_moe_experts(&cx, a, l, t, h)?;
                 mark!("moe_experts+residual");

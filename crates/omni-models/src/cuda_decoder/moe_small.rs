@@ -1,10 +1,14 @@
 //! A MoE layer's MLP on the fused small-batch path ([`CudaDecoderModel::set_fused_small_batch`]):
 //! after the o_proj GEMV has added the attention output into the f32 residual stream, three
-//! launches instead of eight: [`CudaContext::moe_small_route`] (post-attention norm, f32 router,
+//! launches instead of eight: [`CudaContext::moe_route`] (post-attention norm, f32 router,
 //! top-k softmax), [`CudaContext::moe_small_gate_up`] (gate_up + SiLU-and-mul over the routed
 //! experts) and [`CudaContext::moe_small_down`] (down, the weighted sum over a token's experts
 //! and the residual add), so the next layer's fused QKV GEMV normalises the sum as on a dense
 //! layer. Layers with a shared expert stay on the unfused path.
+//!
+//! Decode steps of up to [`MOE_ROUTE_MAX_TOKENS`] tokens on the unfused path route with
+//! [`CudaContext::moe_route`] too, adding the attention output into the residual first: one
+//! launch instead of the norm, the router GEMM and the top-k.
 
 use omni_backend::cuda::{CudaContext, MoeRouteBuffers, MoeShape};
 
@@ -34,7 +38,19 @@ fn moe_shape(mlp: &DMlp, tokens: usize, hidden: usize) -> Option<MoeShape> {
     }
 }
 
+/// The most tokens a step routes with [`CudaContext::moe_route`] on the unfused path (decode
+/// batches; prefills keep the router GEMM, which reads the router once for every token).
+pub(super) const MOE_ROUTE_MAX_TOKENS: usize = 64;
+
 impl CudaDecoderModel {
+    /// Whether the unfused path routes layer `l`'s `tokens` tokens with
+    /// [`CudaContext::moe_route`] (a routed-expert MLP without a shared expert, a shape it
+    /// takes, at most [`MOE_ROUTE_MAX_TOKENS`] tokens).
+    pub(super) fn routes_fused(mlp: &DMlp, tokens: usize, hidden: usize) -> bool {
+        tokens <= MOE_ROUTE_MAX_TOKENS
+            && moe_shape(mlp, tokens, hidden).is_some_and(|s| CudaContext::moe_route_fits(&s))
+    }
+
     /// Whether a MoE layer's MLP runs on the fused small-batch path at `tokens` tokens: no
     /// shared expert, and a shape the small-batch MoE kernels take.
     pub(super) fn small_moe_fits(mlp: &DMlp, tokens: usize, hidden: usize) -> bool {
@@ -42,14 +58,16 @@ impl CudaDecoderModel {
     }
 
     /// Post-attention norm + router + top-k of layer `l` (a MoE layer that
-    /// [`Self::small_moe_fits`]): `a.h`, `a.router_logits`, `a.topk_ids`, `a.topk_weights`.
+    /// [`Self::small_moe_fits`] or [`Self::routes_fused`]): `a.h`, `a.router_logits`,
+    /// `a.topk_ids`, `a.topk_weights`; with `add_proj` the attention output in `a.proj` is
+    /// added into the residual `a.x` first (the unfused path).
     pub(super) fn small_moe_route(
         cx: &CudaContext,
         a: &mut Activations,
         l: &DLayer,
-        tokens: usize,
-        hidden: usize,
+        (tokens, hidden): (usize, usize),
         eps: f32,
+        add_proj: bool,
     ) -> Result<(), ModelError> {
         let (shape, router, renormalize) = match (&l.mlp, moe_shape(&l.mlp, tokens, hidden)) {
             (
@@ -63,12 +81,13 @@ impl CudaDecoderModel {
             _ => return Err(not_small_moe()),
         };
         let (t, e, k) = (tokens, shape.num_experts, shape.top_k);
-        cx.moe_small_route(
+        cx.moe_route(
             shape,
             renormalize,
             eps,
             MoeRouteBuffers {
-                residual: &a.x,
+                residual: &mut a.x,
+                delta: add_proj.then(|| a.proj.slice(..t * hidden)),
                 norm_weight: &l.post_norm,
                 router,
                 h: a.h.slice_mut(..t * hidden),

@@ -3,11 +3,13 @@
 //! router GEMM, the top-k softmax, the four launches of [`CudaContext::fused_moe_f32`] and the
 //! residual add:
 //!
-//! 1. [`CudaContext::moe_small_route`]: RMSNorm of the f32 residual (the bits of
+//! 1. [`CudaContext::moe_route`]: RMSNorm of the f32 residual (the bits of
 //!    [`CudaContext::fused_add_rms_norm_f32_out`]), the f32 router logits from the unrounded
 //!    normed row, then [`CudaContext::moe_topk_softmax`]'s routing (the same warp code) by the
-//!    last of each token's blocks; grid `tokens * groups` (`groups = ceil(E / warps)`, one warp
-//!    per expert) of the norm's `block_threads(hidden / 4)` threads.
+//!    last of each token tile's blocks; grid `tiles * groups` (`groups = ceil(E / warps)`, one
+//!    warp per expert; tiles of 1 token for one, else 4) of the norm's `block_threads(hidden /
+//!    4)` threads. It takes any token count: the unfused decode path runs it too, adding the
+//!    attention output into the residual first (`MoeRouteBuffers::delta`).
 //! 2. [`CudaContext::moe_small_gate_up`]: `act[pair] = silu(gate_e(h[t])) * up_e(h[t])`; grid
 //!    `pairs * ceil(inter / 8)` blocks of 8 warps, one warp per intermediate column. The first
 //!    pair routed to an expert streams that expert's rows once for every pair routed to it (at
@@ -26,7 +28,7 @@
 //! Beside the launch shapes, test-only functions mirror the kernels' de-duplication of experts
 //! on the host; the tests' emulators (`small_tests.rs`) run the kernels' loops with them.
 
-use cudarc::driver::{CudaSlice, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::source::TOPK_WARP;
 use super::{MOE_MAX_EXPERTS, MoeShape};
@@ -55,7 +57,8 @@ pub(crate) const DOWN_SLOTS: usize = 24;
 pub(crate) const EXPERT_WARPS: usize = 8;
 
 const SMALL: &str = kernel_file!("moe/small.cu");
-const ROUTE_FN: &str = "moe_small_route";
+/// The router entries by tokens per block (1, [`ROUTE_TILE`]).
+const ROUTE_FNS: [&str; 2] = ["moe_route_r1", "moe_route_r4"];
 /// The gate_up entries by the bound on an expert's members (1, 2, 4, 8 = tokens rounded up to
 /// a power of two).
 const GATE_UP_FNS: [&str; 4] = [
@@ -87,11 +90,16 @@ pub fn moe_small_act_len(shape: MoeShape) -> usize {
     shape.tokens * shape.top_k * shape.inter
 }
 
-/// The buffers of [`CudaContext::moe_small_route`].
+/// The buffers of [`CudaContext::moe_route`].
 #[derive(Debug)]
 pub struct MoeRouteBuffers<'a> {
-    /// The f32 residual stream `[tokens, hidden]`, already holding the attention output (read).
-    pub residual: &'a CudaSlice<f32>,
+    /// The f32 residual stream `[tokens, hidden]`: read, and with `delta` also written (the
+    /// sum).
+    pub residual: &'a mut CudaSlice<f32>,
+    /// The attention output `[tokens, hidden]` to add into the residual first (the unfused
+    /// path's `fused_add_rms_norm_f32_out`); `None` when the residual already holds it (the
+    /// fused o_proj GEMV added it).
+    pub delta: Option<CudaView<'a, f32>>,
     /// The post-attention norm's weight `[hidden]`.
     pub norm_weight: &'a CudaSlice<bf16>,
     /// The router `[num_experts, hidden]` in f32.
@@ -109,17 +117,36 @@ pub struct MoeRouteBuffers<'a> {
     pub counters: &'a mut CudaSlice<i32>,
 }
 
-/// The router kernel's launch: `(groups per token, threads per block, dynamic shared bytes)`.
-/// Warp `w` of group `g` owns expert `g * warps + w`.
-pub(crate) fn route_launch(hidden: usize, num_experts: usize) -> (usize, u32, usize) {
+/// The router kernel's launch for `tokens` rows: tokens per block (`RT`: 1 for one token,
+/// else 4), token tiles, groups per tile, threads per block and dynamic shared bytes. Warp `w`
+/// of group `g` owns expert `g * warps + w`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RouteLaunch {
+    pub rt: usize,
+    pub tiles: usize,
+    pub groups: usize,
+    pub threads: u32,
+    pub smem: usize,
+}
+
+pub(crate) fn route_launch(tokens: usize, hidden: usize, num_experts: usize) -> RouteLaunch {
     let threads = block_threads(hidden.div_ceil(4), 1024);
     let warps = threads as usize / 32;
-    (
-        num_experts.div_ceil(warps),
+    let rt = if tokens <= 1 { 1 } else { ROUTE_TILE };
+    RouteLaunch {
+        rt,
+        tiles: tokens.div_ceil(rt),
+        groups: num_experts.div_ceil(warps),
         threads,
-        (hidden + num_experts) * 4,
-    )
+        smem: rt * (hidden + num_experts) * 4,
+    }
 }
+
+/// Tokens per block of the router kernel for steps of more than one token (`moe_route_r4`).
+const ROUTE_TILE: usize = 4;
+/// The router kernel's dynamic shared memory limit (the default, no opt-in; its static part is
+/// under 1 KiB).
+const ROUTE_SMEM_MAX: usize = 47 * 1024;
 
 /// The 16-byte chunks of a w2 row (`inter` bf16) one lane of the down kernel holds: its
 /// template's `V` (`inter <=` [`MOE_SMALL_MAX_INTER`] keeps it within 1..=8).
@@ -174,20 +201,30 @@ impl CudaContext {
         check_small(shape).is_ok()
     }
 
-    /// Post-attention RMSNorm + router + top-k softmax of `shape.tokens` rows in one launch:
+    /// Whether [`CudaContext::moe_route`] takes `shape` (any token count; `hidden` a positive
+    /// multiple of 8 up to [`MOE_SMALL_MAX_HIDDEN`], `1 <= top_k <= num_experts <=`
+    /// [`MOE_MAX_EXPERTS`], and its rows within the default shared memory limit).
+    pub fn moe_route_fits(shape: &MoeShape) -> bool {
+        check_route(shape).is_ok()
+    }
+
+    /// Post-attention RMSNorm + router + top-k softmax of `shape.tokens` rows in one launch
+    /// (any token count): the residual plus `delta` when given (written back), then
     /// `h = bf16(rms_norm(residual) * norm_weight)` (bit for bit
-    /// [`CudaContext::fused_add_rms_norm_f32_out`]'s), `logits = normed_f32 @ router^T` in f32,
-    /// and the routing of [`CudaContext::moe_topk_softmax`] (the same code; `renormalize` is
-    /// `norm_topk_prob`). The residual already holds the attention output (the o_proj GEMV adds
-    /// it). Errors: a shape outside [`CudaContext::moe_small_fits`] or short buffers.
-    pub fn moe_small_route(
+    /// [`CudaContext::fused_add_rms_norm_f32_out`]'s, the add included), `logits =
+    /// normed_f32 @ router^T` in f32 (a warp's fixed-order dot product: a token's logits are
+    /// the same bits at any batch size), and the routing of [`CudaContext::moe_topk_softmax`]
+    /// (the same code; `renormalize` is `norm_topk_prob`). Errors: `hidden` not a positive
+    /// multiple of 8 or above [`MOE_SMALL_MAX_HIDDEN`], bad expert counts, more shared memory
+    /// than the default limit (`4 * (hidden + num_experts)` floats), short buffers.
+    pub fn moe_route(
         &self,
         shape: MoeShape,
         renormalize: bool,
         eps: f32,
         b: MoeRouteBuffers<'_>,
     ) -> CudaResult<()> {
-        check_small(&shape)?;
+        check_route(&shape)?;
         let MoeShape {
             tokens: t,
             hidden: h,
@@ -197,6 +234,7 @@ impl CudaContext {
         } = shape;
         let MoeRouteBuffers {
             residual,
+            delta,
             norm_weight,
             router,
             h: mut h_out,
@@ -206,6 +244,9 @@ impl CudaContext {
             counters,
         } = b;
         at_least("moe route residual", residual.len(), t * h)?;
+        if let Some(d) = &delta {
+            at_least("moe route delta", d.len(), t * h)?;
+        }
         crate::check_len("moe route norm weight", norm_weight.len(), h)?;
         crate::check_len("moe route router", router.len(), e * h)?;
         at_least("moe route h", h_out.len(), t * h)?;
@@ -213,9 +254,19 @@ impl CudaContext {
         at_least("moe route topk ids", topk_ids.len(), t * k)?;
         at_least("moe route topk weights", topk_weights.len(), t * k)?;
         at_least("moe route counters", counters.len(), t)?;
-        let (groups, threads, smem) = route_launch(h, e);
+        if t == 0 {
+            return Ok(());
+        }
+        let l = route_launch(t, h, e);
         let s = &self.stream;
-        let (res, _g0) = residual.device_ptr(s);
+        let (res, _g0) = residual.device_ptr_mut(s);
+        let (dp, _g9) = match &delta {
+            Some(d) => {
+                let (p, g) = d.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
         let (nw, _g1) = norm_weight.device_ptr(s);
         let (rw, _g2) = router.device_ptr(s);
         let (hp, _g3) = h_out.device_ptr_mut(s);
@@ -224,34 +275,40 @@ impl CudaContext {
         let (wp, _g6) = topk_weights.device_ptr_mut(s);
         let (cp, _g7) = counters.device_ptr_mut(s);
         aligned16("moe route residual", res)?;
+        aligned16("moe route delta", dp)?;
         aligned16("moe route router", rw)?;
-        let f = self.function(moe_small_source, ROUTE_FN)?;
-        let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5, mut a6, mut a7) =
-            (res, nw, rw, hp, lp, ip, wp, cp);
-        let (mut a8, mut a9, mut a10, mut a11, mut a12, mut a13) = (
+        let f = self.function(moe_small_source, ROUTE_FNS[usize::from(l.rt > 1)])?;
+        let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5, mut a6, mut a7, mut a8) =
+            (res, dp, nw, rw, hp, lp, ip, wp, cp);
+        let (mut a9, mut a10, mut a11, mut a12, mut a13, mut a14, mut a15) = (
+            narrow::<i32>("tokens", t)?,
             narrow::<i32>("hidden", h)?,
             narrow::<i32>("num_experts", e)?,
             narrow::<i32>("top_k", k)?,
-            narrow::<i32>("moe route groups", groups)?,
+            narrow::<i32>("moe route groups", l.groups)?,
             i32::from(renormalize),
             eps,
         );
-        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13);
-        // SAFETY: the arguments match `moe_small_route(const float*, const u16*, const float*,
-        // u16*, float*, int*, float*, int*, int, int, int, int, int, float)` in order and
-        // type. Every buffer was checked against the shape above (residual and h t * h, router
-        // e * h, logits t * e, ids / weights t * k, counters t); hidden is a multiple of 8 and
-        // the float4-loaded residual and router are 16-byte aligned; the grid is t * groups
-        // blocks of block_threads(h / 4) <= 512 threads (the kernel's launch bounds), with
-        // (h + e) floats of dynamic shared memory (<= 12 KiB by the fits check); warps past
-        // the experts only join the barriers.
+        let mut args = kernel_args!(
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15
+        );
+        // SAFETY: the arguments match `moe_route_r*(float*, const float*, const u16*, const
+        // float*, u16*, float*, int*, float*, int*, int, int, int, int, int, int, float)` in
+        // order and type, `delta` null or t * h floats. Every buffer was checked against the
+        // shape above (residual, delta and h t * h, router e * h, logits t * e, ids / weights
+        // t * k, counters t >= the tiles); hidden is a multiple of 8 and the float4-accessed
+        // residual, delta and router are 16-byte aligned; the grid is tiles * groups blocks of
+        // block_threads(h / 4) <= 512 threads (the entries' launch bound) with the entry's RT
+        // rows of (h + e) floats of dynamic shared memory (checked against the default
+        // limit); warps past the experts only join the barriers; the residual is written only
+        // by a tile's last block, after every block of the tile counted itself past its reads.
         unsafe {
             self.launch_programmatic(
                 &f,
                 (
-                    narrow("moe route blocks", t * groups)?,
-                    threads,
-                    smem as u32,
+                    narrow("moe route blocks", l.tiles * l.groups)?,
+                    l.threads,
+                    l.smem as u32,
                 ),
                 &mut args,
             )
@@ -395,6 +452,37 @@ impl CudaContext {
             )
         }
     }
+}
+
+/// The router's shape check (see [`CudaContext::moe_route_fits`]).
+fn check_route(s: &MoeShape) -> CudaResult<()> {
+    let h = s.hidden;
+    if h == 0 || !h.is_multiple_of(8) || h > MOE_SMALL_MAX_HIDDEN {
+        return Err(shape_err(
+            "moe route hidden (a positive multiple of 8, at most MOE_SMALL_MAX_HIDDEN)",
+            h.div_ceil(8).clamp(1, MOE_SMALL_MAX_HIDDEN / 8) * 8,
+            h,
+        ));
+    }
+    if s.num_experts == 0 || s.num_experts > MOE_MAX_EXPERTS {
+        return Err(shape_err(
+            "moe route num_experts (1..=MOE_MAX_EXPERTS)",
+            MOE_MAX_EXPERTS,
+            s.num_experts,
+        ));
+    }
+    if s.top_k == 0 || s.top_k > s.num_experts {
+        return Err(shape_err(
+            "moe route top_k (1..=num_experts)",
+            s.num_experts,
+            s.top_k,
+        ));
+    }
+    let smem = route_launch(s.tokens.max(2), h, s.num_experts).smem;
+    if smem > ROUTE_SMEM_MAX {
+        return Err(shape_err("moe route shared bytes", ROUTE_SMEM_MAX, smem));
+    }
+    Ok(())
 }
 
 /// The shape check of every small-batch MoE launcher (see [`CudaContext::moe_small_fits`]).

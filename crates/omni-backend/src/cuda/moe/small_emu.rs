@@ -124,20 +124,25 @@ fn emu_topk_warp(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
     (ids, ws)
 }
 
-/// What `moe_small_route` writes.
+/// What `moe_route` writes.
 struct Routed {
     h: Vec<f32>,
     logits: Vec<f32>,
     ids: Vec<i32>,
     ws: Vec<f32>,
     counters: Vec<i32>,
+    /// The residual after the call (the sum with `delta`, when given).
+    residual: Vec<f32>,
 }
 
-/// `moe_small_route`, its blocks run in the order `order` (a permutation of the grid).
+/// `moe_route`, its blocks run in the order `order` (a permutation of the grid); with `delta`
+/// the rows normalised are residual + delta, written back by each tile's last block (asserted:
+/// only after every block of the tile read the rows).
 #[allow(clippy::too_many_arguments)]
 fn emu_route(
     s: MoeShape,
     residual: &[f32],
+    delta: Option<&[f32]>,
     norm_w: &[f32],
     router: &[f32],
     renorm: bool,
@@ -145,65 +150,89 @@ fn emu_route(
     order: &[usize],
 ) -> Routed {
     let (t_n, h, e_n, k) = (s.tokens, s.hidden, s.num_experts, s.top_k);
-    let (groups, threads, smem) = route_launch(h, e_n);
-    assert!(smem <= 48 * 1024 - 256 && threads <= 512);
-    let (threads, warps) = (threads as usize, threads as usize / 32);
-    assert_eq!(order.len(), t_n * groups);
+    let l = route_launch(t_n, h, e_n);
+    assert!(l.smem <= 47 * 1024 && l.threads <= 512);
+    let (threads, warps, groups) = (l.threads as usize, l.threads as usize / 32, l.groups);
+    assert_eq!(order.len(), l.tiles * groups);
     let mut out = Routed {
         h: vec![f32::NAN; t_n * h],
         logits: vec![f32::NAN; t_n * e_n],
         ids: vec![-7; t_n * k],
         ws: vec![f32::NAN; t_n * k],
         counters: vec![0; t_n],
+        residual: residual.to_vec(),
     };
     let mut h_writes = vec![0u8; t_n * h];
+    let mut reads = vec![0usize; l.tiles];
     for &b in order {
-        let (t, g) = (b / groups, b % groups);
-        let x = &residual[t * h..(t + 1) * h];
-        let ss: Vec<f32> = (0..threads)
-            .map(|tid| {
-                let mut ss = 0f32;
-                let mut i = tid * 4;
-                while i < h {
-                    let v = &x[i..i + 4];
-                    ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
-                    i += threads * 4;
+        let (tile, g) = (b / groups, b % groups);
+        let rows = l.rt.min(t_n - tile * l.rt);
+        for r in 0..rows {
+            let t = tile * l.rt + r;
+            let x: Vec<f32> = (0..h)
+                .map(|i| {
+                    let v = out.residual[t * h + i];
+                    delta.map_or(v, |d| v + d[t * h + i])
+                })
+                .collect();
+            let ss: Vec<f32> = (0..threads)
+                .map(|tid| {
+                    let mut ss = 0f32;
+                    let mut i = tid * 4;
+                    while i < h {
+                        let v = &x[i..i + 4];
+                        ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+                        i += threads * 4;
+                    }
+                    ss
+                })
+                .collect();
+            let inv = 1.0 / (block_sum(&ss) / h as f32 + eps).sqrt();
+            let xs: Vec<f32> = (0..h).map(|i| norm_w[i] * (x[i] * inv)).collect();
+            if g == 0 {
+                for i in 0..h {
+                    out.h[t * h + i] = bf(xs[i]);
+                    h_writes[t * h + i] += 1;
                 }
-                ss
-            })
-            .collect();
-        let inv = 1.0 / (block_sum(&ss) / h as f32 + eps).sqrt();
-        let xs: Vec<f32> = (0..h).map(|i| norm_w[i] * (x[i] * inv)).collect();
-        if g == 0 {
-            for i in 0..h {
-                out.h[t * h + i] = bf(xs[i]);
-                h_writes[t * h + i] += 1;
             }
-        }
-        for w in 0..warps {
-            let e = g * warps + w;
-            if e >= e_n {
-                continue;
-            }
-            let wr = &router[e * h..(e + 1) * h];
-            let mut lanes = [0f32; 32];
-            for (lane, acc) in lanes.iter_mut().enumerate() {
-                for c in (lane..h / 4).step_by(32) {
-                    for j in 0..4 {
-                        *acc = xs[4 * c + j].mul_add(wr[4 * c + j], *acc);
+            for w in 0..warps {
+                let e = g * warps + w;
+                if e >= e_n {
+                    continue;
+                }
+                let wr = &router[e * h..(e + 1) * h];
+                let mut lanes = [0f32; 32];
+                for (lane, acc) in lanes.iter_mut().enumerate() {
+                    for c in (lane..h / 4).step_by(32) {
+                        for j in 0..4 {
+                            *acc = xs[4 * c + j].mul_add(wr[4 * c + j], *acc);
+                        }
                     }
                 }
+                out.logits[t * e_n + e] = warp_sum(lanes);
             }
-            out.logits[t * e_n + e] = warp_sum(lanes);
         }
-        out.counters[t] += 1;
-        if out.counters[t] == groups as i32 {
-            out.counters[t] = 0;
-            let row = &out.logits[t * e_n..(t + 1) * e_n];
-            assert!(row.iter().all(|v| !v.is_nan()), "routed before every logit");
-            let (ids, ws) = emu_topk_warp(row, k, renorm);
-            out.ids[t * k..(t + 1) * k].copy_from_slice(&ids);
-            out.ws[t * k..(t + 1) * k].copy_from_slice(&ws);
+        reads[tile] += 1;
+        out.counters[tile] += 1;
+        if out.counters[tile] == groups as i32 {
+            out.counters[tile] = 0;
+            assert_eq!(
+                reads[tile], groups,
+                "the residual is written after every read"
+            );
+            for r in 0..rows {
+                let t = tile * l.rt + r;
+                if let Some(d) = delta {
+                    for i in 0..h {
+                        out.residual[t * h + i] += d[t * h + i];
+                    }
+                }
+                let row = &out.logits[t * e_n..(t + 1) * e_n];
+                assert!(row.iter().all(|v| !v.is_nan()), "routed before every logit");
+                let (ids, ws) = emu_topk_warp(row, k, renorm);
+                out.ids[t * k..(t + 1) * k].copy_from_slice(&ids);
+                out.ws[t * k..(t + 1) * k].copy_from_slice(&ws);
+            }
         }
     }
     assert!(h_writes.iter().all(|&c| c == 1), "h written once");
@@ -366,6 +395,7 @@ const EMU_SHAPES: &[(usize, usize, usize, usize, usize)] = &[
     (3, 520, 72, 33, 8),
     (1, 2048, 64, 128, 8),
     (8, 2048, 16, 128, 8),
+    (6, 2048, 16, 128, 8),
 ];
 
 pub(super) fn shape(t: usize, h: usize, i: usize, e: usize, k: usize) -> MoeShape {
@@ -393,9 +423,16 @@ fn small_moe_fits_and_launch_shapes() {
     assert!(!CudaContext::moe_small_fits(&shape(8, 2048, 768, 128, 33)));
     assert!(!CudaContext::moe_small_fits(&shape(1, 2048, 768, 4, 8)));
     assert!(!CudaContext::moe_small_fits(&shape(1, 2048, 768, 2048, 8)));
-    // The real shape: 8 groups of 16 warps (512 threads, the unfused norm's block), 8.5 KiB.
-    assert_eq!(route_launch(2048, 128), (8, 512, (2048 + 128) * 4));
-    assert_eq!(route_launch(8, 3), (3, 32, 44));
+    // The real shape: 8 groups of 16 warps (512 threads, the unfused norm's block), 8.5 KiB
+    // for one token, tiles of 4 tokens (34 KiB) for more.
+    let one = route_launch(1, 2048, 128);
+    assert_eq!((one.rt, one.tiles, one.groups, one.threads), (1, 1, 8, 512));
+    assert_eq!(one.smem, (2048 + 128) * 4);
+    let many = route_launch(64, 2048, 128);
+    assert_eq!((many.rt, many.tiles, many.groups), (4, 16, 8));
+    assert_eq!(many.smem, 4 * (2048 + 128) * 4);
+    let odd = route_launch(5, 8, 3);
+    assert_eq!((odd.rt, odd.tiles, odd.groups, odd.threads), (4, 2, 3, 32));
     assert_eq!(gate_up_col_blocks(768), 96);
     assert_eq!(gate_up_col_blocks(40), 5);
     assert_eq!(moe_small_act_len(real), 8 * 768);
@@ -421,15 +458,28 @@ fn emulated_router_matches_the_reference() {
         let nw: Vec<f32> = rand_bf16_f32(h, 12).iter().map(|v| 1.0 + v / 4.0).collect();
         let normed: Vec<Vec<f32>> = x.chunks(h).map(|r| rms_ref(r, &nw, eps)).collect();
         let router = test_router(e, h, 13 + e as u64, &normed[0]);
-        let (groups, _, _) = route_launch(h, e);
-        let fwd: Vec<usize> = (0..t * groups).collect();
+        let l = route_launch(t, h, e);
+        let fwd: Vec<usize> = (0..l.tiles * l.groups).collect();
         let rev: Vec<usize> = fwd.iter().rev().copied().collect();
+        // The same sum split into a residual and a delta (the unfused path's form).
+        let half: Vec<f32> = x.iter().map(|v| bf(v / 2.0)).collect();
+        let rest: Vec<f32> = x.iter().zip(&half).map(|(v, a)| v - a).collect();
         for renorm in [true, false] {
-            let a = emu_route(s, &x, &nw, &router, renorm, eps, &fwd);
-            let b = emu_route(s, &x, &nw, &router, renorm, eps, &rev);
+            let a = emu_route(s, &x, None, &nw, &router, renorm, eps, &fwd);
+            let b = emu_route(s, &x, None, &nw, &router, renorm, eps, &rev);
             assert_eq!(a.ids, b.ids, "block order changed the routing");
             assert_eq!(a.logits, b.logits);
             assert!(a.counters.iter().all(|&c| c == 0), "counters left non-zero");
+            assert_eq!(a.residual, x, "no delta: the residual is only read");
+            let d = emu_route(s, &half, Some(&rest), &nw, &router, renorm, eps, &rev);
+            let sum: Vec<f32> = half.iter().zip(&rest).map(|(a, b)| a + b).collect();
+            assert_eq!(d.residual, sum, "the residual holds the sum");
+            let c = emu_route(s, &sum, None, &nw, &router, renorm, eps, &fwd);
+            assert_eq!(
+                (&d.h, &d.logits, &d.ids),
+                (&c.h, &c.logits, &c.ids),
+                "{s:?} delta"
+            );
             let mut checked = 0;
             for tok in 0..t {
                 for i in 0..h {

@@ -49,20 +49,28 @@ impl DevOut {
 
     /// The three small-path kernels: route, gate_up, down into `residual`.
     fn run(&mut self, cx: &CudaContext, l: &DevLayer, s: MoeShape, residual: &mut CudaSlice<f32>) {
-        self.route(cx, l, s, residual);
+        self.route(cx, l, s, residual, None);
         cx.moe_small_gate_up(s, &self.h, &l.w13, &self.ids, &mut self.act)
             .unwrap();
         cx.moe_small_down(s, &self.act, &l.w2, &self.ids, &self.ws, residual)
             .unwrap();
     }
 
-    fn route(&mut self, cx: &CudaContext, l: &DevLayer, s: MoeShape, residual: &CudaSlice<f32>) {
-        cx.moe_small_route(
+    fn route(
+        &mut self,
+        cx: &CudaContext,
+        l: &DevLayer,
+        s: MoeShape,
+        residual: &mut CudaSlice<f32>,
+        delta: Option<&CudaSlice<f32>>,
+    ) {
+        cx.moe_route(
             s,
             true,
             1e-6,
             MoeRouteBuffers {
                 residual,
+                delta: delta.map(|d| d.slice(..)),
                 norm_weight: &l.nw,
                 router: &l.router,
                 h: self.h.slice_mut(..),
@@ -101,37 +109,50 @@ fn bits16(v: &[bf16]) -> Vec<u16> {
     v.iter().map(|b| b.to_bits()).collect()
 }
 
-/// `moe_small_route` against the unfused kernels it replaces (fused_add_rms_norm_f32_out,
-/// matmul_nt_f32, moe_topk_softmax) at T = 1, 2, 8: h bit for bit, logits to f32 rounding, the
-/// same experts (where no near-tie makes the order depend on rounding) and weights; the
-/// counters stay zero over repeated calls.
+/// `moe_route` against the unfused kernels it replaces (fused_add_rms_norm_f32_out,
+/// matmul_nt_f32, moe_topk_softmax) at T = 1, 2, 8, 64 (tiles of 4 tokens, a ragged last one at
+/// 6), with the residual already summed and with the attention output as `delta`: h and the
+/// summed residual bit for bit, logits to f32 rounding, the same experts (where no near-tie
+/// makes the order depend on rounding) and weights; the counters stay zero over repeated calls.
 #[test]
 fn small_moe_route_matches_the_unfused_kernels() {
     let Some(cx) = ctx_or_skip("small_moe_route_matches_the_unfused_kernels") else {
         return;
     };
     let st = cx.stream().clone();
-    for &(h, e, k) in &[(2048usize, 128usize, 8usize), (256, 60, 4), (8, 3, 3)] {
-        for t in [1usize, 2, 8] {
+    let cases = [(2048usize, 128usize, 8usize), (256, 60, 4), (8, 3, 3)];
+    for (&(h, e, k), with_delta) in cases.iter().flat_map(|c| [(c, false), (c, true)]) {
+        for t in [1usize, 2, 6, 8, 64] {
             let s = shape(t, h, 8, e, k);
             let x = test_residual(t, h, 31 + t as u64);
+            // With a delta the residual holds part of x and the delta the rest.
+            let base: Vec<f32> = if with_delta {
+                x.iter().map(|v| (v * 0.375).round()).collect()
+            } else {
+                x.clone()
+            };
+            let rest: Vec<f32> = x.iter().zip(&base).map(|(v, b)| v - b).collect();
             let l0 = dev_layer(&cx, s, 32, &[]);
             let nwf = cx.download_f32(&l0.nw).unwrap();
             let normed0 = rms_ref(&x[..h], &nwf, 1e-6);
             let l = dev_layer(&cx, s, 32, &normed0);
-            let dx = st.clone_htod(&x).unwrap();
+            let drest = st.clone_htod(&rest).unwrap();
             let mut o = DevOut::new(&cx, s);
+            let mut dx = st.clone_htod(&base).unwrap();
             for _ in 0..3 {
-                o.route(&cx, &l, s, &dx);
+                // Every call starts from the same residual (a delta is added into it).
+                st.memcpy_htod(&base, &mut dx).unwrap();
+                o.route(&cx, &l, s, &mut dx, with_delta.then_some(&drest));
             }
             // Unfused.
-            let mut x2 = st.clone_htod(&x).unwrap();
+            let mut x2 = st.clone_htod(&base).unwrap();
             let zeros = st.alloc_zeros::<f32>(t * h).unwrap();
+            let add = if with_delta { &drest } else { &zeros };
             let mut h_ref = cx.zeros_bf16(t * h).unwrap();
             let mut h32 = st.alloc_zeros::<f32>(t * h).unwrap();
             cx.fused_add_rms_norm_f32_out(
                 &mut x2,
-                ResidualUpdate::Add(zeros.slice(..)),
+                ResidualUpdate::Add(add.slice(..)),
                 &l.nw,
                 &mut h_ref,
                 Some(&mut h32.slice_mut(..)),
@@ -153,6 +174,14 @@ fn small_moe_route_matches_the_unfused_kernels() {
                 bits16(&st.clone_dtoh(&h_ref).unwrap()),
                 "t={t} h={h}: h"
             );
+            let bits32 = |v: &CudaSlice<f32>| -> Vec<u32> {
+                st.clone_dtoh(v)
+                    .unwrap()
+                    .iter()
+                    .map(|f| f.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits32(&dx), bits32(&x2), "t={t} h={h}: the summed residual");
             let (lg, lr) = (
                 st.clone_dtoh(&o.logits).unwrap(),
                 st.clone_dtoh(&logits_ref).unwrap(),
@@ -184,7 +213,7 @@ fn small_moe_route_matches_the_unfused_kernels() {
             assert!(same > 0);
             assert!(st.clone_dtoh(&o.counters).unwrap().iter().all(|&c| c == 0));
             println!(
-                "moe small-batch route t={t} h={h} e={e}: h bitwise, {same}/{t} routings equal"
+                "moe route t={t} h={h} e={e} delta {with_delta}: h and residual bitwise, {same}/{t} routings equal"
             );
         }
     }
@@ -339,12 +368,12 @@ fn small_moe_real_shape_timing() {
         let x = test_residual(t, h, 72 + t as u64);
         let mut res = st.clone_htod(&x).unwrap();
         let mut o = DevOut::new(&cx, s);
-        o.route(&cx, &l, s, &res);
+        o.route(&cx, &l, s, &mut res, None);
         let ids = st.clone_dtoh(&o.ids).unwrap();
         let mut seen = vec![false; e];
         ids.iter().for_each(|&id| seen[id as usize] = true);
         let touched = seen.iter().filter(|&&b| b).count();
-        let us_route = time_us(&cx, || o.route(&cx, &l, s, &res));
+        let us_route = time_us(&cx, || o.route(&cx, &l, s, &mut res, None));
         let us_experts = time_us(&cx, || {
             cx.moe_small_gate_up(s, &o.h, &l.w13, &o.ids, &mut o.act)
                 .unwrap();
@@ -381,7 +410,7 @@ fn small_moe_real_shape_timing() {
     let x = test_residual(1, h, 90);
     let mut res = st.clone_htod(&x).unwrap();
     let mut o = DevOut::new(&cx, s);
-    o.route(&cx, &l, s, &res);
+    o.route(&cx, &l, s, &mut res, None);
     let mut out = cx.zeros_bf16(h).unwrap();
     let mut wsp = st
         .alloc_zeros::<u8>(super::fused_moe_workspace_bytes(s))
@@ -401,7 +430,7 @@ fn small_moe_real_shape_timing() {
         cx.fused_moe_bf16(&o.h, &l.w13, &l.w2, ids, ws, &mut out, &mut wsp, s)
             .unwrap()
     });
-    let us_route = graph_us(&cx, &mut || o.route(&cx, &l, s, &res));
+    let us_route = graph_us(&cx, &mut || o.route(&cx, &l, s, &mut res, None));
     // Each kernel alone (the down kernel reads ids uploaded before the graph: nothing in it
     // writes them).
     let us_gate_up = graph_us(&cx, &mut || {
@@ -416,6 +445,36 @@ fn small_moe_real_shape_timing() {
         cx.moe_small_down(s, &o.act, &l.w2, ids, &o.ws, &mut res)
             .unwrap();
     });
+    // The router of larger steps, in a graph: the fused route (adding the attention output)
+    // against the unfused norm + f32 router GEMM + top-k it replaces on the decode path.
+    for t in [1usize, 4, 16, 64] {
+        let s = shape(t, h, i, e, k);
+        let mut o = DevOut::new(&cx, s);
+        let mut x = st.clone_htod(&test_residual(t, h, 91)).unwrap();
+        let d = st.alloc_zeros::<f32>(t * h).unwrap();
+        let us_fused = graph_us(&cx, &mut || o.route(&cx, &l, s, &mut x, Some(&d)));
+        let mut h32 = st.alloc_zeros::<f32>(t * h).unwrap();
+        let us_unfused = graph_us(&cx, &mut || {
+            cx.fused_add_rms_norm_f32_out(
+                &mut x,
+                ResidualUpdate::Add(d.slice(..)),
+                &l.nw,
+                &mut o.h,
+                Some(&mut h32.slice_mut(..)),
+                t,
+                h,
+                1e-6,
+            )
+            .unwrap();
+            cx.matmul_nt_f32(&h32, &l.router, &mut o.logits, t, h, e)
+                .unwrap();
+            cx.moe_topk_softmax(&o.logits, &mut o.ids, &mut o.ws, t, e, k, true)
+                .unwrap();
+        });
+        println!(
+            "moe route T={t} in a CUDA graph: fused {us_fused:.1} µs, unfused norm + router GEMM + top-k {us_unfused:.1} µs"
+        );
+    }
     let mb = k as f64 * bytes_per_expert / 1e6;
     println!(
         "moe decode T=1 in a CUDA graph, experts cold in L2: small-batch experts {us_small:.1} µs ({:.2} TB/s; gate_up alone {us_gate_up:.1} µs {:.2} TB/s, down alone {us_down:.1} µs {:.2} TB/s), grouped-GEMM experts {us_grouped:.1} µs ({:.2} TB/s), route {us_route:.1} µs",
