@@ -52,6 +52,9 @@
 #           backend-tests cuda::moe::tests (checks on every path, timings), then bench latency
 #           and an eager per-kernel profile of the Qwen3-30B-A3B shape with
 #           OMNI_CUDA_MOE_CUBLAS=0 and 1
+#   ab-small-moe the small-batch MoE experts on the unfused decode path (OMNI_CUDA_MOE_SMALL_TOKENS
+#           0 and 1): their kernel tests and timings, the model tests, bench latency of the
+#           Qwen3-30B-A3B shape twice each way
 #   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
 #           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
@@ -110,7 +113,7 @@ step() { # name, command...
   timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
-  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|topk T|paths|cublas|dense)|gemv |fused gemv |sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
+  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|route|topk T|paths|cublas|dense)|gemv |fused gemv |sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
   [ $rc -ne 0 ] && fail=1
   return 0
 }
@@ -266,6 +269,16 @@ if want ab-moe; then
       --enforce-eager --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 \
       --batch-sizes 1 --input-len 1024 --output-len 8 --prefill-len 2048
   done
+fi
+
+if want ab-small-moe; then
+  # The small-batch MoE experts on the unfused path (OMNI_CUDA_MOE_SMALL_TOKENS, default 1)
+  # against the grouped GEMM: kernel checks and timings, the model tests, then bench latency
+  # twice each way, interleaved.
+  step moe-small-kernels "$BIN/backend-tests" cuda::moe::small --test-threads=1 --nocapture
+  [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
+  [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1
+  for r in 1 2; do ab_latency OMNI_CUDA_MOE_SMALL_TOKENS "smoe-r$r-" qwen3-30b-a3b; done
 fi
 
 if want peer; then

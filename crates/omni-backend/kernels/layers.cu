@@ -17,7 +17,7 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 }
 
 // The residual stream is f32. mode 1: residual = bf16 `init` (the embedding); 2: residual +=
-// f32 `delta`. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
+// f32 `delta`; 0: as it is. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
 extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
         const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
         const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
@@ -35,15 +35,17 @@ extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual
                 v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
             } else {
                 v = *reinterpret_cast<const float4*>(x + i);
-                float4 d = *reinterpret_cast<const float4*>(delta + base + i);
-                v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+                if (mode == 2) {
+                    float4 d = *reinterpret_cast<const float4*>(delta + base + i);
+                    v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+                }
             }
             *reinterpret_cast<float4*>(x + i) = v;
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
     } else {
         for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-            float v = mode == 1 ? bf2f(init[base + i]) : x[i] + delta[base + i];
+            float v = mode == 1 ? bf2f(init[base + i]) : mode == 2 ? x[i] + delta[base + i] : x[i];
             x[i] = v;
             ss += v * v;
         }

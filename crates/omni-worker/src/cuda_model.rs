@@ -154,6 +154,12 @@ pub fn load_cuda_model(
     )?;
     model.enable_profiler(u64::from(spec.cuda_profile_steps));
     model.set_small_batch_gemv(small_batch_gemv_from_env());
+    if let Some(n) = std::env::var(SMALL_MOE_TOKENS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        model.set_small_moe_tokens(n);
+    }
     Ok(CudaStepModel {
         model,
         mm,
@@ -293,6 +299,11 @@ pub const SMALL_BATCH_GEMV_ENV: &str = "OMNI_CUDA_SMALL_BATCH_GEMV";
 fn small_batch_gemv_from_env() -> bool {
     std::env::var(SMALL_BATCH_GEMV_ENV).is_ok_and(|v| v == "1")
 }
+
+/// The most tokens a step may have for MoE layers to run the small-batch expert kernels on
+/// the unfused path ([`CudaDecoderModel::set_small_moe_tokens`]; default
+/// [`omni_models::cuda_decoder::DEFAULT_SMALL_MOE_TOKENS`], `0` turns it off).
+pub const SMALL_MOE_TOKENS_ENV: &str = "OMNI_CUDA_MOE_SMALL_TOKENS";
 
 /// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:
 /// `scripts/bench-cold-start.sh`).

@@ -326,8 +326,9 @@ template <int V>
 __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
         const unsigned short* __restrict__ w2, const int* __restrict__ ids,
         const float* __restrict__ wts, float* __restrict__ residual, int tokens, int top_k,
-        int hidden, int inter, int num_experts) {
+        int hidden, int inter, int num_experts, int stage_act) {
     constexpr int G = MS_DOWN_SLOTS / V;
+    extern __shared__ __align__(16) uint4 ms_down_act[];
     __shared__ int s_ids[MS_MAX_PAIRS];
     __shared__ int s_own[MS_MAX_PAIRS];
     __shared__ int s_wcount[MS_MAX_PAIRS / 32];
@@ -375,6 +376,16 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
     }
     MS_DOWN_LOAD(0)
     gv_wait();
+    // With stage_act the pairs' act rows (pairs * inter bf16, the dynamic shared memory) are
+    // copied in once by the whole block: every warp reads every row, and from shared memory
+    // the dot products of one warp's experts do not wait on L2 one after another.
+    const uint4* act_rows = reinterpret_cast<const uint4*>(act);
+    if (stage_act) {
+        const uint4* src = act_rows;
+        for (int i = tid; i < pairs * chunks; i += blockDim.x) ms_down_act[i] = src[i];
+        __syncthreads();
+        act_rows = ms_down_act;
+    }
     for (int u0 = 0; u0 < owners; u0 += G) {
         if (u0 > 0) { MS_DOWN_LOAD(u0) }
 #pragma unroll
@@ -384,7 +395,7 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
             const int p = s_own[u], ex = s_ids[p];
             for (int q = p; q < pairs; ++q) {
                 if (s_ids[q] != ex) continue;  // warp-uniform (shared broadcast)
-                const uint4* ar = reinterpret_cast<const uint4*>(act + (size_t)q * inter);
+                const uint4* ar = act_rows + (size_t)q * chunks;
                 float acc = 0.f;
 #pragma unroll
                 for (int v = 0; v < V; ++v) {
@@ -417,8 +428,9 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
 #define MS_DOWN_ARGS const unsigned short* __restrict__ act, \
         const unsigned short* __restrict__ w2, const int* __restrict__ ids, \
         const float* __restrict__ wts, float* __restrict__ residual, int tokens, int top_k, \
-        int hidden, int inter, int num_experts
-#define MS_DOWN_PASS act, w2, ids, wts, residual, tokens, top_k, hidden, inter, num_experts
+        int hidden, int inter, int num_experts, int stage_act
+#define MS_DOWN_PASS act, w2, ids, wts, residual, tokens, top_k, hidden, inter, num_experts, \
+        stage_act
 #define MS_DOWN_ENTRY(name, v) \
     extern "C" __global__ void __launch_bounds__(256) name(MS_DOWN_ARGS) { \
         ms_down<v>(MS_DOWN_PASS); \

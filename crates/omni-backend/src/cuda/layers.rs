@@ -152,6 +152,7 @@ impl CudaContext {
                 at_least("cuda rms_norm delta", v.len(), n)?;
                 (2, 0, v.device_ptr(s).0)
             }
+            ResidualUpdate::Keep => (0, 0, 0),
         };
         if rows == 0 || dim == 0 {
             return Ok(());
@@ -597,4 +598,7 @@ pub enum ResidualUpdate<'a> {
     Set(CudaView<'a, bf16>),
     /// Add f32 rows (the previous sub-block's all-reduced output).
     Add(CudaView<'a, f32>),
+    /// Leave it as it is (a sub-block that added its output itself: the small-batch MoE
+    /// experts).
+    Keep,
 }

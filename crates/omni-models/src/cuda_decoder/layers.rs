@@ -212,6 +212,15 @@ impl CudaDecoderModel {
             cx.embedding_ids_bf16(table, h, &self.inputs.ids, t, &mut self.act.sel_embed)?;
             mark!("embedding");
         }
+        // MoE layers of this step may run the small-batch experts, which add into x
+        // themselves (one rank: nothing to all-reduce; no deepstack rows to add).
+        let one_rank = self
+            .all_reduce
+            .as_ref()
+            .is_none_or(|ar| ar.world_size() == 1);
+        let small_moe = t <= self.small_moe_tokens && one_rank && self.residual_adds.is_none();
+        // Whether x already holds the previous sub-block's output.
+        let mut kept = false;
         for li in 0..self.layers.len() {
             let a = &mut self.act;
             let l = &self.layers[li];
@@ -219,6 +228,8 @@ impl CudaDecoderModel {
             // starts x from the embedding.
             let update = if li == 0 && first_stage {
                 ResidualUpdate::Set(a.sel_embed.slice(..t * h))
+            } else if std::mem::take(&mut kept) {
+                ResidualUpdate::Keep
             } else {
                 ResidualUpdate::Add(a.proj.slice(..t * h))
             };
@@ -317,6 +328,12 @@ impl CudaDecoderModel {
                     shared,
                 } => {
                     let (e, k) = (*num_experts, *top_k);
+                    if routed && small_moe && Self::small_moe_fits(&l.mlp, t, h) {
+                        Self::small_moe_experts(&cx, a, l, t, h)?;
+                        mark!("moe_experts+residual");
+                        kept = true;
+                        continue;
+                    }
                     if !routed {
                         let mut logits = a.router_logits.slice_mut(..t * e);
                         cx.matmul_nt_f32(&a.h32.slice(..t * h), router, &mut logits, t, h, e)?;
@@ -398,15 +415,12 @@ impl CudaDecoderModel {
         let a = &mut self.act;
         // x += the last layer's output, then the final norm (on a stage before the last, x is
         // what the next stage starts from and the normed rows go unused).
-        cx.fused_add_rms_norm(
-            &mut a.x,
-            ResidualUpdate::Add(a.proj.slice(..t * h)),
-            &self.norm,
-            &mut a.h,
-            t,
-            h,
-            eps,
-        )?;
+        let update = if kept {
+            ResidualUpdate::Keep
+        } else {
+            ResidualUpdate::Add(a.proj.slice(..t * h))
+        };
+        cx.fused_add_rms_norm(&mut a.x, update, &self.norm, &mut a.h, t, h, eps)?;
         mark!("rms_norm");
         if !self.stage.is_last() {
             return Self::finish_profile(&mut self.profiler, prof, &st, "");

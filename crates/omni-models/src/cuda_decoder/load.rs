@@ -182,6 +182,7 @@ impl CudaDecoderModel {
             profiler,
             small_batch_tokens: 0,
             fused_small_batch: true,
+            small_moe_tokens: super::DEFAULT_SMALL_MOE_TOKENS,
         })
     }
 }

@@ -31,7 +31,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;
-use omni_backend::cuda::{CudaContext, CudaError, DeviceAllReduce, GEMV_MAX_ROWS, bf16};
+use omni_backend::cuda::{
+    CudaContext, CudaError, DeviceAllReduce, GEMV_MAX_ROWS, MOE_SMALL_MAX_TOKENS, bf16,
+};
 
 use crate::ModelError;
 use crate::batch::ForwardBatch;
@@ -176,7 +178,14 @@ pub struct CudaDecoderModel {
     /// Such steps take the fused path where they can
     /// ([`CudaDecoderModel::set_fused_small_batch`]).
     fused_small_batch: bool,
+    /// Unfused steps of at most this many tokens run MoE layers' experts on the small-batch
+    /// kernels ([`CudaDecoderModel::set_small_moe_tokens`]).
+    small_moe_tokens: usize,
 }
+
+/// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
+/// where the small-batch experts beat the grouped GEMM on an H200 (`bench/results/`).
+pub const DEFAULT_SMALL_MOE_TOKENS: usize = 1;
 
 impl CudaDecoderModel {
     /// Whether [`CudaDecoderModel::init_cache`] ran.
@@ -229,6 +238,21 @@ impl CudaDecoderModel {
     /// kernels (for comparison). Recapture graphs after changing it.
     pub fn set_fused_small_batch(&mut self, on: bool) {
         self.fused_small_batch = on;
+    }
+
+    /// Steps of at most `tokens` tokens (capped at [`MOE_SMALL_MAX_TOKENS`]; 0: none) that
+    /// take the unfused path run each MoE layer without a shared expert as [`moe_route`] (the
+    /// attention output added inside), [`moe_small_gate_up`] and [`moe_small_down`] adding the
+    /// experts' sum into the residual stream: three launches instead of the grouped-GEMM
+    /// path's five, on one rank. Default [`DEFAULT_SMALL_MOE_TOKENS`]. The expert sums round
+    /// where the grouped path rounds them (the f32 dot products sum in another order).
+    /// Recapture graphs after changing it.
+    ///
+    /// [`moe_route`]: CudaContext::moe_route
+    /// [`moe_small_gate_up`]: CudaContext::moe_small_gate_up
+    /// [`moe_small_down`]: CudaContext::moe_small_down
+    pub fn set_small_moe_tokens(&mut self, tokens: usize) {
+        self.small_moe_tokens = tokens.min(MOE_SMALL_MAX_TOKENS);
     }
 
     /// The spec this model was built from.

@@ -154,6 +154,17 @@ pub(crate) fn down_chunks_per_lane(inter: usize) -> usize {
     (inter / 8).div_ceil(32).max(1)
 }
 
+/// The most bytes of `act` rows the down kernel copies into shared memory (below it every
+/// block stages all of them; above, they are read from L2).
+const DOWN_ACT_SMEM: usize = 32 * 1024;
+
+/// Dynamic shared bytes of the down kernel for `shape`: its pairs' act rows when they fit in
+/// [`DOWN_ACT_SMEM`], else none.
+pub(crate) fn down_act_smem(shape: &MoeShape) -> usize {
+    let bytes = shape.tokens * shape.top_k * shape.inter * 2;
+    if bytes <= DOWN_ACT_SMEM { bytes } else { 0 }
+}
+
 /// Distinct experts the down kernel streams at a time (its `G`).
 #[cfg(test)]
 pub(crate) fn down_group(inter: usize) -> usize {
@@ -422,16 +433,20 @@ impl CudaContext {
         aligned16("moe down w2", wp)?;
         let f = self.function(moe_small_source, DOWN_FNS[down_chunks_per_lane(i) - 1])?;
         let (mut a0, mut a1, mut a2, mut a3, mut a4) = (ap, wp, ip, tp, rp);
-        let (mut a5, mut a6, mut a7, mut a8, mut a9) = (
+        let smem = down_act_smem(&shape);
+        let (mut a5, mut a6, mut a7, mut a8, mut a9, mut a10) = (
             narrow::<i32>("tokens", t)?,
             narrow::<i32>("top_k", k)?,
             narrow::<i32>("hidden", h)?,
             narrow::<i32>("inter", i)?,
             narrow::<i32>("num_experts", e)?,
+            i32::from(smem > 0),
         );
-        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9);
+        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10);
         // SAFETY: the arguments match `moe_small_down_v*(const u16*, const u16*, const int*,
-        // const float*, float*, int, int, int, int, int)` in order and type; act holds t * k *
+        // const float*, float*, int, int, int, int, int, int)` in order and type (staging act
+        // only with t * k * i * 2 bytes of dynamic shared memory, <= 32 KiB beside its 10 KiB
+        // of static); act holds t * k *
         // i, w2 e * h * i, ids / weights t * k and residual t * h elements (checked above);
         // expert ids are range-checked by the kernel before they index w2; t * k <= 256 = the
         // block size (one thread per pair), t <= 8 < 32 (one lane per token) and the entry's V
@@ -446,7 +461,7 @@ impl CudaContext {
                 (
                     narrow("moe down blocks", h.div_ceil(DOWN_ROWS))?,
                     MOE_SMALL_MAX_PAIRS as u32,
-                    0,
+                    smem as u32,
                 ),
                 &mut args,
             )
