@@ -349,7 +349,7 @@ impl CudaDecoderModel {
                         )?;
                         mark!("moe_topk");
                     }
-                    cx.fused_moe_f32(
+                    cx.fused_moe_bf16(
                         &a.h.slice(..t * h),
                         w13,
                         w2,

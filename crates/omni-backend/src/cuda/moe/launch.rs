@@ -18,7 +18,7 @@ use crate::cuda::launch::{
 use crate::cuda::{CudaContext, CudaResult, bf16};
 
 /// Checks the expert count and top-k of a routing problem.
-fn check_routing(num_experts: usize, top_k: usize) -> CudaResult<()> {
+pub(super) fn check_routing(num_experts: usize, top_k: usize) -> CudaResult<()> {
     if num_experts == 0 || num_experts > MOE_MAX_EXPERTS {
         return Err(shape_err(
             "moe num_experts (1..=MOE_MAX_EXPERTS)",
@@ -64,6 +64,26 @@ impl MoeOut {
             Self::Bf16(p) | Self::F32(p) => p,
         }
     }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for f32 {}
+}
+
+/// The output types of [`CudaContext::fused_moe_bf16`]: bf16, or f32 (the bf16 sum widened).
+pub trait MoeOutElem: sealed::Sealed {
+    /// Whether the sum is widened to f32.
+    const WIDE: bool;
+}
+
+impl MoeOutElem for bf16 {
+    const WIDE: bool = false;
+}
+
+impl MoeOutElem for f32 {
+    const WIDE: bool = true;
 }
 
 /// The GEMMs of one fused MoE call.
@@ -157,53 +177,32 @@ impl CudaContext {
     /// (whole allocations are). The result is
     /// deterministic (no float atomics), and the call is CUDA-graph capturable: no allocation,
     /// no host synchronization, launch grids that depend only on `shape`.
+    ///
+    /// `out` is bf16, or f32 (the residual stream's type: the same bf16 values widened, without
+    /// a separate widening launch).
     #[allow(clippy::too_many_arguments)]
-    pub fn fused_moe_bf16(
+    pub fn fused_moe_bf16<O: MoeOutElem>(
         &self,
         x: &impl DevicePtr<bf16>,
         w13: &impl DevicePtr<bf16>,
         w2: &impl DevicePtr<bf16>,
         topk_ids: &impl DevicePtr<i32>,
         topk_weights: &impl DevicePtr<f32>,
-        out: &mut impl DevicePtrMut<bf16>,
+        out: &mut impl DevicePtrMut<O>,
         workspace: &mut impl DevicePtrMut<u8>,
         shape: MoeShape,
     ) -> CudaResult<()> {
         let gemm = self.select_gemm(&shape)?;
         let len = out.len();
         let (p, _g) = out.device_ptr_mut(&self.stream);
-        let out = (MoeOut::Bf16(p), len);
-        self.fused_moe_on(
-            x,
-            w13,
-            w2,
-            topk_ids,
-            topk_weights,
-            out,
-            workspace,
-            shape,
-            gemm,
-        )
-    }
-
-    /// [`CudaContext::fused_moe_bf16`] with its bf16 result widened into the f32 `out`
-    /// (`[tokens, hidden]`): the same values, without a separate widening launch.
-    #[allow(clippy::too_many_arguments)]
-    pub fn fused_moe_f32(
-        &self,
-        x: &impl DevicePtr<bf16>,
-        w13: &impl DevicePtr<bf16>,
-        w2: &impl DevicePtr<bf16>,
-        topk_ids: &impl DevicePtr<i32>,
-        topk_weights: &impl DevicePtr<f32>,
-        out: &mut impl DevicePtrMut<f32>,
-        workspace: &mut impl DevicePtrMut<u8>,
-        shape: MoeShape,
-    ) -> CudaResult<()> {
-        let gemm = self.select_gemm(&shape)?;
-        let len = out.len();
-        let (p, _g) = out.device_ptr_mut(&self.stream);
-        let out = (MoeOut::F32(p), len);
+        let out = (
+            if O::WIDE {
+                MoeOut::F32(p)
+            } else {
+                MoeOut::Bf16(p)
+            },
+            len,
+        );
         self.fused_moe_on(
             x,
             w13,

@@ -14,7 +14,7 @@
 //! 3. A grouped GEMM `y[pair] = act @ w2[e]^T`, scattering rows back to pair order.
 //! 4. `moe_reduce`: `out[t] = sum_slot w[t, slot] * y[t * top_k + slot]` in f32, slots in order
 //!    (deterministic, no float atomics), rounded to bf16 (widened back to f32 by
-//!    [`CudaContext::fused_moe_f32`], which writes the residual stream's type directly).
+//!    [`CudaContext::fused_moe_bf16`] into an f32 output, the residual stream's type).
 //!
 //! Both GEMMs run on tensor cores (`mma.sync.m16n8k16` bf16 -> f32, `ldmatrix`, a multi-stage
 //! `cp.async` pipeline). Launch grids depend only on host scalars: the number of `BM`-row blocks
@@ -48,6 +48,7 @@ mod tests;
 mod tiles;
 
 pub use cublas::MOE_CUBLAS_ENV;
+pub use launch::MoeOutElem;
 pub use small::{
     MOE_SMALL_MAX_HIDDEN, MOE_SMALL_MAX_INTER, MOE_SMALL_MAX_PAIRS, MOE_SMALL_MAX_TOKENS,
     MoeRouteBuffers, moe_small_act_len,

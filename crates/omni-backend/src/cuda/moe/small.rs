@@ -1,6 +1,6 @@
 //! The small-batch MoE layer (steps of at most [`MOE_SMALL_MAX_TOKENS`] tokens): three
 //! weight-streaming kernels (`kernels/moe/small.cu`) in place of the post-attention norm, the
-//! router GEMM, the top-k softmax, the four launches of [`CudaContext::fused_moe_f32`] and the
+//! router GEMM, the top-k softmax, the four launches of [`CudaContext::fused_moe_bf16`] and the
 //! residual add:
 //!
 //! 1. [`CudaContext::moe_route`]: RMSNorm of the f32 residual (the bits of
@@ -30,8 +30,11 @@
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
+#[cfg(doc)]
+use super::MOE_MAX_EXPERTS;
+use super::MoeShape;
+use super::launch::check_routing;
 use super::source::TOPK_WARP;
-use super::{MOE_MAX_EXPERTS, MoeShape};
 use crate::cuda::gemv::GEMV_COMMON;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 use crate::cuda::launch::{aligned16, at_least, block_threads, narrow, shape_err};
@@ -471,31 +474,23 @@ impl CudaContext {
 
 /// The router's shape check (see [`CudaContext::moe_route_fits`]).
 fn check_route(s: &MoeShape) -> CudaResult<()> {
-    let h = s.hidden;
+    check_hidden(s.hidden)?;
+    check_routing(s.num_experts, s.top_k)?;
+    let smem = route_launch(s.tokens.max(2), s.hidden, s.num_experts).smem;
+    if smem > ROUTE_SMEM_MAX {
+        return Err(shape_err("moe route shared bytes", ROUTE_SMEM_MAX, smem));
+    }
+    Ok(())
+}
+
+/// `hidden` as the small-batch kernels take it (their lanes hold a row's share in registers).
+fn check_hidden(h: usize) -> CudaResult<()> {
     if h == 0 || !h.is_multiple_of(8) || h > MOE_SMALL_MAX_HIDDEN {
         return Err(shape_err(
-            "moe route hidden (a positive multiple of 8, at most MOE_SMALL_MAX_HIDDEN)",
+            "small-batch moe hidden (a positive multiple of 8, at most MOE_SMALL_MAX_HIDDEN)",
             h.div_ceil(8).clamp(1, MOE_SMALL_MAX_HIDDEN / 8) * 8,
             h,
         ));
-    }
-    if s.num_experts == 0 || s.num_experts > MOE_MAX_EXPERTS {
-        return Err(shape_err(
-            "moe route num_experts (1..=MOE_MAX_EXPERTS)",
-            MOE_MAX_EXPERTS,
-            s.num_experts,
-        ));
-    }
-    if s.top_k == 0 || s.top_k > s.num_experts {
-        return Err(shape_err(
-            "moe route top_k (1..=num_experts)",
-            s.num_experts,
-            s.top_k,
-        ));
-    }
-    let smem = route_launch(s.tokens.max(2), h, s.num_experts).smem;
-    if smem > ROUTE_SMEM_MAX {
-        return Err(shape_err("moe route shared bytes", ROUTE_SMEM_MAX, smem));
     }
     Ok(())
 }
@@ -509,13 +504,7 @@ fn check_small(s: &MoeShape) -> CudaResult<()> {
             s.tokens,
         ));
     }
-    if s.hidden == 0 || !s.hidden.is_multiple_of(8) || s.hidden > MOE_SMALL_MAX_HIDDEN {
-        return Err(shape_err(
-            "small-batch moe hidden (a positive multiple of 8, at most MOE_SMALL_MAX_HIDDEN)",
-            s.hidden.div_ceil(8).clamp(1, MOE_SMALL_MAX_HIDDEN / 8) * 8,
-            s.hidden,
-        ));
-    }
+    check_hidden(s.hidden)?;
     if s.inter == 0 || !s.inter.is_multiple_of(8) || s.inter > MOE_SMALL_MAX_INTER {
         return Err(shape_err(
             "small-batch moe inter (a positive multiple of 8, at most MOE_SMALL_MAX_INTER)",
@@ -523,20 +512,7 @@ fn check_small(s: &MoeShape) -> CudaResult<()> {
             s.inter,
         ));
     }
-    if s.num_experts == 0 || s.num_experts > MOE_MAX_EXPERTS {
-        return Err(shape_err(
-            "small-batch moe num_experts (1..=MOE_MAX_EXPERTS)",
-            MOE_MAX_EXPERTS,
-            s.num_experts,
-        ));
-    }
-    if s.top_k == 0 || s.top_k > s.num_experts {
-        return Err(shape_err(
-            "small-batch moe top_k (1..=num_experts)",
-            s.num_experts,
-            s.top_k,
-        ));
-    }
+    check_routing(s.num_experts, s.top_k)?;
     if s.tokens * s.top_k > MOE_SMALL_MAX_PAIRS {
         return Err(shape_err(
             "small-batch moe tokens * top_k (at most MOE_SMALL_MAX_PAIRS)",

@@ -279,7 +279,7 @@ fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, gemm: Option<MoeGemm>) -
         .clone_htod(&vec![f32::NAN; s.tokens * s.hidden])
         .unwrap();
     match gemm {
-        None => cx.fused_moe_f32(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out32, &mut ws, s),
+        None => cx.fused_moe_bf16(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out32, &mut ws, s),
         Some(g) => {
             let len = out32.len();
             let o = (MoeOut::F32(out32.device_ptr_mut(cx.stream()).0), len);
