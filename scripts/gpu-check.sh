@@ -55,8 +55,6 @@
 #   ab-small-moe the small-batch MoE experts on the unfused decode path (OMNI_CUDA_MOE_SMALL_TOKENS
 #           0 and 1): their kernel tests and timings, the model tests, bench latency of the
 #           Qwen3-30B-A3B shape twice each way
-#   ab-oproj o_proj of one-token steps as a GEMV (OMNI_CUDA_GEMV_O_PROJ=1) against cuBLAS:
-#           the GEMV tests and timings, bench latency of both shapes twice each way
 #   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
 #           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
@@ -281,15 +279,6 @@ if want ab-small-moe; then
   [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
   [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1
   for r in 1 2; do ab_latency OMNI_CUDA_MOE_SMALL_TOKENS "smoe-r$r-" qwen3-30b-a3b; done
-fi
-
-if want ab-oproj; then
-  # o_proj of one-token steps as the wide GEMV against cuBLAS: the GEMV timings, then bench
-  # latency of both shapes twice each way.
-  step gemv-kernels "$BIN/backend-tests" cuda::gemv --test-threads=1 --nocapture
-  for r in 1 2; do
-    for m in qwen3-30b-a3b qwen3-8b; do ab_latency OMNI_CUDA_GEMV_O_PROJ "oproj-r$r-" "$m"; done
-  done
 fi
 
 if want peer; then

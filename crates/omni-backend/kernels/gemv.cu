@@ -156,10 +156,6 @@ extern "C" __global__ void __launch_bounds__(512) gemv_fused_bf16(GV_ARGS) {
 extern "C" __global__ void __launch_bounds__(512) gemv_fused_silu_bf16(GV_ARGS) {
     gemv_body<true, GV_UNROLL>(GV_PASS);
 }
-// Plain-input blocks of 256 threads: 16 chunks per lane in flight (a 4096-wide row in one go).
-extern "C" __global__ void __launch_bounds__(256) gemv_fused_bf16_u16(GV_ARGS) {
-    gemv_body<false, 2 * GV_UNROLL>(GV_PASS);
-}
 extern "C" __global__ void __launch_bounds__(1024) gemv_fused_bf16_1024(GV_ARGS) {
     gemv_body<false, GV_UNROLL>(GV_PASS);
 }

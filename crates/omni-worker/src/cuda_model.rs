@@ -154,7 +154,6 @@ pub fn load_cuda_model(
     )?;
     model.enable_profiler(u64::from(spec.cuda_profile_steps));
     model.set_small_batch_gemv(small_batch_gemv_from_env());
-    model.set_o_proj_gemv(std::env::var(O_PROJ_GEMV_ENV).is_ok_and(|v| v == "1"));
     if let Some(n) = std::env::var(SMALL_MOE_TOKENS_ENV)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -305,9 +304,6 @@ fn small_batch_gemv_from_env() -> bool {
 /// the unfused path ([`CudaDecoderModel::set_small_moe_tokens`]; default
 /// [`omni_models::cuda_decoder::DEFAULT_SMALL_MOE_TOKENS`], `0` turns it off).
 pub const SMALL_MOE_TOKENS_ENV: &str = "OMNI_CUDA_MOE_SMALL_TOKENS";
-
-/// `1`: one-token steps run o_proj as a GEMV ([`CudaDecoderModel::set_o_proj_gemv`]).
-pub const O_PROJ_GEMV_ENV: &str = "OMNI_CUDA_GEMV_O_PROJ";
 
 /// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:
 /// `scripts/bench-cold-start.sh`).

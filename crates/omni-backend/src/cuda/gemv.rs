@@ -30,11 +30,8 @@ use super::{CudaContext, CudaError, CudaResult};
 /// The GEMV helpers shared with the small-batch MoE kernels.
 pub(super) const GEMV_COMMON: &str = kernel_file!("gemv_common.cuh");
 const GEMV: &str = kernel_file!("gemv.cu");
-/// One weight row per warp in blocks of at most 256 threads (the plain input's): twice the
-/// chunks in flight per lane.
-const GEMV_WIDE_FN: &str = "gemv_fused_bf16_u16";
-/// The GEMV's other entries by (SiLU-and-mul pair, blocks of up to 1024 threads); blocks of at
-/// most 512 threads take the first pair (twice the registers per thread).
+/// The GEMV's entries by (SiLU-and-mul pair, blocks of up to 1024 threads); blocks of at most
+/// 512 threads take the first pair (twice the registers per thread).
 const GEMV_FNS: [[&str; 2]; 2] = [
     ["gemv_fused_bf16", "gemv_fused_bf16_1024"],
     ["gemv_fused_silu_bf16", "gemv_fused_silu_bf16_1024"],
@@ -435,11 +432,7 @@ impl CudaContext {
     }
 
     fn launch_gemv(&self, l: GemvLaunch) -> CudaResult<()> {
-        let entry = if l.out_mode != OUT_SILU && l.threads <= 256 {
-            GEMV_WIDE_FN
-        } else {
-            GEMV_FNS[usize::from(l.out_mode == OUT_SILU)][usize::from(l.threads > 512)]
-        };
+        let entry = GEMV_FNS[usize::from(l.out_mode == OUT_SILU)][usize::from(l.threads > 512)];
         let f = self.function(gemv_source, entry)?;
         let GemvLaunch {
             mut x,
@@ -463,7 +456,7 @@ impl CudaContext {
         );
         // SAFETY: the arguments match each `gemv_fused_*` entry's `(const u16*, float*, const
         // u16*, const u16*, void*, int, int, int, int, int, int, float)` in order and type,
-        // and the entry's launch bound holds the block (256, 512 or 1024 threads, chosen above). The callers
+        // and the entry's launch bound holds the block (512 or 1024 threads, chosen above). The callers
         // checked every buffer against rows, k and n: x (or init) holds rows * k bf16, the
         // residual rows * k (normalised input) or rows * n (added output) f32, the weight n *
         // k (2n * k for SiLU-and-mul) bf16, y rows * n of the output's type; k is a multiple

@@ -266,7 +266,7 @@ impl CudaDecoderModel {
             mark!("attention");
             Self::linear_f32(
                 &cx,
-                gemv || (t == 1 && self.o_proj_gemv),
+                gemv,
                 &l.o,
                 &a.attn.slice(..t * lq * hd),
                 &mut a.proj,

@@ -183,7 +183,6 @@ impl CudaDecoderModel {
             small_batch_tokens: 0,
             fused_small_batch: true,
             small_moe_tokens: super::DEFAULT_SMALL_MOE_TOKENS,
-            o_proj_gemv: false,
         })
     }
 }

@@ -181,8 +181,6 @@ pub struct CudaDecoderModel {
     /// Unfused steps of at most this many tokens run MoE layers' experts on the small-batch
     /// kernels ([`CudaDecoderModel::set_small_moe_tokens`]).
     small_moe_tokens: usize,
-    /// One-token unfused steps run o_proj as a GEMV ([`CudaDecoderModel::set_o_proj_gemv`]).
-    o_proj_gemv: bool,
 }
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
@@ -255,13 +253,6 @@ impl CudaDecoderModel {
     /// [`moe_small_down`]: CudaContext::moe_small_down
     pub fn set_small_moe_tokens(&mut self, tokens: usize) {
         self.small_moe_tokens = tokens.min(MOE_SMALL_MAX_TOKENS);
-    }
-
-    /// One-token steps on the unfused path run o_proj as a weight-streaming GEMV
-    /// ([`CudaContext::gemv_nt_bf16_f32`]) instead of cuBLAS (off by default; for A/B runs).
-    /// Recapture graphs after changing it.
-    pub fn set_o_proj_gemv(&mut self, on: bool) {
-        self.o_proj_gemv = on;
     }
 
     /// The spec this model was built from.
