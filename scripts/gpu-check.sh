@@ -49,7 +49,7 @@
 #           attention kernel tests and timings, then bench latency (batch 1/16/64) of both
 #           shapes with OMNI_CUDA_DECODE_BALANCED=0 and 1
 #   ab-moe  MoE prefill on cuBLAS's grouped GEMM against the in-house kernels in one build:
-#           backend-tests cuda::moe::tests (checks on every path, timings), then bench latency
+#           backend-tests cuda::moe::tests and ::timing_tests (checks on every path, timings), then bench latency
 #           and an eager per-kernel profile of the Qwen3-30B-A3B shape with
 #           OMNI_CUDA_MOE_CUBLAS=0 and 1
 #   ab-small-moe the small-batch MoE experts on the unfused decode path (OMNI_CUDA_MOE_SMALL_TOKENS
@@ -182,7 +182,7 @@ fi
 # kernels' checks and timings, the fused decoder path vs the unfused one, then bench latency.
 if want ab-gemv; then
   step gemv-kernels "$BIN/backend-tests" cuda::gemv cuda::moe::small --test-threads=1 --nocapture
-  step moe-kernels "$BIN/backend-tests" cuda::moe::tests --skip real_shape --test-threads=1
+  step moe-kernels "$BIN/backend-tests" cuda::moe::tests --test-threads=1
   [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1 --nocapture
   [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
   for m in qwen3-30b-a3b qwen3-8b; do
@@ -256,7 +256,7 @@ if want ab-bal; then
 fi
 
 if want ab-moe; then
-  step moe-kernels "$BIN/backend-tests" cuda::moe::tests --test-threads=1 --nocapture
+  step moe-kernels "$BIN/backend-tests" cuda::moe::tests cuda::moe::timing_tests --test-threads=1 --nocapture
   for c in 0 1; do
     OMNI_STEP_TIMING=16 OMNI_CUDA_MOE_CUBLAS=$c step "moe-cublas$c-latency" "$BIN/omni-engine" bench latency \
       --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --max-model-len 4096 \

@@ -1,5 +1,5 @@
 // The small-batch (rows <= 8) weight-streaming GEMV and the decoder's fused small-batch path
-// (src/cuda/gemv.rs): y[r, n] = sum_k x[r, k] * w[n, k], one warp per output (one or two
+// (src/cuda/gemv/mod.rs): y[r, n] = sum_k x[r, k] * w[n, k], one warp per output (one or two
 // weight rows), 16-byte weight loads issued GV_UNROLL at a time (independent, so they are in
 // flight together), f32 accumulation in the order of the plain loop `for (c = lane; c < chunks;
 // c += 32)` (the same bits whatever the unroll), with

@@ -46,6 +46,8 @@ pub(super) mod source;
 #[cfg(test)]
 mod tests;
 mod tiles;
+#[cfg(test)]
+mod timing_tests;
 
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;
