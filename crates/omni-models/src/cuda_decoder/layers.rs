@@ -140,13 +140,9 @@ impl CudaDecoderModel {
     /// ([`CudaDecoderModel::set_fused_small_batch`]).
     fn fused_fits(&self, st: &StepShape) -> bool {
         let (t, h) = (st.tokens, self.spec.hidden_size);
-        let one_rank = self
-            .all_reduce
-            .as_ref()
-            .is_none_or(|ar| ar.world_size() == 1);
-        self.gemv_step(t)
+        self.small_batch_gemv
             && self.fused_small_batch
-            && one_rank
+            && self.one_rank()
             && self.stage.size <= 1
             && self.residual_adds.is_none()
             && self.capture.is_none()
@@ -187,7 +183,7 @@ impl CudaDecoderModel {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let rank0 = self.rank == 0;
-        let gemv = self.gemv_step(t);
+        let gemv = self.small_batch_gemv;
         let mut prof = self.profiler.take();
         let stream = cx.stream().clone();
         macro_rules! mark {
@@ -214,11 +210,8 @@ impl CudaDecoderModel {
         }
         // MoE layers of this step may run the small-batch experts, which add into x
         // themselves (one rank: nothing to all-reduce; no deepstack rows to add).
-        let one_rank = self
-            .all_reduce
-            .as_ref()
-            .is_none_or(|ar| ar.world_size() == 1);
-        let small_moe = t <= self.small_moe_tokens && one_rank && self.residual_adds.is_none();
+        let small_moe =
+            t <= self.small_moe_tokens && self.one_rank() && self.residual_adds.is_none();
         // Whether x already holds the previous sub-block's output.
         let mut kept = false;
         for li in 0..self.layers.len() {

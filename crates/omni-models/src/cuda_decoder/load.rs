@@ -180,7 +180,7 @@ impl CudaDecoderModel {
             last_tokens: 0,
             capture: None,
             profiler,
-            small_batch_tokens: 0,
+            small_batch_gemv: false,
             fused_small_batch: true,
             small_moe_tokens: super::DEFAULT_SMALL_MOE_TOKENS,
         })

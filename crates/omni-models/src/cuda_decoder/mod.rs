@@ -31,9 +31,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;
-use omni_backend::cuda::{
-    CudaContext, CudaError, DeviceAllReduce, GEMV_MAX_ROWS, MOE_SMALL_MAX_TOKENS, bf16,
-};
+use omni_backend::cuda::{CudaContext, CudaError, DeviceAllReduce, MOE_SMALL_MAX_TOKENS, bf16};
 
 use crate::ModelError;
 use crate::batch::ForwardBatch;
@@ -172,9 +170,9 @@ pub struct CudaDecoderModel {
     capture: Option<(usize, CudaSlice<f32>)>,
     /// Per-op timing of eager steps, when [`Self::enable_profiler`] was called.
     profiler: Option<StepProfiler>,
-    /// Steps of at most this many tokens (0: none, at most [`GEMV_MAX_ROWS`]) run their linear
-    /// layers as GEMVs ([`CudaDecoderModel::set_small_batch_tokens`]).
-    small_batch_tokens: usize,
+    /// Steps of at most 8 tokens run their linear layers as GEMVs
+    /// ([`CudaDecoderModel::set_small_batch_gemv`]).
+    small_batch_gemv: bool,
     /// Such steps take the fused path where they can
     /// ([`CudaDecoderModel::set_fused_small_batch`]).
     fused_small_batch: bool,
@@ -208,23 +206,19 @@ impl CudaDecoderModel {
     /// ([`CudaContext::gemv_nt_bf16`]) instead of cuBLAS (off by default). Recapture graphs
     /// after changing it.
     pub fn set_small_batch_gemv(&mut self, on: bool) {
-        self.set_small_batch_tokens(if on { GEMV_MAX_ROWS } else { 0 });
+        self.small_batch_gemv = on;
     }
 
-    /// [`CudaDecoderModel::set_small_batch_gemv`] for steps of at most `tokens` tokens only
-    /// (0: off; capped at [`GEMV_MAX_ROWS`]). Recapture graphs after changing it.
-    pub fn set_small_batch_tokens(&mut self, tokens: usize) {
-        self.small_batch_tokens = tokens.min(GEMV_MAX_ROWS);
-    }
-
-    /// Whether steps of some size run the small-batch GEMVs.
+    /// Whether [`CudaDecoderModel::set_small_batch_gemv`] is on.
     pub fn small_batch_gemv(&self) -> bool {
-        self.small_batch_tokens > 0
+        self.small_batch_gemv
     }
 
-    /// Whether a step of `tokens` tokens runs the small-batch GEMVs.
-    pub(crate) fn gemv_step(&self, tokens: usize) -> bool {
-        tokens <= self.small_batch_tokens
+    /// Whether the model runs on one tensor-parallel rank (nothing to all-reduce).
+    fn one_rank(&self) -> bool {
+        self.all_reduce
+            .as_ref()
+            .is_none_or(|ar| ar.world_size() == 1)
     }
 
     /// With the small-batch GEMVs on, steps of a model whose layers are bias-free and dense or

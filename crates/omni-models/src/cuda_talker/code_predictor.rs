@@ -285,7 +285,7 @@ impl CudaCodePredictor {
             let head = self.heads.slice((g - 1) * v * h..g * v * h);
             let mut logits = self.logits.slice_mut(..rows * v);
             let x = self.decoder.final_norm_buffer().slice(..rows * h);
-            if self.decoder.gemv_step(rows) && CudaContext::gemv_fits(rows, h) {
+            if self.decoder.small_batch_gemv() && CudaContext::gemv_fits(rows, h) {
                 cx.gemv_nt_bf16_f32(&x, &head, &mut logits, rows, h, v)?;
             } else {
                 cx.matmul_nt_bf16_f32(&x, &head, &mut logits, rows, h, v)?;
