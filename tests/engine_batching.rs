@@ -31,10 +31,17 @@ fn sixteen_concurrent_requests_give_the_same_tokens_as_each_alone() {
     let mut alone = together.clone();
     alone.extend(s(&["--max-num-seqs", "1", "--no-prefix-caching"]));
     let (single, _) = generate(&alone);
+    // The same batch under async scheduling: two worker processes fill in the tokens they
+    // sampled themselves while the scheduler runs a step ahead.
+    let mut ahead = together.clone();
+    ahead.push("--async-scheduling".into());
+    let (batched_ahead, _) = generate(&ahead);
     assert_eq!(batched.len(), 16);
-    for (i, (b, a)) in batched.iter().zip(&single).enumerate() {
+    assert_eq!(batched_ahead.len(), 16);
+    for (i, ((b, a), h)) in batched.iter().zip(&single).zip(&batched_ahead).enumerate() {
         assert_eq!(b.token_ids.len(), 12);
         assert_eq!(b.token_ids, a.token_ids, "request {i}");
+        assert_eq!(h.token_ids, a.token_ids, "request {i}, async scheduling");
     }
 }
 
@@ -56,10 +63,17 @@ fn small_kv_cache_forces_preemption_and_outputs_are_unchanged() {
         "16",
     ]));
     args.extend(prompt_args(&r.input_ids));
-    let (gens, stderr) = generate(&args);
-    assert!(stat(&stderr, "preemptions ") > 0, "no preemption: {stderr}");
-    for (i, g) in gens.iter().enumerate() {
-        assert_eq!(g.token_ids, r.greedy[i], "prompt {i}");
+    for async_scheduling in [false, true] {
+        let mut args = args.clone();
+        args.push(format!("--async-scheduling={async_scheduling}"));
+        let (gens, stderr) = generate(&args);
+        assert!(stat(&stderr, "preemptions ") > 0, "no preemption: {stderr}");
+        for (i, g) in gens.iter().enumerate() {
+            assert_eq!(
+                g.token_ids, r.greedy[i],
+                "prompt {i}, async {async_scheduling}"
+            );
+        }
     }
 }
 

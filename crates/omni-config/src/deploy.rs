@@ -59,6 +59,15 @@ const WRAPPER_KEYS: &[&str] = &[
     "default_sampling_params",
 ];
 
+/// Engine flags a stage does not take: a stage hands its outputs on every step, so it
+/// schedules synchronously whatever its profile says.
+const STAGE_UNUSED_ENGINE_KEYS: &[&str] = &["async_scheduling"];
+
+/// Whether a stage's engine takes profile key `key` (an engine flag, spelt with `_`).
+fn stage_takes(engine: &clap::Command, key: &str) -> bool {
+    !STAGE_UNUSED_ENGINE_KEYS.contains(&key) && find_long(engine, &key.replace('_', "-")).is_some()
+}
+
 /// Top-level keys of the profile format.
 const TOP_KEYS: &[&str] = &[
     "async_chunk",
@@ -399,7 +408,7 @@ fn resolve(
         if TOP_KEYS.contains(&key) {
             continue;
         }
-        if find_long(engine, &key.replace('_', "-")).is_some() {
+        if stage_takes(engine, key) {
             pipeline_wide.insert(k.clone(), v.clone());
         } else {
             warnings.push(format!("top-level key `{key}` is not used"));
@@ -602,7 +611,7 @@ fn stage(
         if WRAPPER_KEYS.contains(&key) {
             continue;
         }
-        if find_long(engine, &key.replace('_', "-")).is_some() {
+        if stage_takes(engine, key) {
             keys.insert(k.clone(), v.clone());
         } else {
             warnings.push(format!("stage {id}: key `{key}` is not used"));

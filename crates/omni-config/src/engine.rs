@@ -211,6 +211,21 @@ pub struct SchedulerConfig {
     /// Token budget of one step.
     #[arg(long, default_value_t = 2048)]
     pub max_num_batched_tokens: usize,
+    /// Schedule the next step while the current one runs (vLLM's `--async-scheduling`): the
+    /// workers feed each request the token they just sampled, so the scheduler, the output
+    /// path and the queue hand-off no longer sit between two steps on the device. Needs one
+    /// pipeline stage (`-pp 1`); a request that stops on a token costs one discarded step.
+    #[arg(
+        long,
+        value_name = "BOOL",
+        num_args = 0..=1,
+        default_value_t = false,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    #[serde(default)]
+    pub async_scheduling: bool,
 }
 
 /// The device backend.

@@ -17,6 +17,12 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     /// Split prefills that exceed the step's remaining budget across steps.
     pub enable_chunked_prefill: bool,
+    /// Schedule the next step while the current one runs (vLLM's `async_scheduling`): a
+    /// request that will sample this step is scheduled again for its next position before
+    /// the sampled token is known, and each worker feeds the token it sampled itself. Hides
+    /// the scheduler, the output path and the queue hand-off behind the device. Takes effect
+    /// only where the executor supports it ([`crate::executor::Executor::supports_async_scheduling`]).
+    pub async_scheduling: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -29,6 +35,7 @@ impl Default for SchedulerConfig {
             num_blocks: 1024,
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
+            async_scheduling: false,
         }
     }
 }

@@ -18,19 +18,37 @@ pub struct EngineCore<E> {
     executor: E,
     /// Batches run on the executor so far.
     steps: u64,
-    /// Batches sent and not yet answered, oldest first (at most the executor's
-    /// `max_concurrent_batches`).
+    /// Batches sent and not yet answered, oldest first (at most `depth`).
     in_flight: VecDeque<SchedulerOutput>,
+    /// Most batches in flight: the executor's `max_concurrent_batches`, or 2 under async
+    /// scheduling (one running, the next one waiting for the workers).
+    depth: usize,
 }
 
 impl<E: Executor> EngineCore<E> {
     /// An engine core over an executor whose workers hold `config.num_blocks` KV blocks.
-    pub fn new(config: SchedulerConfig, executor: E) -> Result<Self, SchedulerConfigError> {
+    ///
+    /// `config.async_scheduling` takes effect only where the executor supports it (it is
+    /// turned off, with a warning, where it does not).
+    pub fn new(mut config: SchedulerConfig, executor: E) -> Result<Self, SchedulerConfigError> {
+        if config.async_scheduling && !executor.supports_async_scheduling() {
+            tracing::warn!(
+                "async scheduling needs every rank to sample (no pipeline stages) and an \
+                 executor that sends batches ahead; scheduling synchronously"
+            );
+            config.async_scheduling = false;
+        }
+        let depth = if config.async_scheduling {
+            executor.max_concurrent_batches().max(2)
+        } else {
+            executor.max_concurrent_batches().max(1)
+        };
         Ok(Self {
             scheduler: Scheduler::new(config)?,
             executor,
             steps: 0,
             in_flight: VecDeque::new(),
+            depth,
         })
     }
 
@@ -49,12 +67,14 @@ impl<E: Executor> EngineCore<E> {
     /// there is nothing to do. On error the engine is dead: call [`EngineCore::fail_all`].
     ///
     /// With an executor that takes several batches at once (pipeline parallelism; vLLM's
-    /// `step_with_batch_queue`), a call sends a new batch while there is room and it has
-    /// work, and otherwise waits for the oldest batch in flight and applies its output.
+    /// `step_with_batch_queue`), or under async scheduling, a call sends a new batch while
+    /// there is room and it has work, and otherwise waits for the oldest batch in flight and
+    /// applies its output. Under async scheduling the batch sent while another runs holds the
+    /// same requests again, one position on, so the workers go from one step to the next
+    /// without waiting for the scheduler.
     pub fn step(&mut self) -> Result<Vec<EngineCoreOutput>, EngineDeadError> {
-        let depth = self.executor.max_concurrent_batches();
-        if depth > 1 || !self.in_flight.is_empty() {
-            return self.step_pipelined(depth.max(1));
+        if self.depth > 1 || !self.in_flight.is_empty() {
+            return self.step_pipelined(self.depth);
         }
         if !self.scheduler.has_unfinished_requests() && !self.scheduler.has_finished_requests() {
             return Ok(Vec::new());

@@ -46,8 +46,13 @@ pub struct Request {
     pub mm_buffers: TensorBuffers,
     /// Lifecycle state.
     pub status: RequestStatus,
-    /// Tokens whose KV is in the cache (or scheduled to be, once the current step returns).
+    /// Tokens whose KV is in the cache (or scheduled to be, once the steps in flight return).
+    /// Under async scheduling it may pass [`Request::num_tokens`] by the tokens still being
+    /// sampled ([`Request::num_output_placeholders`]).
     pub num_computed_tokens: usize,
+    /// Output tokens that steps in flight will sample and the scheduler does not know yet
+    /// (vLLM's `num_output_placeholders`): always 0 without async scheduling.
+    pub num_output_placeholders: usize,
     /// Prompt tokens served from the prefix cache at first scheduling.
     pub num_cached_tokens: usize,
     /// How often this request was preempted.
@@ -81,6 +86,7 @@ impl Request {
             mm_buffers: req.mm_buffers,
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
+            num_output_placeholders: 0,
             num_cached_tokens: 0,
             num_preemptions: 0,
             stop_reason: None,
@@ -132,6 +138,23 @@ impl Request {
     /// the next token rather than the by-product of a partial prefill chunk).
     pub fn is_caught_up(&self) -> bool {
         self.num_computed_tokens >= self.all_token_ids.len()
+    }
+
+    /// Tokens known or being sampled: the positions a step may compute.
+    pub fn num_tokens_with_placeholders(&self) -> usize {
+        self.all_token_ids.len() + self.num_output_placeholders
+    }
+
+    /// Whether one more sampled token can still be an output: no stop by length is certain
+    /// once the tokens in flight arrive. Only async scheduling asks it of a request with
+    /// placeholders; a live request without any always may.
+    pub fn may_sample_more(&self, max_model_len: usize) -> bool {
+        let outputs = self.num_output_tokens() + self.num_output_placeholders;
+        let under_max_tokens = self
+            .sampling_params
+            .max_tokens
+            .is_none_or(|max| outputs < max as usize);
+        under_max_tokens && self.num_tokens_with_placeholders() < max_model_len
     }
 
     /// Records a scheduling at `now` (seconds since the Unix epoch); only the first counts.

@@ -291,14 +291,24 @@ impl Scheduler {
 
         // 1. Running requests, in order.
         let mut i = 0;
+        // A running request found no memory and nothing could be preempted for it.
+        let mut starved = false;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i].clone();
             let Some(req) = self.requests.get(&id) else {
                 self.running.remove(i);
                 continue;
             };
-            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
-            if num_new == 0 || self.blocked.contains(&id) {
+            let known = req.num_tokens_with_placeholders();
+            let num_new = known.saturating_sub(req.num_computed_tokens).min(budget);
+            // A step that samples while an earlier sample is still in flight (async
+            // scheduling) must not run past a stop by length that the earlier one will hit.
+            let samples = req.num_computed_tokens + num_new == known;
+            let ahead = req.num_output_placeholders > 0;
+            if num_new == 0
+                || self.blocked.contains(&id)
+                || (ahead && samples && !req.may_sample_more(self.config.max_model_len))
+            {
                 i += 1;
                 continue;
             }
@@ -321,6 +331,7 @@ impl Scheduler {
                     break Some(blocks);
                 }
                 let Some(victim) = self.preemption_victim(i) else {
+                    starved = true;
                     break None; // every candidate is in flight: wait for its batch
                 };
                 out.preempted_req_ids.push(self.preempt(victim));
@@ -341,10 +352,13 @@ impl Scheduler {
                 out.scheduled_encoder_inputs.insert(id.clone(), encode);
             }
             let start = req.num_computed_tokens;
+            // Only the known tokens: a position still being sampled is filled by each worker
+            // with the token it sampled there (`CachedRequestData::new_token_ids`).
+            let known_end = (start + num_new).min(req.num_tokens());
             out.scheduled_cached_reqs.push(CachedRequestData {
                 req_id: id.clone(),
                 resumed_from_preemption: false,
-                new_token_ids: req.all_token_ids()[start..start + num_new].to_vec(),
+                new_token_ids: req.all_token_ids()[start.min(known_end)..known_end].to_vec(),
                 new_block_ids: new_blocks,
                 num_computed_tokens: start as u32,
             });
@@ -353,8 +367,10 @@ impl Scheduler {
             i += 1;
         }
 
-        // 2. Waiting requests, first come first served, unless this step had to preempt.
+        // 2. Waiting requests, first come first served, unless this step had to preempt or a
+        // running request went without memory.
         while out.preempted_req_ids.is_empty()
+            && !starved
             && budget > 0
             && self.running.len() < self.config.max_num_seqs
         {
@@ -432,10 +448,17 @@ impl Scheduler {
             budget -= num_new;
         }
 
-        // 3. Advance as if the step succeeds; the next schedule() builds on it.
+        // 3. Advance as if the step succeeds; the next schedule() builds on it. Under async
+        // scheduling a step that reaches the end of a request's tokens leaves a placeholder for
+        // the token it will sample, so the next schedule() may compute that position.
+        let async_scheduling = self.config.async_scheduling;
         for (id, n) in scheduled {
             if let Some(req) = self.requests.get_mut(&id) {
                 req.num_computed_tokens += n;
+                if async_scheduling && req.num_computed_tokens == req.num_tokens_with_placeholders()
+                {
+                    req.num_output_placeholders += 1;
+                }
             }
             out.total_num_scheduled_tokens += n as u32;
             out.num_scheduled_tokens.insert(id, n as u32);
@@ -491,6 +514,7 @@ impl Scheduler {
                 .sampled_token_ids
                 .get(i)
                 .map_or(&[][..], Vec::as_slice);
+            req.num_output_placeholders = req.num_output_placeholders.saturating_sub(sampled.len());
             let mut new_token_ids = Vec::new();
             let mut finish_reason = None;
             for &token in sampled {

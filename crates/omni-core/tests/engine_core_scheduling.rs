@@ -38,6 +38,9 @@ struct FakeWorker {
     reqs: HashMap<String, FakeReq>,
     history: Vec<SchedulerOutput>,
     fail_at_step: Option<usize>,
+    /// Takes batches ahead (async scheduling): a position the scheduler sends no token for is
+    /// the one this worker sampled there. Submitted batches run at once; outputs wait here.
+    ahead: Option<VecDeque<ModelRunnerOutput>>,
 }
 
 impl FakeWorker {
@@ -48,6 +51,7 @@ impl FakeWorker {
             reqs: HashMap::new(),
             history: Vec::new(),
             fail_at_step: None,
+            ahead: None,
         }
     }
 
@@ -108,12 +112,15 @@ impl Executor for FakeWorker {
                 req.blocks.extend_from_slice(&cached.new_block_ids);
             }
             let n = so.num_scheduled_tokens[&cached.req_id] as usize;
-            assert_eq!(cached.new_token_ids.len(), n);
-            work.push((
-                cached.req_id.clone(),
-                cached.num_computed_tokens as usize,
-                cached.new_token_ids.clone(),
-            ));
+            let start = cached.num_computed_tokens as usize;
+            let mut tokens = cached.new_token_ids.clone();
+            if self.ahead.is_none() {
+                assert_eq!(tokens.len(), n);
+            } else {
+                // The rest are positions this worker sampled (it must have).
+                tokens.extend_from_slice(&req.tokens[start + tokens.len()..start + n]);
+            }
+            work.push((cached.req_id.clone(), start, tokens));
         }
         assert_eq!(work.len(), so.num_scheduled_tokens.len());
 
@@ -178,6 +185,24 @@ impl Executor for FakeWorker {
         }
         Ok(out)
     }
+
+    fn supports_async_scheduling(&self) -> bool {
+        self.ahead.is_some()
+    }
+
+    fn submit(&mut self, so: &SchedulerOutput, buffers: &[&[u8]]) -> Result<(), EngineDeadError> {
+        let out = self.execute_model(so, buffers)?;
+        self.ahead.as_mut().expect("async worker").push_back(out);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<ModelRunnerOutput, EngineDeadError> {
+        Ok(self
+            .ahead
+            .as_mut()
+            .and_then(VecDeque::pop_front)
+            .expect("a submitted batch"))
+    }
 }
 
 fn config(num_blocks: usize, block_size: usize) -> SchedulerConfig {
@@ -189,11 +214,15 @@ fn config(num_blocks: usize, block_size: usize) -> SchedulerConfig {
         num_blocks,
         enable_prefix_caching: true,
         enable_chunked_prefill: true,
+        async_scheduling: false,
     }
 }
 
 fn core(cfg: SchedulerConfig) -> EngineCore<FakeWorker> {
-    let worker = FakeWorker::new(cfg.num_blocks, cfg.block_size);
+    let mut worker = FakeWorker::new(cfg.num_blocks, cfg.block_size);
+    if cfg.async_scheduling {
+        worker.ahead = Some(VecDeque::new());
+    }
     EngineCore::new(cfg, worker).unwrap()
 }
 
@@ -642,6 +671,7 @@ impl Lcg {
 fn random_arrivals_aborts_and_tight_caches_keep_every_invariant() {
     let mut rng = Lcg(7);
     let (mut preemptions, mut hits, mut aborts) = (0, 0, 0);
+    let mut ahead_preemptions = 0;
     for round in 0..40 {
         let block_size = [1, 2, 4, 16][rng.below(4) as usize];
         let max_model_len = 24 + rng.below(40) as usize;
@@ -654,6 +684,8 @@ fn random_arrivals_aborts_and_tight_caches_keep_every_invariant() {
             num_blocks,
             enable_prefix_caching: rng.below(2) == 0,
             enable_chunked_prefill: true,
+            // Every other round schedules a step ahead.
+            async_scheduling: round % 2 == 1,
         };
         let mut core = core(cfg.clone());
         let mut expected: HashMap<String, Vec<TokenId>> = HashMap::new();
@@ -708,13 +740,16 @@ fn random_arrivals_aborts_and_tight_caches_keep_every_invariant() {
             "round {round}: blocks leaked"
         );
         preemptions += core.stats().num_preemptions;
+        if cfg.async_scheduling {
+            ahead_preemptions += core.stats().num_preemptions;
+        }
         hits += core.stats().prefix_cache_hits;
         aborts += aborted.len();
     }
     // The rounds must exercise what they claim to.
     assert!(
-        preemptions > 0 && hits > 0 && aborts > 0,
-        "{preemptions} {hits} {aborts}"
+        preemptions > 0 && ahead_preemptions > 0 && hits > 0 && aborts > 0,
+        "{preemptions} {ahead_preemptions} {hits} {aborts}"
     );
 }
 

@@ -260,6 +260,7 @@ pub fn scheduler_config(config: &EngineConfig, num_blocks: u32) -> SchedulerConf
         num_blocks: num_blocks as usize,
         enable_prefix_caching: config.cache.prefix_caching(),
         enable_chunked_prefill: true,
+        async_scheduling: config.scheduler.async_scheduling,
     }
 }
 

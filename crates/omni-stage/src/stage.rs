@@ -35,6 +35,8 @@ pub(crate) fn scheduler_config(spec: &StageSpec, prefix_caching: bool) -> Schedu
         num_blocks: spec.num_blocks as usize,
         enable_prefix_caching: prefix_caching,
         enable_chunked_prefill: true,
+        // A stage hands hidden states and codes on per step; it schedules synchronously.
+        async_scheduling: false,
     }
 }
 

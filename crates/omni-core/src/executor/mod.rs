@@ -49,9 +49,16 @@ pub trait Executor {
         1
     }
 
+    /// Whether a batch may be sent before the previous one's output is back with requests of
+    /// that batch in it again (async scheduling): every rank samples and appends its own
+    /// tokens, and [`Executor::submit`] / [`Executor::collect`] work.
+    fn supports_async_scheduling(&self) -> bool {
+        false
+    }
+
     /// Sends a batch without waiting for its output (only where
-    /// [`Executor::max_concurrent_batches`] is above 1); [`Executor::collect`] returns the
-    /// outputs in the order the batches were sent.
+    /// [`Executor::max_concurrent_batches`] is above 1 or async scheduling is supported);
+    /// [`Executor::collect`] returns the outputs in the order the batches were sent.
     fn submit(
         &mut self,
         _scheduler_output: &SchedulerOutput,
@@ -96,6 +103,10 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
 
     fn max_concurrent_batches(&self) -> usize {
         (**self).max_concurrent_batches()
+    }
+
+    fn supports_async_scheduling(&self) -> bool {
+        (**self).supports_async_scheduling()
     }
 
     fn submit(

@@ -136,6 +136,11 @@ impl Executor for MultiprocExecutor {
         self.group.layout().pipeline_parallel_size.max(1) as usize
     }
 
+    /// Without pipeline stages: then every rank samples (the same tokens) and keeps them.
+    fn supports_async_scheduling(&self) -> bool {
+        self.group.layout().pipeline_parallel_size <= 1
+    }
+
     fn submit(
         &mut self,
         scheduler_output: &SchedulerOutput,

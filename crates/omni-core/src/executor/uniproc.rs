@@ -1,5 +1,7 @@
 //! [`UniprocExecutor`]: the model runs in this process, on the calling thread.
 
+use std::collections::VecDeque;
+
 use omni_protocol::{
     ModelRunnerOutput, SchedulerOutput, WorkerBase, WorkerCommand, WorkerResponse,
 };
@@ -14,6 +16,9 @@ pub struct UniprocExecutor<W> {
     worker: W,
     num_blocks: u32,
     dead: Option<EngineDeadError>,
+    /// Outputs of submitted batches not yet collected, oldest first (async scheduling: a
+    /// batch runs when it is submitted, since there is no other thread to run it on).
+    submitted: VecDeque<ModelRunnerOutput>,
 }
 
 impl<W: WorkerBase> UniprocExecutor<W> {
@@ -31,6 +36,7 @@ impl<W: WorkerBase> UniprocExecutor<W> {
             worker,
             num_blocks: layout.num_blocks,
             dead: None,
+            submitted: VecDeque::new(),
         })
     }
 
@@ -62,6 +68,30 @@ impl<W: WorkerBase> Executor for UniprocExecutor<W> {
                 Err(e)
             }
         }
+    }
+
+    /// The one rank samples and keeps its tokens; a submitted batch runs at once.
+    fn supports_async_scheduling(&self) -> bool {
+        true
+    }
+
+    fn submit(
+        &mut self,
+        scheduler_output: &SchedulerOutput,
+        buffers: &[&[u8]],
+    ) -> Result<(), EngineDeadError> {
+        let out = self.execute_model(scheduler_output, buffers)?;
+        self.submitted.push_back(out);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<ModelRunnerOutput, EngineDeadError> {
+        self.submitted
+            .pop_front()
+            .ok_or_else(|| EngineDeadError::Worker {
+                rank: 0,
+                cause: "collect without a submitted batch".into(),
+            })
     }
 
     fn check_health(&mut self) -> Result<(), EngineDeadError> {
