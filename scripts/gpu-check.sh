@@ -55,6 +55,10 @@
 #   ab-small-moe the small-batch MoE experts on the unfused decode path (OMNI_CUDA_MOE_SMALL_TOKENS
 #           0 and 1): their kernel tests and timings, the model tests, bench latency of the
 #           Qwen3-30B-A3B shape twice each way
+#   ab-async async scheduling (--async-scheduling false / true, one binary): the engine's GPU
+#           tests (greedy tokens equal with and without it), then bench latency of both
+#           shapes twice each way, interleaved, with OMNI_STEP_TIMING; an eager per-kernel
+#           profile of the Qwen3-30B-A3B shape at batch 1 and 64
 #   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
 #           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
@@ -279,6 +283,25 @@ if want ab-small-moe; then
   [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
   [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1
   for r in 1 2; do ab_latency OMNI_CUDA_MOE_SMALL_TOKENS "smoe-r$r-" qwen3-30b-a3b; done
+fi
+
+if want ab-async; then
+  OMNI_CUDA_SHARE_DEVICES=1 OMNI_ENGINE_BIN=$BIN/omni-engine step engine "$BIN/engine-tests" gpu_tp1 --test-threads=1 --nocapture
+  for r in 1 2; do
+    for m in qwen3-30b-a3b qwen3-8b; do
+      for a in false true; do
+        OMNI_STEP_TIMING=16 step "async-$a-r$r-latency-$m" "$BIN/omni-engine" bench latency \
+          --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
+          --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 \
+          --output-len 64 --prefill-len 0 --async-scheduling "$a" \
+          --json "$LOGS/async-$a-r$r-latency-$m.json"
+      done
+    done
+  done
+  OMNI_CUDA_PROFILE=16 step async-profile-qwen3-30b-a3b "$BIN/omni-engine" bench latency \
+    --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --enforce-eager \
+    --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,64 \
+    --input-len 1024 --output-len 32 --prefill-len 0 --async-scheduling true
 fi
 
 if want peer; then

@@ -31,17 +31,20 @@ fn sixteen_concurrent_requests_give_the_same_tokens_as_each_alone() {
     let mut alone = together.clone();
     alone.extend(s(&["--max-num-seqs", "1", "--no-prefix-caching"]));
     let (single, _) = generate(&alone);
-    // The same batch under async scheduling: two worker processes fill in the tokens they
-    // sampled themselves while the scheduler runs a step ahead.
-    let mut ahead = together.clone();
-    ahead.push("--async-scheduling".into());
-    let (batched_ahead, _) = generate(&ahead);
+    // The same batch scheduled synchronously (the runs above schedule a step ahead, the
+    // default: the two worker processes fill in the tokens they sampled themselves).
+    let mut sync = together.clone();
+    sync.push("--no-async-scheduling".into());
+    let (batched_sync, _) = generate(&sync);
     assert_eq!(batched.len(), 16);
-    assert_eq!(batched_ahead.len(), 16);
-    for (i, ((b, a), h)) in batched.iter().zip(&single).zip(&batched_ahead).enumerate() {
+    assert_eq!(batched_sync.len(), 16);
+    for (i, ((b, a), h)) in batched.iter().zip(&single).zip(&batched_sync).enumerate() {
         assert_eq!(b.token_ids.len(), 12);
         assert_eq!(b.token_ids, a.token_ids, "request {i}");
-        assert_eq!(h.token_ids, a.token_ids, "request {i}, async scheduling");
+        assert_eq!(
+            h.token_ids, a.token_ids,
+            "request {i}, synchronous scheduling"
+        );
     }
 }
 

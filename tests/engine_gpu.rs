@@ -84,7 +84,7 @@ fn report_vs_reference(name: &str, what: &str, got: &[Vec<u32>]) {
 }
 
 #[test]
-fn gpu_tp1_graphs_equal_eager_and_follow_reference() {
+fn gpu_tp1_graphs_equal_eager_and_sync_and_follow_reference() {
     if gpu_count().is_none() {
         println!("SKIP gpu_tp1_graphs_equal_eager_and_follow_reference: no GPU");
         return;
@@ -93,6 +93,10 @@ fn gpu_tp1_graphs_equal_eager_and_follow_reference() {
         let graphs = gpu_tokens(name, 1, &[]);
         let eager = gpu_tokens(name, 1, &["--enforce-eager"]);
         assert_eq!(graphs, eager, "{name}: CUDA graphs vs --enforce-eager");
+        // Async scheduling (the default: the worker feeds the tokens it sampled itself, graph
+        // replays included) against the synchronous engine.
+        let sync = gpu_tokens(name, 1, &["--no-async-scheduling"]);
+        assert_eq!(graphs, sync, "{name}: async vs synchronous scheduling");
         report_vs_reference(name, "tp=1", &graphs);
     }
 }

@@ -69,6 +69,28 @@ pub struct DecodeTiming {
     pub end_s: f64,
     /// Tokens received after `all_first_s`.
     pub decode_tokens: usize,
+    /// The first request has its last token: until then every request of the batch is in
+    /// every step (after it, the batch thins out as the early starters finish).
+    pub first_done_s: f64,
+    /// Tokens received after `all_first_s` up to `first_done_s`.
+    pub full_batch_tokens: usize,
+}
+
+/// Fewest steps of the whole batch (`full_batch_tokens / batch`) for a decode rate to come
+/// from that window rather than from everything after the last first token.
+pub const MIN_FULL_BATCH_STEPS: usize = 4;
+
+/// Which stretch of a decode iteration its rate comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeWindow {
+    /// From the last request's first token to the first request's last: every step holds the
+    /// whole batch, as the roofline assumes.
+    FullBatch,
+    /// From the last request's first token to the end (the full-batch stretch was shorter than
+    /// [`MIN_FULL_BATCH_STEPS`]): requests that started early finish inside it, so its steps
+    /// hold fewer than `batch` requests on average.
+    Tail,
 }
 
 /// One batch size's result.
@@ -92,10 +114,19 @@ pub struct DecodeRow {
     pub decode_tokens: usize,
     /// Length of the decode window, `t_end - t_all_first`.
     pub decode_s: f64,
-    /// `decode_tokens / decode_s`.
+    /// Decode tokens per second over `window`.
     pub decode_tok_per_s: f64,
-    /// `decode_s / (output_len - 1)`, in milliseconds.
+    /// Milliseconds per step over `window`.
     pub ms_per_step: f64,
+    /// Where the rate comes from.
+    pub window: DecodeWindow,
+    /// Tokens and seconds of the full-batch window.
+    pub full_batch_tokens: usize,
+    /// `first_done - t_all_first`.
+    pub full_batch_s: f64,
+    /// `decode_tokens / decode_s`: the whole window after the last first token, tail included
+    /// (the rate this report gave before it had the full-batch window).
+    pub tail_decode_tok_per_s: f64,
     /// The bound this batch size is compared with.
     pub roofline: DecodeRoofline,
     /// The bound's milliseconds per step.
@@ -119,11 +150,24 @@ impl DecodeRow {
     ) -> Self {
         let decode_s = (timing.end_s - timing.all_first_s).max(0.0);
         let steps = output_len.saturating_sub(1).max(1) as f64;
-        let decode_tok_per_s = if decode_s > 0.0 {
-            timing.decode_tokens as f64 / decode_s
-        } else {
-            0.0
-        };
+        let rate = |tokens: usize, s: f64| if s > 0.0 { tokens as f64 / s } else { 0.0 };
+        let tail_decode_tok_per_s = rate(timing.decode_tokens, decode_s);
+        let full_batch_s = (timing.first_done_s - timing.all_first_s).max(0.0);
+        let full_steps = timing.full_batch_tokens / batch.max(1);
+        let (window, decode_tok_per_s, ms_per_step) =
+            if full_steps >= MIN_FULL_BATCH_STEPS && full_batch_s > 0.0 {
+                (
+                    DecodeWindow::FullBatch,
+                    rate(timing.full_batch_tokens, full_batch_s),
+                    full_batch_s * batch as f64 / timing.full_batch_tokens as f64 * 1e3,
+                )
+            } else {
+                (
+                    DecodeWindow::Tail,
+                    tail_decode_tok_per_s,
+                    decode_s / steps * 1e3,
+                )
+            };
         Self {
             batch,
             input_len,
@@ -135,7 +179,11 @@ impl DecodeRow {
             decode_tokens: timing.decode_tokens,
             decode_s,
             decode_tok_per_s,
-            ms_per_step: decode_s / steps * 1e3,
+            ms_per_step,
+            window,
+            full_batch_tokens: timing.full_batch_tokens,
+            full_batch_s,
+            tail_decode_tok_per_s,
             roofline,
             roofline_ms_per_step: roofline.step_s.map(|s| s * 1e3),
             fraction: roofline
@@ -466,16 +514,46 @@ mod tests {
         };
         let bound = decode_roofline(&tiny_shape(), 4, context_len(32, 8), 1, 4, ceil);
         // 4 requests, 8 tokens each: 7 decode steps in 0.07 s after the last first token.
+        // Every request started together: the first one done is the end, no tail.
         let t = DecodeTiming {
             first_first_s: 0.01,
             all_first_s: 0.02,
             end_s: 0.09,
             decode_tokens: 28,
+            first_done_s: 0.09,
+            full_batch_tokens: 28,
         };
         let r = DecodeRow::new(4, 32, 8, t, bound);
+        assert_eq!(r.window, DecodeWindow::FullBatch);
         assert!((r.decode_s - 0.07).abs() < 1e-12);
         assert!((r.decode_tok_per_s - 400.0).abs() < 1e-6);
+        assert!((r.tail_decode_tok_per_s - 400.0).abs() < 1e-6);
         assert!((r.ms_per_step - 10.0).abs() < 1e-9);
+        // Staggered starts: 4 full steps of 10 ms, then a tail of 3 thinning steps (3, 2, 1
+        // requests, 9 ms each). The rate is the full-batch one; the tail's is kept beside it.
+        let staggered = DecodeTiming {
+            first_done_s: 0.06,
+            full_batch_tokens: 16,
+            end_s: 0.087,
+            decode_tokens: 22,
+            ..t
+        };
+        let s = DecodeRow::new(4, 32, 8, staggered, bound);
+        assert_eq!(s.window, DecodeWindow::FullBatch);
+        assert!((s.decode_tok_per_s - 400.0).abs() < 1e-6);
+        assert!((s.ms_per_step - 10.0).abs() < 1e-9);
+        assert!((s.tail_decode_tok_per_s - 22.0 / 0.067).abs() < 1e-6);
+        // Fewer than MIN_FULL_BATCH_STEPS full steps: the whole window after the last first
+        // token, as before.
+        let short = DecodeTiming {
+            first_done_s: 0.04,
+            full_batch_tokens: 8,
+            ..t
+        };
+        let w = DecodeRow::new(4, 32, 8, short, bound);
+        assert_eq!(w.window, DecodeWindow::Tail);
+        assert!((w.decode_tok_per_s - 400.0).abs() < 1e-6);
+        assert!((w.ms_per_step - 10.0).abs() < 1e-9);
         assert!((r.first_token_spread_s - 0.01).abs() < 1e-12);
         assert_eq!(r.context, 36.0);
         let want = 400.0 / bound.tok_per_s.unwrap();

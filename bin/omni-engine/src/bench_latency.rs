@@ -256,6 +256,7 @@ fn decode_iteration(
     let mut cached = 0u64;
     let mut last_token = t0;
     let mut all_first: Option<(Instant, usize)> = None;
+    let mut first_done: Option<(Instant, usize)> = None;
     crate::generate_cmd::drain_streams(&mut streams, |i, out, now| {
         if !out.new_token_ids.is_empty() {
             first[i].get_or_insert(now);
@@ -264,6 +265,10 @@ fn decode_iteration(
             // The moment the last request gets its first token: decode timing starts here.
             if all_first.is_none() && first.iter().all(Option::is_some) {
                 all_first = Some((now, got.iter().sum()));
+            }
+            // The moment the first request is done: the batch is whole up to here.
+            if first_done.is_none() && got[i] >= output_len {
+                first_done = Some((now, got.iter().sum()));
             }
         }
         cached += u64::from(out.num_cached_tokens);
@@ -276,6 +281,10 @@ fn decode_iteration(
         );
     }
     let (all_first_at, before) = all_first.unwrap_or((last_token, got.iter().sum()));
+    // A request done before the last one started leaves no full-batch window.
+    let (first_done_at, at_first_done) = first_done
+        .filter(|(t, _)| *t >= all_first_at)
+        .unwrap_or((all_first_at, before));
     let secs = |t: Instant| (t - t0).as_secs_f64();
     let first_first = first.iter().flatten().min().copied().unwrap_or(t0);
     Ok(DecodeIteration {
@@ -284,6 +293,8 @@ fn decode_iteration(
             all_first_s: secs(all_first_at),
             end_s: secs(last_token),
             decode_tokens: got.iter().sum::<usize>() - before,
+            first_done_s: secs(first_done_at),
+            full_batch_tokens: at_first_done - before,
         },
         cached_tokens: cached,
         preemptions: client.stats().num_preemptions.saturating_sub(preempt0),
@@ -436,8 +447,20 @@ pub fn run(a: LatencyArgs) -> anyhow::Result<()> {
             );
         }
         eprintln!(
-            "  B={b}: {:.1} decode tok/s, {:.3} ms/step (first tokens spread over {:.3} s)",
-            row.decode_tok_per_s, row.ms_per_step, row.first_token_spread_s
+            "  B={b}: {:.1} decode tok/s, {:.3} ms/step over the {} window ({} tokens); \
+             {:.1} tok/s from the last first token to the end (first tokens spread over {:.3} s)",
+            row.decode_tok_per_s,
+            row.ms_per_step,
+            match row.window {
+                omni_bench::latency::DecodeWindow::FullBatch => "full-batch",
+                omni_bench::latency::DecodeWindow::Tail => "tail",
+            },
+            match row.window {
+                omni_bench::latency::DecodeWindow::FullBatch => row.full_batch_tokens,
+                omni_bench::latency::DecodeWindow::Tail => row.decode_tokens,
+            },
+            row.tail_decode_tok_per_s,
+            row.first_token_spread_s
         );
         decode_rows.push(row);
     }

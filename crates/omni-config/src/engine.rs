@@ -213,19 +213,37 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Schedule the next step while the current one runs (vLLM's `--async-scheduling`): the
     /// workers feed each request the token they just sampled, so the scheduler, the output
-    /// path and the queue hand-off no longer sit between two steps on the device. Needs one
-    /// pipeline stage (`-pp 1`); a request that stops on a token costs one discarded step.
+    /// path and the queue hand-off no longer sit between two steps on the device. On by
+    /// default where it works (one pipeline stage), as in vLLM; `--no-async-scheduling` or
+    /// `--async-scheduling false` turns it off. A request that stops on a token costs one
+    /// discarded step.
     #[arg(
         long,
         value_name = "BOOL",
         num_args = 0..=1,
-        default_value_t = false,
         default_missing_value = "true",
         action = clap::ArgAction::Set,
-        value_parser = clap::builder::BoolishValueParser::new()
+        value_parser = clap::builder::BoolishValueParser::new(),
+        overrides_with = "no_async_scheduling"
     )]
     #[serde(default)]
-    pub async_scheduling: bool,
+    pub async_scheduling: Option<bool>,
+    /// Turn async scheduling off.
+    #[arg(long, overrides_with = "async_scheduling")]
+    #[serde(default)]
+    pub no_async_scheduling: bool,
+}
+
+impl SchedulerConfig {
+    /// Async scheduling as asked for: `Some(false)` after `--no-async-scheduling`, `None`
+    /// when neither flag was given (then it is on wherever the engine supports it).
+    pub fn async_scheduling_requested(&self) -> Option<bool> {
+        if self.no_async_scheduling {
+            Some(false)
+        } else {
+            self.async_scheduling
+        }
+    }
 }
 
 /// The device backend.

@@ -260,7 +260,12 @@ pub fn scheduler_config(config: &EngineConfig, num_blocks: u32) -> SchedulerConf
         num_blocks: num_blocks as usize,
         enable_prefix_caching: config.cache.prefix_caching(),
         enable_chunked_prefill: true,
-        async_scheduling: config.scheduler.async_scheduling,
+        // vLLM's default: on where the executor supports it (one pipeline stage); asked for
+        // with more, the engine core says why it schedules synchronously.
+        async_scheduling: config
+            .scheduler
+            .async_scheduling_requested()
+            .unwrap_or(config.parallel.pipeline_parallel_size <= 1),
     }
 }
 
