@@ -60,10 +60,29 @@ impl ForwardBatch {
     }
 
     /// A batch for warming a backend up (vLLM's dummy run): sequence `s` computes `q` new
-    /// tokens (id 0) after `ctx` of context, `seqs[s] = (ctx, q)`, reading block 0 for all of
-    /// it and writing nothing into the KV cache (every slot is padding).
-    pub fn dummy(seqs: &[(usize, usize)], block_size: usize) -> Result<Self, ModelError> {
-        let tokens: Vec<Vec<u32>> = seqs.iter().map(|&(_, q)| vec![0; q]).collect();
+    /// tokens after `ctx` of context, `seqs[s] = (ctx, q)`, reading block 0 for all of it and
+    /// writing nothing into the KV cache (every slot is padding). The ids are spread over the
+    /// `vocab_size` ids, so that an MoE routes them across its experts as a prompt's would and
+    /// the warm-up meets the expert GEMM shapes real prompts need (identical ids would all
+    /// take the same few experts).
+    pub fn dummy(
+        seqs: &[(usize, usize)],
+        block_size: usize,
+        vocab_size: usize,
+    ) -> Result<Self, ModelError> {
+        let vocab = vocab_size.max(1) as u64;
+        let mut k = 0u64;
+        let tokens: Vec<Vec<u32>> = seqs
+            .iter()
+            .map(|&(_, q)| {
+                (0..q)
+                    .map(|_| {
+                        k += 1;
+                        ((k * 7919 + 13) % vocab) as u32
+                    })
+                    .collect()
+            })
+            .collect();
         let tables: Vec<Vec<u32>> = seqs
             .iter()
             .map(|&(ctx, q)| vec![0; (ctx + q).div_ceil(block_size.max(1)).max(1)])
@@ -136,8 +155,12 @@ mod tests {
 
     #[test]
     fn a_dummy_batch_reads_block_zero_and_writes_no_slot() {
-        let b = ForwardBatch::dummy(&[(0, 5), (7, 1)], 4).unwrap();
+        let b = ForwardBatch::dummy(&[(0, 5), (7, 1)], 4, 1).unwrap();
         assert_eq!(b.input_ids, vec![0; 6]);
+        let spread = ForwardBatch::dummy(&[(0, 5), (7, 1)], 4, 100).unwrap();
+        assert!(spread.input_ids.iter().all(|&t| t < 100));
+        let distinct: std::collections::HashSet<_> = spread.input_ids.iter().collect();
+        assert_eq!(distinct.len(), 6, "{:?}", spread.input_ids);
         assert_eq!(b.positions, vec![0, 1, 2, 3, 4, 7]);
         assert_eq!(b.attn.slot_mapping, vec![-1; 6]);
         assert_eq!(b.attn.block_tables, vec![vec![0, 0], vec![0, 0]]);

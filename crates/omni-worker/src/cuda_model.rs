@@ -355,7 +355,7 @@ impl CudaStepModel {
             ..greedy
         };
         for seqs in &steps {
-            let batch = ForwardBatch::dummy(seqs, limits.block_size)?;
+            let batch = ForwardBatch::dummy(seqs, limits.block_size, self.model.vocab_size())?;
             let zeros = (!first).then(|| vec![0f32; batch.input_ids.len() * h]);
             let rows = self.model.forward_stage(&batch, zeros.as_deref())?;
             if rows > 0 {
