@@ -165,7 +165,9 @@ pub fn load_cuda_model(
         mm,
         towers,
         gpu_memory_utilization: spec.gpu_memory_utilization,
-        enforce_eager: spec.enforce_eager,
+        // The profiler's timing events cannot be recorded inside a graph capture: profiled
+        // steps run eagerly (LoadModelSpec::cuda_profile_steps says so).
+        enforce_eager: spec.enforce_eager || spec.cuda_profile_steps > 0,
         max_num_seqs: limits.max_seqs,
         sampled,
         pipeline,
