@@ -446,19 +446,16 @@ pub fn run(a: LatencyArgs) -> anyhow::Result<()> {
                 it.cached_tokens
             );
         }
+        let (window, window_tokens) = match row.window {
+            omni_bench::latency::DecodeWindow::FullBatch => ("full-batch", row.full_batch_tokens),
+            omni_bench::latency::DecodeWindow::Tail => ("tail", row.decode_tokens),
+        };
         eprintln!(
-            "  B={b}: {:.1} decode tok/s, {:.3} ms/step over the {} window ({} tokens); \
-             {:.1} tok/s from the last first token to the end (first tokens spread over {:.3} s)",
+            "  B={b}: {:.1} decode tok/s, {:.3} ms/step over the {window} window \
+             ({window_tokens} tokens); {:.1} tok/s from the last first token to the end (first \
+             tokens spread over {:.3} s)",
             row.decode_tok_per_s,
             row.ms_per_step,
-            match row.window {
-                omni_bench::latency::DecodeWindow::FullBatch => "full-batch",
-                omni_bench::latency::DecodeWindow::Tail => "tail",
-            },
-            match row.window {
-                omni_bench::latency::DecodeWindow::FullBatch => row.full_batch_tokens,
-                omni_bench::latency::DecodeWindow::Tail => row.decode_tokens,
-            },
             row.tail_decode_tok_per_s,
             row.first_token_spread_s
         );
