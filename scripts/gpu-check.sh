@@ -59,6 +59,15 @@
 #           tests (greedy tokens equal with and without it), then bench latency of both
 #           shapes twice each way, interleaved, with OMNI_STEP_TIMING; an eager per-kernel
 #           profile of the Qwen3-30B-A3B shape at batch 1 and 64
+#   ab-prefill the prefill kernels: attention checks and tiling timings, the grouped expert
+#           GEMM tilings against cuBLAS (PREFILL_KERNELS_ONLY=1 stops here), the model tests,
+#           cold vs L2-resident GEMV weights, torch's own kernels on the same shapes
+#           (scripts/bench-torch-kernels.py), then bench latency of the Qwen3-30B-A3B shape
+#           (prefills of PREFILL_LENS tokens) for this tree and, when staged, base-omni-engine
+#           (twice each, interleaved)
+#   ab-wgmma the warpgroup-MMA expert GEMMs: MoE checks and timings, ncu on the prefill tiles
+#           and attention, model tests with OMNI_CUDA_MOE_WGMMA=1, bench latency prefills
+#           (PREFILL_LENS, default 512 2048) with it 0 and 1, interleaved
 #   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
 #           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
@@ -117,7 +126,7 @@ step() { # name, command...
   timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
-  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|route|topk T|paths|cublas|dense)|gemv |fused gemv |sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -100
+  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|route|topk T|paths|cublas|dense|large|wgmma|real shape)|torch |gemv |fused gemv |sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -140
   [ $rc -ne 0 ] && fail=1
   return 0
 }
@@ -302,6 +311,79 @@ if want ab-async; then
     --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --enforce-eager \
     --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1,64 \
     --input-len 1024 --output-len 32 --prefill-len 0 --async-scheduling true
+fi
+
+if want ab-prefill; then
+  step prefill-attn "$BIN/backend-tests" cuda::attention --test-threads=1 --nocapture
+  step prefill-moe "$BIN/backend-tests" cuda::moe::timing_tests --test-threads=1 --nocapture
+  # Nsight Compute on the prefill kernels, where the machine has it: throughput, occupancy, why
+  # warps stall and where (the attention kernel at 2048 tokens; the expert GEMMs of the prefill
+  # tile at 2048 tokens, after the two correctness launches of each).
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+      --section InstructionStats --section SourceCounters)
+    step ncu-prefill-attn "$NCU" --kernel-name attn_prefill_hd128 --launch-count 1 "${NCU_SECTIONS[@]}" \
+      "$BIN/backend-tests" attention_prefill_timing --test-threads=1
+    step ncu-prefill-moe env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name 'regex:^moe_(gate_up|down)_large$' \
+      --launch-skip 4 --launch-count 2 "${NCU_SECTIONS[@]}" \
+      "$BIN/backend-tests" fused_moe_real_shape_and_timing --test-threads=1
+  else
+    echo "== ncu: not on this machine"
+  fi
+  [ -n "${PREFILL_KERNELS_ONLY:-}" ] && exit $fail
+  [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
+  step gemv-warm "$BIN/backend-tests" gemv_real_shape_timing --test-threads=1 --nocapture
+  PEER_PY=${PEER_PYTHON:-/opt/torch/.venv/bin/python}
+  [ -x "$PEER_PY" ] && step torch-kernels "$PEER_PY" scripts/bench-torch-kernels.py
+  for r in 1 2; do
+    for n in ${PREFILL_LENS:-256 512 768 2048}; do
+      for p in "" base-; do
+        v=${p:-new}; v=${v%-}
+        [ -x "$BIN/${p}omni-engine" ] || continue
+        step "prefill$n-$v-r$r-latency" "$BIN/${p}omni-engine" bench latency \
+          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
+          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
+          --input-len 1024 --output-len 8 --prefill-len "$n" \
+          --json "$LOGS/prefill$n-$v-r$r-latency.json"
+      done
+    done
+  done
+fi
+
+if want ab-wgmma; then
+  # The warpgroup-MMA expert GEMMs (OMNI_CUDA_MOE_WGMMA=1): every MoE check and timing, Nsight
+  # Compute on both prefill tiles and the attention prefill at 2048 tokens, the model tests on
+  # the wgmma path, then bench latency prefills of PREFILL_LENS tokens (Qwen3-30B-A3B shape)
+  # with and without it, interleaved, WGMMA_ROUNDS times.
+  step wg-moe "$BIN/backend-tests" cuda::moe --test-threads=1 --nocapture
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+      --section InstructionStats --section SourceCounters)
+    for k in large wg; do
+      step "ncu-moe-$k" env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name "regex:^moe_(gate_up|down)_$k\$" \
+        --launch-skip 4 --launch-count 2 "${NCU_SECTIONS[@]}" \
+        "$BIN/backend-tests" fused_moe_real_shape_and_timing --test-threads=1
+    done
+    step ncu-attn "$NCU" --kernel-name attn_prefill_hd128 --launch-count 1 "${NCU_SECTIONS[@]}" \
+      "$BIN/backend-tests" attention_prefill_timing --test-threads=1
+  fi
+  [ -x "$BIN/model-tests" ] && step wg-model env OMNI_CUDA_MOE_WGMMA=1 "$BIN/model-tests" --test-threads=1
+  [ -x "$BIN/moe-small-tests" ] && step wg-moe-small env OMNI_CUDA_MOE_WGMMA=1 "$BIN/moe-small-tests" --test-threads=1
+  for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
+    for n in ${PREFILL_LENS:-512 2048}; do
+      for v in 0 1; do
+        step "prefill$n-wg$v-r$r-latency" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine" bench latency \
+          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
+          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
+          --input-len 1024 --output-len 8 --prefill-len "$n" \
+          --json "$LOGS/prefill$n-wg$v-r$r-latency.json"
+      done
+    done
+  done
 fi
 
 if want peer; then

@@ -157,10 +157,21 @@ mod tests {
             );
             return false;
         }
-        if let Err(e) = compile_cubin(src, "sm_90") {
-            panic!("{what} does not compile for sm_90: {e}");
+        let arch = module_arch(what);
+        if let Err(e) = compile_cubin(src, arch) {
+            panic!("{what} does not compile for {arch}: {e}");
         }
         true
+    }
+
+    /// The architecture a module of [`every_module`] is checked for: `sm_90`, or `sm_90a` for
+    /// the Hopper-only MoE module.
+    fn module_arch(what: &str) -> &'static str {
+        if what == "moe wgmma" {
+            moe::source::WGMMA_ARCH
+        } else {
+            "sm_90"
+        }
     }
 
     /// Every module this crate compiles, by name: the head-dimension instances of attention and
@@ -179,6 +190,7 @@ mod tests {
                 attention::source::reduce_source(),
             ),
             ("moe".to_string(), moe::source::moe_source()),
+            ("moe wgmma".to_string(), moe::source::moe_wgmma_source()),
             ("moe small".to_string(), moe::small::moe_small_source()),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),
@@ -258,11 +270,14 @@ mod tests {
             if only.as_ref().is_some_and(|o| !what.contains(o.as_str())) {
                 continue;
             }
-            let (_, log) = compile_with(&src, "sm_90", &["--ptxas-options=-v"]).unwrap();
+            let (_, log) = compile_with(&src, module_arch(&what), &["--ptxas-options=-v"]).unwrap();
             println!("== {what}");
             log.lines()
                 .filter(|l| {
-                    l.contains("Compiling entry") || l.contains("Used") || l.contains("spill")
+                    l.contains("Compiling entry")
+                        || l.contains("Used")
+                        || l.contains("spill")
+                        || l.contains("arning")
                 })
                 .for_each(|l| println!("{}", l.trim()));
         }

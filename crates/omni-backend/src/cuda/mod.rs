@@ -430,6 +430,17 @@ impl CudaContext {
         source: fn() -> String,
         name: &'static str,
     ) -> CudaResult<CudaFunction> {
+        self.function_for(source, name, &self.info.sm_arch())
+    }
+
+    /// [`CudaContext::function`] from a module compiled for `arch` (an architecture-specific
+    /// target such as `sm_90a`, which the caller has checked the device runs).
+    pub(crate) fn function_for(
+        &self,
+        source: fn() -> String,
+        name: &'static str,
+        arch: &str,
+    ) -> CudaResult<CudaFunction> {
         if let Some(f) = self
             .functions
             .lock()
@@ -438,7 +449,7 @@ impl CudaContext {
         {
             return Ok(f.clone());
         }
-        let cubin = kernels::cubin(&source(), &self.info.sm_arch())?;
+        let cubin = kernels::cubin(&source(), arch)?;
         let module = self
             .ctx
             .load_module(Ptx::from_binary(cubin.as_ref().clone()))?;

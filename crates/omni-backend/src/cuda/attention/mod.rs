@@ -289,6 +289,8 @@ pub(super) struct PrefillTile {
     pub(super) bn: usize,
     /// Q fragments held in registers for the whole key loop.
     pub(super) qreg: bool,
+    /// `__launch_bounds__` minimum CTAs per SM (0: none; the compiler picks the registers).
+    pub(super) min_ctas: usize,
 }
 
 impl PrefillTile {
@@ -305,12 +307,14 @@ fn prefill_cfg(head_dim: usize) -> PrefillTile {
             warps: 4,
             bn: 64,
             qreg: true,
+            min_ctas: 0,
         }
     } else {
         PrefillTile {
             warps: 2,
             bn: 32,
             qreg: false,
+            min_ctas: 0,
         }
     }
 }
@@ -318,12 +322,41 @@ fn prefill_cfg(head_dim: usize) -> PrefillTile {
 /// Tilings the prefill timing measures against [`prefill_cfg`] at head_dim 128 (test builds
 /// only), with their entry points.
 #[cfg(test)]
-pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 3] = [
+pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
+    // The default held to 168 registers (3 CTAs per SM), with Q in registers or re-read.
+    (
+        PrefillTile {
+            warps: 4,
+            bn: 64,
+            qreg: true,
+            min_ctas: 3,
+        },
+        "attn_prefill_hd128_w4_n64_b3",
+    ),
+    (
+        PrefillTile {
+            warps: 4,
+            bn: 64,
+            qreg: false,
+            min_ctas: 3,
+        },
+        "attn_prefill_hd128_w4_n64_qs_b3",
+    ),
+    (
+        PrefillTile {
+            warps: 4,
+            bn: 32,
+            qreg: false,
+            min_ctas: 4,
+        },
+        "attn_prefill_hd128_w4_n32_qs_b4",
+    ),
     (
         PrefillTile {
             warps: 8,
             bn: 64,
             qreg: true,
+            min_ctas: 0,
         },
         "attn_prefill_hd128_w8_n64",
     ),
@@ -332,6 +365,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 3] = [
             warps: 8,
             bn: 32,
             qreg: true,
+            min_ctas: 0,
         },
         "attn_prefill_hd128_w8_n32",
     ),
@@ -340,6 +374,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 3] = [
             warps: 4,
             bn: 32,
             qreg: true,
+            min_ctas: 0,
         },
         "attn_prefill_hd128_w4_n32",
     ),

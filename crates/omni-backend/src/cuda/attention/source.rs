@@ -120,10 +120,20 @@ pub(crate) fn attn_source(hd: usize) -> String {
 
 /// The `extern "C"` entry point `name` instantiating `attn_prefill` with `tile`.
 fn prefill_entry(hd: usize, tile: &PrefillTile, name: &str) -> String {
-    let PrefillTile { warps, bn, qreg } = *tile;
+    let PrefillTile {
+        warps,
+        bn,
+        qreg,
+        min_ctas,
+    } = *tile;
     let threads = 32 * warps;
+    let bounds = if min_ctas > 0 {
+        format!("{threads}, {min_ctas}")
+    } else {
+        threads.to_string()
+    };
     format!(
-        "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(\
+        "extern \"C\" __global__ void __launch_bounds__({bounds}) {name}(\
          const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \
          const int* seq_lens, const int* bt, int num_tokens, int num_heads, int nkv, int bs, \
          int num_blocks, int mbps, float scale_log2) {{ \

@@ -288,9 +288,11 @@ fn attention_prefill_timing() {
         let err = crate::cuda::tests::rel_err(&cx.download_f32(&out).unwrap(), &want);
         let us_c = time_us(&mut || run(&mut out, &mut ws));
         println!(
-            "attention prefill tile {name} (warps {}, keys {}): {us_c:.1} us/call, {:.1} TFLOP/s, {:.2}x the default, rel err vs it {err:.1e}",
+            "attention prefill tile {name} (warps {}, keys {}, q in registers {}, min CTAs {}): {us_c:.1} us/call, {:.1} TFLOP/s, {:.2}x the default, rel err vs it {err:.1e}",
             tile.warps,
             tile.bn,
+            tile.qreg,
+            tile.min_ctas,
             flops / (us_c * 1e6),
             us_c / us
         );

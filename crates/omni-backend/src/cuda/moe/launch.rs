@@ -7,8 +7,8 @@ use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKe
 use super::cublas::{DEFAULT_QUANTUM, cublas_enabled};
 #[cfg(doc)]
 use super::fused_moe_workspace_bytes;
-use super::source::{ALIGN_FN, REDUCE_FN, TOPK_FN, moe_source};
-use super::tiles::TileCfg;
+use super::source::{ALIGN_FN, REDUCE_FN, TOPK_FN, WGMMA_ARCH, moe_source, moe_wgmma_source};
+use super::tiles::{TileCfg, wgmma_enabled};
 use super::{Layout, MOE_MAX_EXPERTS, MoeShape};
 #[cfg(doc)]
 use crate::cuda::CudaError;
@@ -43,10 +43,11 @@ fn set_smem(f: &CudaFunction, bytes: usize) -> CudaResult<()> {
     Ok(())
 }
 
-/// Average pairs per expert from which [`CudaContext::fused_moe_bf16`] takes cuBLAS: 512
-/// tokens of Qwen3-30B-A3B (128 experts, top-8), where it is 1.3x the prefill tile on an H200
-/// (426 vs 547 µs; 0.65x at 2048 tokens, 0.53x at 4096); below it the tile kernels are as fast.
-pub(super) const CUBLAS_MIN_PAIRS_PER_EXPERT: usize = 32;
+/// Average pairs per expert from which [`CudaContext::fused_moe_bf16`] takes cuBLAS: 1024
+/// tokens of Qwen3-30B-A3B (128 experts, top-8), where the prefill tile takes 1.19x its time on
+/// an H200 (517 vs 436 µs; 1.61x at 2048 tokens, 2.0x at 4096); at 768 tokens and below the
+/// tile is faster (401 vs 416 µs at 768, 378 vs 409 at 512) and needs no host synchronization.
+pub(super) const CUBLAS_MIN_PAIRS_PER_EXPERT: usize = 64;
 
 /// Where the expert block's weighted sum goes: a device pointer to `tokens * hidden` elements
 /// of bf16, or of f32 (the bf16-rounded sum widened: the residual stream's type).
@@ -263,15 +264,25 @@ impl CudaContext {
         }
     }
 
+    /// Whether this device's MoE prefill steps run the warpgroup-MMA tile: an sm_90 device,
+    /// unless [`MOE_WGMMA_ENV`](super::MOE_WGMMA_ENV) is `0`.
+    pub(super) fn moe_wgmma(&self) -> bool {
+        self.info.compute_capability == (9, 0) && wgmma_enabled()
+    }
+
     /// The GEMMs [`CudaContext::fused_moe_bf16`] runs `shape` on: the tile of
-    /// [`TileCfg::select`], or cuBLAS (batched GEMMs per bucket of experts) for steps of at
-    /// least [`CUBLAS_MIN_PAIRS_PER_EXPERT`] pairs per expert on average, outside a stream
-    /// capture (the cuBLAS path reads the counts on the host) and unless
-    /// [`MOE_CUBLAS_ENV`](super::MOE_CUBLAS_ENV) is `0`. The tile kernels give the same bits for
-    /// a token at any batch size; the cuBLAS path differs from them in the last bits (gate and up
-    /// are rounded to bf16 before SiLU, cuBLAS sums in its own order).
+    /// [`TileCfg::select`]; off the warpgroup-MMA tile, cuBLAS (batched GEMMs per bucket of
+    /// experts) for steps of at least [`CUBLAS_MIN_PAIRS_PER_EXPERT`] pairs per expert on
+    /// average, outside a stream capture (the cuBLAS path reads the counts on the host) and
+    /// unless [`MOE_CUBLAS_ENV`](super::MOE_CUBLAS_ENV) is `0`. The `mma.sync` tiles give the
+    /// same bits for a token at any batch size; the warpgroup-MMA tile and the cuBLAS path
+    /// differ from them in the last bits (their own summation orders; cuBLAS also rounds gate
+    /// and up to bf16 before SiLU).
     pub(super) fn select_gemm(&self, shape: &MoeShape) -> CudaResult<MoeGemm> {
-        let tile = TileCfg::select(shape);
+        let tile = TileCfg::select(shape, self.moe_wgmma());
+        if tile.wgmma {
+            return Ok(MoeGemm::Tiles(tile));
+        }
         let large = shape.pairs() >= CUBLAS_MIN_PAIRS_PER_EXPERT * shape.num_experts;
         if large && cublas_enabled() {
             let status = self.stream.capture_status()?;
@@ -372,8 +383,25 @@ impl CudaContext {
         let blocks_y = grid_yz("moe row blocks (grid y, at most 65535)", lay.max_blocks)?;
 
         let f_align = self.function(moe_source, ALIGN_FN)?;
-        let f_gu = self.function(moe_source, tile.gate_up_fn)?;
-        let f_down = self.function(moe_source, tile.down_fn)?;
+        let (f_gu, f_down) = if tile.wgmma {
+            let (major, minor) = self.info.compute_capability;
+            if (major, minor) != (9, 0) {
+                return Err(shape_err(
+                    "moe warpgroup-MMA tile: compute capability (sm_90 only)",
+                    90,
+                    (major * 10 + minor).max(0) as usize,
+                ));
+            }
+            (
+                self.function_for(moe_wgmma_source, tile.gate_up_fn, WGMMA_ARCH)?,
+                self.function_for(moe_wgmma_source, tile.down_fn, WGMMA_ARCH)?,
+            )
+        } else {
+            (
+                self.function(moe_source, tile.gate_up_fn)?,
+                self.function(moe_source, tile.down_fn)?,
+            )
+        };
         let smem = tile.smem_bytes();
         set_smem(&f_gu, smem)?;
         set_smem(&f_down, smem)?;

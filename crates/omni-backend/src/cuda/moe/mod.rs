@@ -21,13 +21,18 @@
 //! is bounded by `min(P, ceil((P + min(E, P) * (BM - 1)) / BM))` for `P = tokens * top_k`
 //! pairs, and unused blocks exit at once. Two tile shapes exist: a decode tile (`BM = 16`, narrow
 //! `N` tiles so a handful of experts still spreads over every SM and streams its weights once)
-//! and a prefill tile (`BM = 64`, `BN = 256`, 64 x 64 warp tiles); the choice depends only on the
+//! and a prefill tile (`BM = 64`, `BN = 128`, 32 x 64 warp tiles); the choice depends only on the
 //! average number of pairs per expert.
 //!
-//! Prefill steps (the prefill tile's regime, outside a CUDA graph capture) run the two GEMMs on
-//! cuBLAS's grouped GEMM instead (`cublas.rs`): the counts go to the host once, the token rows
-//! are gathered into expert order without padding, and the reduction reads them through each
-//! pair's row. `OMNI_CUDA_MOE_CUBLAS=0` keeps the kernels below.
+//! On sm_90 (Hopper) the prefill steps, from 8 pairs per expert, run a third tile instead: the
+//! same 64-row blocks on warpgroup MMA (`wgmma.mma_async` m64n128k16 reading both operands from
+//! 128-byte-swizzled shared memory; `kernels/moe/grouped_gemm_wg.cu`, its own module compiled
+//! for `sm_90a`). `OMNI_CUDA_MOE_WGMMA=0` turns it off.
+//!
+//! Elsewhere (or with it off), prefill steps of 64+ pairs per expert outside a CUDA graph
+//! capture run the two GEMMs on cuBLAS's grouped GEMM (`cublas.rs`): the counts go to the host
+//! once, the token rows are gathered into expert order without padding, and the reduction reads
+//! them through each pair's row. `OMNI_CUDA_MOE_CUBLAS=0` keeps the kernels below.
 //!
 //! Here: the shape and the workspace layout; in `tiles.rs` the two tile configurations, in
 //! `source.rs` the kernels' source (`kernels/moe/*`, with one `extern "C"` entry per tile and
@@ -55,6 +60,7 @@ pub use small::{
     MOE_SMALL_MAX_HIDDEN, MOE_SMALL_MAX_INTER, MOE_SMALL_MAX_PAIRS, MOE_SMALL_MAX_TOKENS,
     MoeRouteBuffers, moe_small_act_len,
 };
+pub use tiles::MOE_WGMMA_ENV;
 
 #[cfg(doc)]
 use super::CudaContext;

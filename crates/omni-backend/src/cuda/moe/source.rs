@@ -1,7 +1,9 @@
 //! The MoE kernels' source: `kernels/moe/*.cu(h)` after the bf16 helpers, with one `extern "C"`
-//! entry point per tile configuration and GEMM instantiating the `moe_gemm` template.
+//! entry point per tile configuration and GEMM instantiating the `moe_gemm` template; and the
+//! Hopper module (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`), with its generated
+//! `wgmma` wrappers.
 
-use super::tiles::{LARGE, SMALL, TileCfg};
+use super::tiles::{LARGE, LARGE_WG, SMALL, TileCfg};
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 
 /// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
@@ -18,6 +20,8 @@ const ALIGN: &str = kernel_file!("moe/align.cu");
 const GROUPED_GEMM: &str = kernel_file!("moe/grouped_gemm.cu");
 /// The weighted reduction over a token's slots.
 const REDUCE: &str = kernel_file!("moe/reduce.cu");
+/// The grouped GEMM template on warpgroup MMA (`moe_gemm_wg`, sm_90a).
+const GROUPED_GEMM_WG: &str = kernel_file!("moe/grouped_gemm_wg.cu");
 /// The cuBLAS prefill path's counts and gather.
 const GATHER: &str = kernel_file!("moe/gather.cu");
 
@@ -27,9 +31,32 @@ pub(super) const REDUCE_FN: &str = "moe_reduce";
 pub(super) const COUNT_FN: &str = "moe_count";
 pub(super) const GATHER_FN: &str = "moe_gather";
 
-/// The `extern "C"` wrapper instantiating `moe_gemm` for one tile configuration.
+/// The architecture the warpgroup-MMA module is compiled for (`wgmma` needs the
+/// architecture-specific `a` target).
+pub(crate) const WGMMA_ARCH: &str = "sm_90a";
+
+/// The `extern "C"` wrapper instantiating `moe_gemm` (or `moe_gemm_wg`) for one tile
+/// configuration.
 fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
     let name = if gate_up { cfg.gate_up_fn } else { cfg.down_fn };
+    if cfg.wgmma {
+        let TileCfg {
+            bn,
+            stages,
+            min_ctas,
+            ..
+        } = *cfg;
+        return format!(
+            r#"
+extern "C" __global__ void __launch_bounds__(128, {min_ctas}) {name}(
+        const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
+        const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
+        unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
+    moe_gemm_wg<{bn}, {stages}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
+}}
+"#
+        );
+    }
     let TileCfg {
         bm,
         bn,
@@ -63,7 +90,66 @@ pub(crate) fn moe_source() -> String {
         s.push_str(&gemm_entry(&cfg, false));
     }
     #[cfg(test)]
-    for cfg in super::tiles::CANDIDATES {
+    for cfg in super::tiles::CANDIDATES
+        .into_iter()
+        .chain(super::tiles::LARGE_CANDIDATES)
+    {
+        s.push_str(&gemm_entry(&cfg, true));
+        s.push_str(&gemm_entry(&cfg, false));
+    }
+    s
+}
+
+/// `wgmma_bf16<n>(d, desc_a, desc_b)`: one `wgmma.mma_async` m64n{n}k16, bf16 in, f32
+/// accumulated into the `n / 2` floats of `d` (scale-d 1, no negation, both operands K-major).
+fn wgmma_wrapper(n: usize) -> String {
+    let regs = n / 2;
+    let outs = (0..regs)
+        .map(|i| format!("%{i}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let cons = (0..regs)
+        .map(|i| format!("\"+f\"(d[{i}])"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (da, db, sd) = (regs, regs + 1, regs + 2);
+    format!(
+        r#"
+template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, unsigned long long da, unsigned long long db) {{
+    asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{da}, %{db}, p, 1, 1, 0, 0;\n}}\n"
+                 : {cons}
+                 : "l"(da), "l"(db), "r"(1));
+}}
+"#
+    )
+}
+
+/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], and in test builds the timing
+/// test's candidates.
+fn wg_tiles() -> Vec<TileCfg> {
+    #[allow(unused_mut)]
+    let mut v = vec![LARGE_WG];
+    #[cfg(test)]
+    v.extend(super::tiles::WG_CANDIDATES);
+    v
+}
+
+/// Full source of the Hopper MoE module (compiled for [`WGMMA_ARCH`]): the warpgroup-MMA
+/// grouped GEMMs of every tile in [`wg_tiles`].
+pub(crate) fn moe_wgmma_source() -> String {
+    let mut s = format!(
+        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}\ntemplate <int N> __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long da, unsigned long long db);\n"
+    );
+    let tiles = wg_tiles();
+    let mut widths: Vec<usize> = tiles.iter().map(|t| t.bn).collect();
+    widths.sort_unstable();
+    widths.dedup();
+    for n in widths {
+        s.push_str(&wgmma_wrapper(n));
+    }
+    s.push_str(GROUPED_GEMM_WG);
+    for cfg in tiles {
         s.push_str(&gemm_entry(&cfg, true));
         s.push_str(&gemm_entry(&cfg, false));
     }

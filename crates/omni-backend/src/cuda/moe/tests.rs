@@ -6,6 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
 use super::launch::{MoeGemm, MoeOut};
+use super::tiles::LARGE_WG;
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, bf16};
@@ -61,10 +62,16 @@ fn moe_workspace_bound_and_tiles() {
             top_k: 8,
         };
         let b = fused_moe_workspace_bytes(s);
-        assert!(b >= last && b >= Layout::new(&s, &TileCfg::select(&s)).total);
+        for wgmma in [false, true] {
+            assert!(b >= Layout::new(&s, &TileCfg::select(&s, wgmma)).total);
+        }
+        assert!(b >= last);
         last = b;
     }
     assert!(LARGE.smem_bytes() <= 113 * 1024, "two prefill CTAs per SM");
+    assert!(LARGE_WG.smem_bytes() <= 113 * 1024, "two wgmma CTAs per SM");
+    // The warpgroup-MMA tile runs on the prefill tile's alignment and workspace.
+    assert_eq!((LARGE_WG.bm, LARGE_WG.threads()), (LARGE.bm, 128));
 }
 
 /// The CPU routing of omni-models' `DecoderModel::moe`: softmax in f32, experts sorted by
@@ -312,13 +319,20 @@ fn f32s(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// The paths every correctness test runs: the public selection, both tiles, cuBLAS.
-const GEMMS: [(&str, Option<MoeGemm>); 4] = [
-    ("public", None),
-    ("small", Some(MoeGemm::Tiles(SMALL))),
-    ("large", Some(MoeGemm::Tiles(LARGE))),
-    ("cublas", Some(CUBLAS)),
-];
+/// The paths every correctness test runs: the public selection, both tiles, cuBLAS, and on
+/// sm_90 the warpgroup-MMA tile.
+fn gemms(cx: &CudaContext) -> Vec<(&'static str, Option<MoeGemm>)> {
+    let mut v = vec![
+        ("public", None),
+        ("small", Some(MoeGemm::Tiles(SMALL))),
+        ("large", Some(MoeGemm::Tiles(LARGE))),
+        ("cublas", Some(CUBLAS)),
+    ];
+    if cx.info().compute_capability == (9, 0) {
+        v.push(("wgmma", Some(MoeGemm::Tiles(LARGE_WG))));
+    }
+    v
+}
 
 /// The cuBLAS path with its default buckets.
 pub(super) const CUBLAS: MoeGemm = MoeGemm::Cublas {
@@ -361,7 +375,7 @@ fn fused_moe_matches_cpu() {
             let want = cpu_moe_rows(&x, &w13, &w2, &ids, &ws, s, &rows);
             let d = upload(&cx, &x, &w13, &w2, &ids, &ws);
             let public = run_fused(&cx, &d, s, None);
-            for (name, gemm) in GEMMS {
+            for (name, gemm) in gemms(&cx) {
                 let got = if gemm.is_none() {
                     public.clone()
                 } else {
@@ -452,7 +466,7 @@ fn fused_moe_one_expert_gets_every_token() {
         };
         let want = cpu_moe_rows(&x, &w13, &w2, &ids, &ws, s, &(0..t).collect::<Vec<_>>());
         let d = upload(&cx, &x, &w13, &w2, &ids, &ws);
-        for (name, gemm) in GEMMS {
+        for (name, gemm) in gemms(&cx) {
             let got = f32s(&run_fused(&cx, &d, s, gemm));
             let err = rel_err(&got, &want);
             println!("moe one-expert-all t={t} tile={name}: rel err vs CPU f32 {err:.2e}");
@@ -461,10 +475,11 @@ fn fused_moe_one_expert_gets_every_token() {
     }
 }
 
-/// Routing on the device feeding the fused block, eager and captured in a CUDA graph: at 37
-/// tokens (the decode tile) the replay is bit-identical to the eager run; at 600 (32+ pairs per
-/// expert) the eager run takes cuBLAS and the capture falls back to the prefill tile, whose
-/// replay equals that tile's eager run bit for bit.
+/// Routing on the device feeding the fused block, eager and captured in a CUDA graph: at 29
+/// tokens (the decode tile) the replay is bit-identical to the eager run; at 600 (64+ pairs per
+/// expert) the eager run takes cuBLAS (on sm_90 the warpgroup-MMA tile) and the capture falls
+/// back to the prefill tile (on sm_90 the same tile), whose replay equals that tile's eager run
+/// bit for bit.
 #[test]
 fn fused_moe_after_gpu_routing_and_in_a_cuda_graph() {
     let Some(cx) = ctx_or_skip("fused_moe_after_gpu_routing_and_in_a_cuda_graph") else {
@@ -473,7 +488,7 @@ fn fused_moe_after_gpu_routing_and_in_a_cuda_graph() {
     let (h, i, e, k) = (128usize, 64usize, 16usize, 4usize);
     let w13 = rand_bf16_scaled(e * 2 * i * h, 205, 0.2);
     let w2 = rand_bf16_scaled(e * h * i, 207, 0.2);
-    for t in [37usize, 600] {
+    for t in [29usize, 600] {
         let s = MoeShape {
             tokens: t,
             hidden: h,
@@ -488,7 +503,7 @@ fn fused_moe_after_gpu_routing_and_in_a_cuda_graph() {
         let eager_gemm = cx.select_gemm(&s).unwrap();
         assert_eq!(
             eager_gemm == CUBLAS,
-            t == 600 && cublas::cublas_enabled(),
+            t == 600 && cublas::cublas_enabled() && !cx.moe_wgmma(),
             "t={t}: {eager_gemm:?}"
         );
 
@@ -512,7 +527,12 @@ fn fused_moe_after_gpu_routing_and_in_a_cuda_graph() {
         println!("moe routing + fused t={t} ({eager_gemm:?}): rel err vs CPU f32 {err:.2e}");
         assert!(err <= 2e-2, "{err}");
         // What the capture must replay: the tile the selection falls back to.
-        let tiles = run_fused(&cx, &d, s, Some(MoeGemm::Tiles(TileCfg::select(&s))));
+        let tiles = run_fused(
+            &cx,
+            &d,
+            s,
+            Some(MoeGemm::Tiles(TileCfg::select(&s, cx.moe_wgmma()))),
+        );
 
         // The same step captured into a CUDA graph and replayed over a zeroed output.
         cx.synchronize().unwrap();

@@ -6,7 +6,7 @@
 
 use super::launch::MoeGemm;
 use super::tests::{CUBLAS, bf16_out, cpu_moe_rows, rand_bf16_scaled, run_topk};
-use super::tiles::{LARGE, SMALL, TileCfg};
+use super::tiles::{LARGE, LARGE_WG, SMALL, TileCfg, WG_CANDIDATES};
 use super::{MoeShape, fused_moe_workspace_bytes};
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, bf16};
@@ -50,6 +50,8 @@ fn fused_moe_real_shape_and_timing() {
         w13.extend(rand_bf16_scaled(2 * i * h, 1000 + ex, 1.0 / 32.0));
         w2.extend(rand_bf16_scaled(h * i, 3000 + ex, 1.0 / 32.0));
     }
+    // The warpgroup-MMA tiles run on sm_90 only.
+    let hopper = cx.info().compute_capability == (9, 0);
     let dw13 = cx.upload_bf16(&w13).unwrap();
     let dw2 = cx.upload_bf16(&w2).unwrap();
     let shape = |t| MoeShape {
@@ -86,6 +88,15 @@ fn fused_moe_real_shape_and_timing() {
         let dids = cx.stream().clone_htod(&ids).unwrap();
         let dws = cx.stream().clone_htod(&ws).unwrap();
         let candidates = super::tiles::CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
+        let large = super::tiles::LARGE_CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
+        let wg: Vec<_> = if hopper {
+            std::iter::once(LARGE_WG)
+                .chain(WG_CANDIDATES)
+                .map(|c| (c.down_fn, MoeGemm::Tiles(c)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         for (name, gemm) in [
             ("small", MoeGemm::Tiles(SMALL)),
             ("large", MoeGemm::Tiles(LARGE)),
@@ -93,6 +104,8 @@ fn fused_moe_real_shape_and_timing() {
         ]
         .into_iter()
         .chain(candidates.into_iter().filter(|_| t <= 64))
+        .chain(large.into_iter().filter(|_| t >= 512))
+        .chain(wg)
         {
             let mut out = cx.upload_bf16(&vec![bf16::NAN; t * h]).unwrap();
             cx.fused_moe_on(
@@ -122,7 +135,14 @@ fn fused_moe_real_shape_and_timing() {
 
     // Timing: the fused block only (routing precomputed on the device).
     let bytes_per_expert = (3 * i * h * 2) as f64;
-    for &t in &[1usize, 8, 64, 128, 256, 512, 1024, 2048, 4096] {
+    // OMNI_MOE_TIMING_TOKENS (comma-separated) times only those token counts (a profiler run).
+    let only: Option<Vec<usize>> = std::env::var("OMNI_MOE_TIMING_TOKENS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|t| t.trim().parse().ok()).collect());
+    for &t in &[1usize, 8, 64, 128, 256, 512, 768, 1024, 2048, 4096] {
+        if only.as_ref().is_some_and(|o| !o.contains(&t)) {
+            continue;
+        }
         let s = shape(t);
         let (x, ids, ws) = setup(t);
         let touched = {
@@ -163,9 +183,15 @@ fn fused_moe_real_shape_and_timing() {
         });
         let us_cublas = us_var[1];
         let mut run = |tile: TileCfg| run_on(MoeGemm::Tiles(tile));
+        let us_wg = if hopper && t >= 128 {
+            run(LARGE_WG)
+        } else {
+            f64::NAN
+        };
         let chosen = cx.select_gemm(&s).unwrap();
         let us = match chosen {
             MoeGemm::Tiles(t) if t == SMALL => us_small,
+            MoeGemm::Tiles(t) if t == LARGE_WG => us_wg,
             MoeGemm::Tiles(_) => us_large,
             MoeGemm::Cublas { .. } => us_cublas,
         };
@@ -183,9 +209,14 @@ fn fused_moe_real_shape_and_timing() {
         }
         let tf = |us: f64| 2.0 * (t * k * 3 * h * i) as f64 / (us * 1e-6) / 1e12;
         println!(
-            "moe paths T={t}: small {us_small:.1} µs, large {us_large:.1} µs ({:.0} TFLOP/s), cublas {us_cublas:.1} µs ({:.0} TFLOP/s), chosen {chosen:?}",
+            "moe paths T={t}: small {us_small:.1} µs, large {us_large:.1} µs ({:.0} TFLOP/s), cublas {us_cublas:.1} µs ({:.0} TFLOP/s), wgmma {us_wg:.1} µs ({:.0} TFLOP/s), chosen {}",
             tf(us_large),
-            tf(us_cublas)
+            tf(us_cublas),
+            tf(us_wg),
+            match chosen {
+                MoeGemm::Tiles(t) => t.down_fn,
+                MoeGemm::Cublas { .. } => "cublas",
+            }
         );
         if t >= 512 {
             // The ceiling: the same FLOPs as two dense cuBLAS GEMMs over all pairs.
@@ -210,6 +241,38 @@ fn fused_moe_real_shape_and_timing() {
                 "moe cublas T={t}: bucket quantum 1 {:.1} µs, 32 {:.1} µs, 64 {:.1} µs, 128 {:.1} µs",
                 us_var[0], us_var[1], us_var[2], us_var[3]
             );
+        }
+        if t >= 256 {
+            for cand in super::tiles::LARGE_CANDIDATES {
+                let us_c = run(cand);
+                println!(
+                    "moe large candidate T={t} {} (bn {} bk {} warps {}x{} stages {}): {us_c:.1} µs ({:.0} TFLOP/s, {:.2}x large, {:.2}x cublas)",
+                    cand.down_fn,
+                    cand.bn,
+                    cand.bk,
+                    cand.warps_m,
+                    cand.warps_n,
+                    cand.stages,
+                    tf(us_c),
+                    us_c / us_large,
+                    us_c / us_cublas
+                );
+            }
+        }
+        if t >= 128 && hopper {
+            for cand in WG_CANDIDATES {
+                let us_c = run(cand);
+                println!(
+                    "moe wgmma T={t} {} (bn {} stages {}): {us_c:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma, {:.2}x large, {:.2}x cublas)",
+                    cand.down_fn,
+                    cand.bn,
+                    cand.stages,
+                    tf(us_c),
+                    us_c / us_wg,
+                    us_c / us_large,
+                    us_c / us_cublas
+                );
+            }
         }
         if t <= 64 {
             for cand in super::tiles::CANDIDATES {
