@@ -55,7 +55,7 @@ pub(super) const SMALL: TileCfg = TileCfg {
 /// copy is 128 contiguous bytes of a weight row), 3 stages; ~83 KiB of shared memory, 2 CTAs
 /// per SM. On an H200 (Qwen3-30B-A3B layer) 0.70-0.94x the time of the 64 x 256 tile with
 /// 32-wide stages from 256 to 2048 tokens (353 µs at 256, 378 at 512, 401 at 768), and faster
-/// than the cuBLAS path up to 768 tokens (`bench/results/gpu-moe-tiles-h200-2026-12-03.md`).
+/// than the cuBLAS path up to 768 tokens (`bench/results/gpu-moe-wgmma-h200-2026-12-04.md`).
 pub(super) const LARGE: TileCfg = TileCfg {
     gate_up_fn: "moe_gate_up_large",
     down_fn: "moe_down_large",
@@ -72,10 +72,10 @@ pub(super) const LARGE: TileCfg = TileCfg {
 /// Prefill tile on Hopper (sm_90): the 64-row blocks of [`LARGE`] (the same alignment and
 /// workspace) against 128 weight rows, one warpgroup issuing `wgmma.mma_async` m64n128k16 from
 /// shared memory, 3 stages of 64-wide K; ~74 KiB of shared memory and 142 registers, 3 CTAs per
-/// SM. On an H200 (Qwen3-30B-A3B layer) 0.84-0.92x the time of [`LARGE`] from 128 to 768
-/// tokens and 0.67x at 2048; at 1024+ tokens within 0.9-1.4x of the cuBLAS path, which it
-/// replaces there: it needs no host synchronization (a 2048-token prefill 48.5 against 65.7 ms
-/// to the first token; `bench/results/gpu-moe-wgmma-h200-2026-12-04.md`).
+/// SM. On an H200 (Qwen3-30B-A3B layer) 0.85-0.91x the time of [`LARGE`] from 128 to 768
+/// tokens and 0.66x at 2048; at 1024+ tokens 0.88-1.36x the cuBLAS path's, which it replaces
+/// there: it needs no host synchronization (a 2048-token prefill 47.0 against 64.4 ms to the
+/// first token; `bench/results/gpu-moe-wgmma-h200-2026-12-04.md`).
 pub(super) const LARGE_WG: TileCfg = TileCfg {
     gate_up_fn: "moe_gate_up_wg",
     down_fn: "moe_down_wg",
