@@ -7,3 +7,45 @@ extern __shared__ uint4 moe_smem[];
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
 }
+
+// The global sources of one thread's cp.async copies in a tile of the grouped GEMMs (both
+// `moe_gemm` and `moe_gemm_wg`): A rows row0 + i * RSTEP of the BM-row block starting at sorted
+// row m0 (gate_up: the token p / top_k of the pair p in s_pair; down: the sorted row itself);
+// B rows row0 + i * RSTEP of expert `expert`'s weights for N tile blockIdx.x (gate_up: BN / 2
+// gate rows, then the matching BN / 2 up rows). A row of padding (p < 0) or past N gets ok =
+// false (its copies zero-fill) and a pointer inside the tensor. Pointers are at the thread's
+// 16-byte chunk `chunk` of the row.
+template <int A_IT, int B_IT, int RSTEP, int BN, bool GATE_UP>
+__device__ __forceinline__ void moe_tile_sources(
+        const unsigned short* a_src, const unsigned short* w, const int* s_pair, int expert,
+        long long m0, int row0, int chunk, int hidden, int inter, int top_k,
+        const unsigned short* (&a_ptr)[A_IT], bool (&a_ok)[A_IT],
+        const unsigned short* (&b_ptr)[B_IT], bool (&b_ok)[B_IT]) {
+    const int K = GATE_UP ? hidden : inter;
+    const int N = GATE_UP ? inter : hidden;
+#pragma unroll
+    for (int i = 0; i < A_IT; ++i) {
+        const int r = row0 + i * RSTEP;
+        const int p = s_pair[r];
+        a_ok[i] = p >= 0;
+        long long arow = 0;
+        if (a_ok[i]) arow = GATE_UP ? (long long)(p / top_k) : m0 + r;
+        a_ptr[i] = a_src + arow * K + chunk * 8;
+    }
+    const unsigned short* w_e = w + (size_t)expert * (size_t)(GATE_UP ? 2 * inter : hidden) * (size_t)K;
+#pragma unroll
+    for (int i = 0; i < B_IT; ++i) {
+        const int r = row0 + i * RSTEP;
+        int j, grow;
+        if (GATE_UP) {
+            const int up = r >= BN / 2 ? 1 : 0;
+            j = blockIdx.x * (BN / 2) + r - up * (BN / 2);
+            grow = up * inter + j;
+        } else {
+            j = blockIdx.x * BN + r;
+            grow = j;
+        }
+        b_ok[i] = j < N;
+        b_ptr[i] = w_e + (size_t)(b_ok[i] ? grow : 0) * K + chunk * 8;
+    }
+}

@@ -31,7 +31,6 @@ __device__ __forceinline__ void moe_gemm(
     const int expert = block_expert[blockIdx.y];
     if (expert < 0) return;  // CTA-uniform, before any barrier
     const int K = GATE_UP ? hidden : inter;
-    const int N = GATE_UP ? inter : hidden;
     const long long m0 = (long long)blockIdx.y * BM;
 
     unsigned short* sA = reinterpret_cast<unsigned short*>(moe_smem);
@@ -46,33 +45,10 @@ __device__ __forceinline__ void moe_gemm(
     const int row0 = tid / CPR;
     const unsigned short* a_ptr[A_IT];
     bool a_ok[A_IT];
-#pragma unroll
-    for (int i = 0; i < A_IT; ++i) {
-        const int r = row0 + i * RSTEP;
-        const int p = s_pair[r];
-        a_ok[i] = p >= 0;
-        long long arow = 0;
-        if (a_ok[i]) arow = GATE_UP ? (long long)(p / top_k) : m0 + r;
-        a_ptr[i] = a_src + arow * K + chunk * 8;
-    }
-    const unsigned short* w_e = w + (size_t)expert * (size_t)(GATE_UP ? 2 * inter : hidden) * (size_t)K;
     const unsigned short* b_ptr[B_IT];
     bool b_ok[B_IT];
-#pragma unroll
-    for (int i = 0; i < B_IT; ++i) {
-        const int r = row0 + i * RSTEP;
-        int j, grow;
-        if (GATE_UP) {
-            const int up = r >= BN / 2 ? 1 : 0;
-            j = blockIdx.x * (BN / 2) + r - up * (BN / 2);
-            grow = up * inter + j;
-        } else {
-            j = blockIdx.x * BN + r;
-            grow = j;
-        }
-        b_ok[i] = j < N;
-        b_ptr[i] = w_e + (size_t)(b_ok[i] ? grow : 0) * K + chunk * 8;
-    }
+    moe_tile_sources<A_IT, B_IT, RSTEP, BN, GATE_UP>(a_src, w, s_pair, expert, m0, row0, chunk, hidden,
+                                                    inter, top_k, a_ptr, a_ok, b_ptr, b_ok);
 
     const int KT = (K + BK - 1) / BK;
     auto load_stage = [&](int slot, int kt) {
