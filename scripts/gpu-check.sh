@@ -66,8 +66,11 @@
 #           (prefills of PREFILL_LENS tokens) for this tree and, when staged, base-omni-engine
 #           (twice each, interleaved)
 #   ab-wgmma the warpgroup-MMA expert GEMMs: MoE checks and timings, ncu on the prefill tiles
-#           and attention, model tests with OMNI_CUDA_MOE_WGMMA=1, bench latency prefills
-#           (PREFILL_LENS, default 512 2048) with it 0 and 1, interleaved
+#           and attention, model tests with OMNI_CUDA_MOE_WGMMA=1 (the default tiles), bench latency
+#           prefills (PREFILL_LENS, default 512 2048) with it 0 and 1, interleaved
+#   ab-wg2  the two-warpgroup expert GEMM (128-row blocks): MoE checks and timings, ncu on both
+#           warpgroup-MMA tiles, model tests, bench latency prefills (PREFILL_LENS, default
+#           512 1024 2048 4000) with OMNI_CUDA_MOE_WGMMA=64 and 128, interleaved
 #   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
 #           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
@@ -119,6 +122,12 @@ NGPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 } > "$LOGS/env.log" 2>&1
 cat "$LOGS/env.log"
 fail=0
+# Nsight Compute, when installed, and the sections the kernel probes collect.
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+  --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+  --section InstructionStats --section SourceCounters)
+
 step() { # name, command...
   local name=$1; shift
   echo "== $name: $*" | tee "$LOGS/$name.log"
@@ -319,11 +328,7 @@ if want ab-prefill; then
   # Nsight Compute on the prefill kernels, where the machine has it: throughput, occupancy, why
   # warps stall and where (the attention kernel at 2048 tokens; the expert GEMMs of the prefill
   # tile at 2048 tokens, after the two correctness launches of each).
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
-    NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
-      --section InstructionStats --section SourceCounters)
     step ncu-prefill-attn "$NCU" --kernel-name attn_prefill_hd128 --launch-count 1 "${NCU_SECTIONS[@]}" \
       "$BIN/backend-tests" attention_prefill_timing --test-threads=1
     step ncu-prefill-moe env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name 'regex:^moe_(gate_up|down)_large$' \
@@ -358,11 +363,7 @@ if want ab-wgmma; then
   # the wgmma path, then bench latency prefills of PREFILL_LENS tokens (Qwen3-30B-A3B shape)
   # with and without it, interleaved, WGMMA_ROUNDS times.
   step wg-moe "$BIN/backend-tests" cuda::moe --test-threads=1 --nocapture
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ]; then
-    NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
-      --section InstructionStats --section SourceCounters)
     for k in large wg; do
       step "ncu-moe-$k" env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name "regex:^moe_(gate_up|down)_$k\$" \
         --launch-skip 4 --launch-count 2 "${NCU_SECTIONS[@]}" \
@@ -376,6 +377,34 @@ if want ab-wgmma; then
   for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
     for n in ${PREFILL_LENS:-512 2048}; do
       for v in 0 1; do
+        step "prefill$n-wg$v-r$r-latency" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine" bench latency \
+          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
+          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
+          --input-len 1024 --output-len 8 --prefill-len "$n" \
+          --json "$LOGS/prefill$n-wg$v-r$r-latency.json"
+      done
+    done
+  done
+fi
+
+if want ab-wg2; then
+  # The two-warpgroup expert GEMM (128-row blocks) against the one-warpgroup tile: MoE checks
+  # and timings, Nsight Compute on both at 2048 tokens, the model tests on the default
+  # selection, then bench latency prefills (PREFILL_LENS) with OMNI_CUDA_MOE_WGMMA=64 and 128,
+  # interleaved, WGMMA_ROUNDS times.
+  step wg2-moe "$BIN/backend-tests" cuda::moe --test-threads=1 --nocapture
+  if [ -n "$NCU" ]; then
+    for k in wg wg2; do
+      step "ncu-moe-$k" env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name "regex:^moe_(gate_up|down)_$k\$" \
+        --launch-skip 4 --launch-count 2 "${NCU_SECTIONS[@]}" \
+        "$BIN/backend-tests" fused_moe_real_shape_and_timing --test-threads=1
+    done
+  fi
+  [ -x "$BIN/model-tests" ] && step wg2-model "$BIN/model-tests" --test-threads=1
+  [ -x "$BIN/moe-small-tests" ] && step wg2-moe-small "$BIN/moe-small-tests" --test-threads=1
+  for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
+    for n in ${PREFILL_LENS:-512 1024 2048 4000}; do
+      for v in 64 128; do
         step "prefill$n-wg$v-r$r-latency" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine" bench latency \
           --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
           --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \

@@ -1,16 +1,20 @@
 // The grouped expert GEMM on Hopper's warpgroup MMA (sm_90a): the same problem, arguments and
-// epilogue as `moe_gemm` (grouped_gemm.cu), one warpgroup of 4 warps per CTA computing a 64-row
-// block against BN weight rows with `wgmma.mma_async` m64nBNk16 (both operands read from shared
-// memory through matrix descriptors), fed by a STAGES-deep `cp.async` pipeline of 64-wide K
-// stages. Its `extern "C"` entry points are instantiated by the Rust side
+// epilogue as `moe_gemm` (grouped_gemm.cu). A CTA of WGS warpgroups (4 warps each) computes a
+// 64 * WGS-row block against BN weight rows: warpgroup wg issues `wgmma.mma_async` m64nBNk16 on
+// rows 64 wg .. 64 wg + 63 against the one weight tile they share (both operands read from
+// shared memory through matrix descriptors), fed by a STAGES-deep `cp.async` pipeline of
+// 64-wide K stages that all the CTA's threads fill. Two warpgroups halve the weight traffic per
+// row (the weight tile is read once for 128 rows); a warpgroup whose rows are all padding skips
+// its MMAs. Its `extern "C"` entry points are instantiated by the Rust side
 // (src/cuda/moe/source.rs), which also prepends bf16.cuh, moe/ptx.cuh, moe/common.cuh and the
 // generated `wgmma_m64n<BN>k16` wrappers.
 //
-// Shared memory (dynamic, rounded up to a 1024-byte boundary): STAGES A tiles [64][64] bf16,
-// STAGES B tiles [BN][64] bf16, then 64 ints. Every tile row is 128 bytes, stored with the
-// 128-byte swizzle the descriptors name: 16-byte chunk c of row r sits at chunk c ^ (r % 8), so
-// an 8-row group is one 1024-byte swizzle atom (the descriptor's stride byte offset) and the
-// K step ks of 16 elements starts 32 * ks bytes into the tile.
+// Shared memory (dynamic, rounded up to a 1024-byte boundary): STAGES A tiles [64 WGS][64]
+// bf16, STAGES B tiles [BN][64] bf16, then 64 WGS ints. Every tile row is 128 bytes, stored with
+// the 128-byte swizzle the descriptors name: 16-byte chunk c of row r sits at chunk c ^ (r % 8),
+// so an 8-row group is one 1024-byte swizzle atom (the descriptor's stride byte offset), the K
+// step ks of 16 elements starts 32 * ks bytes into the tile, and warpgroup wg's rows start
+// 8192 wg bytes into an A tile (a whole number of atoms).
 
 __device__ __forceinline__ unsigned wg_smem_u32(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -33,12 +37,12 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-template <int BN, int STAGES, bool GATE_UP>
+template <int BN, int STAGES, int WGS, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_wg(
         const unsigned short* __restrict__ a_src, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
         unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {
-    constexpr int BM = 64, BK = 64, NT = 128;
+    constexpr int BM = 64 * WGS, BK = 64, NT = 128 * WGS;
     constexpr int RSTEP = NT / 8;  // rows per pass: 8 chunks of 16 bytes per 128-byte row
     constexpr int A_IT = BM / RSTEP;
     constexpr int B_IT = BN / RSTEP;
@@ -46,6 +50,7 @@ __device__ __forceinline__ void moe_gemm_wg(
     constexpr int B_BYTES = BN * BK * 2;
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "wgmma N: a multiple of 16 up to 256");
     static_assert((BN / 2) % RSTEP == 0, "gate and up halves load whole passes");
+    static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
 
     moe_pdl_enter();
     const int expert = block_expert[blockIdx.y];
@@ -62,8 +67,8 @@ __device__ __forceinline__ void moe_gemm_wg(
     for (int r = tid; r < BM; r += NT) s_pair[r] = sorted_ids[m0 + r];
     __syncthreads();
 
-    // Each thread copies chunk `chunk` of rows row0 + i * RSTEP; those rows share row0 % 8, so
-    // the swizzled byte offset within a row is the same for all of them.
+    // Each thread copies chunk `chunk` of rows row0 + i * RSTEP; those rows share row0 % 8
+    // (RSTEP is a multiple of 8), so the swizzled byte offset within a row is the same for all.
     const int chunk = tid % 8;
     const int row0 = tid / 8;
     const int swz = ((chunk ^ (row0 & 7)) * 16);
@@ -101,8 +106,15 @@ __device__ __forceinline__ void moe_gemm_wg(
         cp_async_commit();
     }
 
-    // Accumulator element 4 * nb + q of thread (warp, lane): row warp * 16 + lane / 4 + 8 * (q / 2),
-    // column nb * 8 + 2 * (lane % 4) + q % 2 (the m16n8 layout, one m16 slab per warp).
+    // Warpgroup wg's rows; the alignment pads an expert's last block at its end, so when the
+    // first of them is padding they all are: the flag is uniform over the warpgroup, as wgmma
+    // requires. Taken through a vote so that ptxas sees it warp-uniform (read from shared memory
+    // it would count as divergent, and ptxas then serializes the wgmma instructions).
+    const int wg = tid >> 7;
+    const bool wg_rows = __all_sync(0xffffffffu, s_pair[wg * 64] >= 0);
+    // Accumulator element 4 * nb + q of thread (warp w of warpgroup wg, lane): row 64 wg + 16 w +
+    // lane / 4 + 8 * (q / 2), column nb * 8 + 2 * (lane % 4) + q % 2 (the m16n8 layout, one m16
+    // slab per warp).
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
@@ -116,21 +128,25 @@ __device__ __forceinline__ void moe_gemm_wg(
             if (nk < KT) load_stage(nk % STAGES, nk);
             cp_async_commit();
         }
-        const unsigned a_addr = base + (kt % STAGES) * A_BYTES;
-        const unsigned b_addr = base + STAGES * A_BYTES + (kt % STAGES) * B_BYTES;
-        wg_fence();
+        if (wg_rows) {
+            const unsigned a_addr = base + (kt % STAGES) * A_BYTES + wg * 64 * 128;
+            const unsigned b_addr = base + STAGES * A_BYTES + (kt % STAGES) * B_BYTES;
+            wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) wgmma_bf16<BN>(acc, wg_desc(a_addr + ks * 32), wg_desc(b_addr + ks * 32));
-        wg_commit();
-        wg_wait<0>();  // this warpgroup's MMAs of stage kt are done
+            for (int ks = 0; ks < BK / 16; ++ks)
+                wgmma_bf16<BN>(acc, wg_desc(a_addr + ks * 32), wg_desc(b_addr + ks * 32));
+            wg_commit();
+            wg_wait<0>();  // this warpgroup's MMAs of stage kt are done
+        }
     }
     cp_async_wait<0>();
 
-    const int lane = tid & 31, warp = tid >> 5;
+    if (!wg_rows) return;
+    const int lane = tid & 31, warp = (tid >> 5) & 3;
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + g + h * 8;
+        const int r = wg * 64 + warp * 16 + g + h * 8;
         const int p = s_pair[r];
         if (p < 0) continue;
         if constexpr (GATE_UP) {

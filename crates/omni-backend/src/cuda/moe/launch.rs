@@ -8,7 +8,7 @@ use super::cublas::{DEFAULT_QUANTUM, cublas_enabled};
 #[cfg(doc)]
 use super::fused_moe_workspace_bytes;
 use super::source::{ALIGN_FN, REDUCE_FN, TOPK_FN, WGMMA_ARCH, moe_source, moe_wgmma_source};
-use super::tiles::{TileCfg, wgmma_enabled};
+use super::tiles::{TileCfg, Wgmma, wgmma_env};
 use super::{Layout, MOE_MAX_EXPERTS, MoeShape};
 #[cfg(doc)]
 use crate::cuda::CudaError;
@@ -264,10 +264,14 @@ impl CudaContext {
         }
     }
 
-    /// Whether this device's MoE prefill steps run the warpgroup-MMA tile: an sm_90 device,
-    /// unless [`MOE_WGMMA_ENV`](super::MOE_WGMMA_ENV) is `0`.
-    pub(super) fn moe_wgmma(&self) -> bool {
-        self.info.compute_capability == (9, 0) && wgmma_enabled()
+    /// Which warpgroup-MMA tiles this device's MoE prefill steps run: on an sm_90 device as
+    /// [`MOE_WGMMA_ENV`](super::MOE_WGMMA_ENV) says, else none.
+    pub(super) fn moe_wgmma(&self) -> Wgmma {
+        if self.info.compute_capability == (9, 0) {
+            wgmma_env()
+        } else {
+            Wgmma::Off
+        }
     }
 
     /// The GEMMs [`CudaContext::fused_moe_bf16`] runs `shape` on: the tile of

@@ -24,10 +24,12 @@
 //! and a prefill tile (`BM = 64`, `BN = 128`, 32 x 64 warp tiles); the choice depends only on the
 //! average number of pairs per expert.
 //!
-//! On sm_90 (Hopper) the prefill steps, from 8 pairs per expert, run a third tile instead: the
-//! same 64-row blocks on warpgroup MMA (`wgmma.mma_async` m64n128k16 reading both operands from
-//! 128-byte-swizzled shared memory; `kernels/moe/grouped_gemm_wg.cu`, its own module compiled
-//! for `sm_90a`). `OMNI_CUDA_MOE_WGMMA=0` turns it off.
+//! On sm_90 (Hopper) the prefill steps, from 8 pairs per expert, run warpgroup-MMA tiles
+//! instead (`wgmma.mma_async` m64n128k16 reading both operands from 128-byte-swizzled shared
+//! memory; `kernels/moe/grouped_gemm_wg.cu`, its own module compiled for `sm_90a`): the same
+//! 64-row blocks with one warpgroup per CTA, and from 64 pairs per expert 128-row blocks with two
+//! warpgroups sharing each weight tile. `OMNI_CUDA_MOE_WGMMA` (`0` off, `64` / `128` one tile
+//! only) chooses.
 //!
 //! Elsewhere (or with it off), prefill steps of 64+ pairs per expert outside a CUDA graph
 //! capture run the two GEMMs on cuBLAS's grouped GEMM (`cublas.rs`): the counts go to the host
@@ -65,7 +67,7 @@ pub use tiles::MOE_WGMMA_ENV;
 #[cfg(doc)]
 use super::CudaContext;
 
-use tiles::{LARGE, SMALL, TileCfg};
+use tiles::{LARGE, LARGE_WG2, SMALL, TileCfg};
 
 /// Largest expert count the routing and alignment kernels support (their per-expert tables live
 /// in shared memory).
@@ -134,5 +136,6 @@ pub fn fused_moe_workspace_bytes(shape: MoeShape) -> usize {
     Layout::new(&shape, &SMALL)
         .total
         .max(Layout::new(&shape, &LARGE).total)
+        .max(Layout::new(&shape, &LARGE_WG2).total)
         .max(cublas::CublasLayout::new(&shape).total)
 }

@@ -3,7 +3,7 @@
 //! Hopper module (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`), with its generated
 //! `wgmma` wrappers.
 
-use super::tiles::{LARGE, LARGE_WG, SMALL, TileCfg};
+use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, SMALL, TileCfg};
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 
 /// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
@@ -41,18 +41,20 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
     let name = if gate_up { cfg.gate_up_fn } else { cfg.down_fn };
     if cfg.wgmma {
         let TileCfg {
+            bm,
             bn,
             stages,
             min_ctas,
             ..
         } = *cfg;
+        let (threads, wgs) = (cfg.threads(), bm / 64);
         return format!(
             r#"
-extern "C" __global__ void __launch_bounds__(128, {min_ctas}) {name}(
+extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
         const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
         unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
-    moe_gemm_wg<{bn}, {stages}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
+    moe_gemm_wg<{bn}, {stages}, {wgs}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
 }}
 "#
         );
@@ -125,11 +127,11 @@ template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, unsigned l
     )
 }
 
-/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], and in test builds the timing
-/// test's candidates.
+/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], and in test builds
+/// the timing test's candidates.
 fn wg_tiles() -> Vec<TileCfg> {
     #[allow(unused_mut)]
-    let mut v = vec![LARGE_WG];
+    let mut v = vec![LARGE_WG, LARGE_WG2];
     #[cfg(test)]
     v.extend(super::tiles::WG_CANDIDATES);
     v

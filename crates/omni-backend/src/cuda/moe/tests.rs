@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
 use super::launch::{MoeGemm, MoeOut};
-use super::tiles::LARGE_WG;
+use super::tiles::{LARGE_WG, LARGE_WG2, Wgmma};
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, bf16};
@@ -62,7 +62,7 @@ fn moe_workspace_bound_and_tiles() {
             top_k: 8,
         };
         let b = fused_moe_workspace_bytes(s);
-        for wgmma in [false, true] {
+        for wgmma in Wgmma::ALL {
             assert!(b >= Layout::new(&s, &TileCfg::select(&s, wgmma)).total);
         }
         assert!(b >= last);
@@ -70,6 +70,11 @@ fn moe_workspace_bound_and_tiles() {
     }
     assert!(LARGE.smem_bytes() <= 113 * 1024, "two prefill CTAs per SM");
     assert!(LARGE_WG.smem_bytes() <= 113 * 1024, "two wgmma CTAs per SM");
+    assert!(
+        LARGE_WG2.smem_bytes() <= 113 * 1024,
+        "two 2-warpgroup CTAs per SM"
+    );
+    assert_eq!((LARGE_WG2.bm, LARGE_WG2.threads()), (128, 256));
     // The warpgroup-MMA tile runs on the prefill tile's alignment and workspace.
     assert_eq!((LARGE_WG.bm, LARGE_WG.threads()), (LARGE.bm, 128));
 }
@@ -330,6 +335,7 @@ fn gemms(cx: &CudaContext) -> Vec<(&'static str, Option<MoeGemm>)> {
     ];
     if cx.info().compute_capability == (9, 0) {
         v.push(("wgmma", Some(MoeGemm::Tiles(LARGE_WG))));
+        v.push(("wgmma2", Some(MoeGemm::Tiles(LARGE_WG2))));
     }
     v
 }
@@ -503,7 +509,7 @@ fn fused_moe_after_gpu_routing_and_in_a_cuda_graph() {
         let eager_gemm = cx.select_gemm(&s).unwrap();
         assert_eq!(
             eager_gemm == CUBLAS,
-            t == 600 && cublas::cublas_enabled() && !cx.moe_wgmma(),
+            t == 600 && cublas::cublas_enabled() && cx.moe_wgmma() == Wgmma::Off,
             "t={t}: {eager_gemm:?}"
         );
 

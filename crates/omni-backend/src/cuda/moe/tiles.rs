@@ -3,16 +3,46 @@
 
 use super::MoeShape;
 
-/// `OMNI_CUDA_MOE_WGMMA=0` keeps sm_90 devices off the warpgroup-MMA tile ([`LARGE_WG`]):
-/// their prefill steps then run [`LARGE`] and the cuBLAS path, as other GPUs do. Unset or any
-/// other value: on.
+/// `OMNI_CUDA_MOE_WGMMA` picks the warpgroup-MMA tiles of sm_90 devices ([`Wgmma`]): `0` keeps
+/// them off (prefill steps then run [`LARGE`] and the cuBLAS path, as other GPUs do), `64` runs
+/// only the one-warpgroup tile [`LARGE_WG`], `128` the two-warpgroup tile [`LARGE_WG2`] wherever
+/// a warpgroup-MMA tile runs; unset or any other value: the default ([`Wgmma::Auto`]).
 pub const MOE_WGMMA_ENV: &str = "OMNI_CUDA_MOE_WGMMA";
 
-/// Whether [`MOE_WGMMA_ENV`] leaves the warpgroup-MMA tile on (the default).
-pub(super) fn wgmma_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(MOE_WGMMA_ENV).map_or(true, |v| v != "0"))
+/// Which warpgroup-MMA tiles an sm_90 device's MoE prefill steps run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wgmma {
+    /// None: [`LARGE`] and the cuBLAS path.
+    Off,
+    /// [`LARGE_WG`] only.
+    Rows64,
+    /// [`LARGE_WG2`] only.
+    Rows128,
+    /// [`LARGE_WG`], and [`LARGE_WG2`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
+    Auto,
 }
+
+impl Wgmma {
+    pub(super) const ALL: [Wgmma; 4] = [Wgmma::Off, Wgmma::Rows64, Wgmma::Rows128, Wgmma::Auto];
+
+    fn parse(v: Option<&str>) -> Self {
+        match v.map(str::trim) {
+            Some("0") => Wgmma::Off,
+            Some("64") => Wgmma::Rows64,
+            Some("128") => Wgmma::Rows128,
+            _ => Wgmma::Auto,
+        }
+    }
+}
+
+/// [`MOE_WGMMA_ENV`] as read once per process.
+pub(super) fn wgmma_env() -> Wgmma {
+    static MODE: std::sync::OnceLock<Wgmma> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| Wgmma::parse(std::env::var(MOE_WGMMA_ENV).ok().as_deref()))
+}
+
+/// Average pairs per expert from which [`Wgmma::Auto`] runs [`LARGE_WG2`].
+pub(super) const WG2_MIN_PAIRS_PER_EXPERT: usize = 64;
 
 /// One tile configuration of the grouped GEMMs (the template arguments of its entry points in
 /// the kernel source, emitted by `source.rs`).
@@ -31,8 +61,8 @@ pub(super) struct TileCfg {
     pub(super) stages: usize,
     /// `__launch_bounds__` minimum CTAs per SM.
     pub(super) min_ctas: usize,
-    /// Hopper's warpgroup MMA (`moe_gemm_wg`, sm_90a only; `bm` 64, `bk` 64, one warpgroup as
-    /// `warps_m` 4 x `warps_n` 1) rather than `mma.sync` (`moe_gemm`).
+    /// Hopper's warpgroup MMA (`moe_gemm_wg`, sm_90a only; `bk` 64, `bm` / 64 warpgroups as
+    /// `warps_m` 4 `bm` / 64 x `warps_n` 1) rather than `mma.sync` (`moe_gemm`).
     pub(super) wgmma: bool,
 }
 
@@ -83,6 +113,23 @@ pub(super) const LARGE_WG: TileCfg = TileCfg {
     bn: 128,
     bk: 64,
     warps_m: 4,
+    warps_n: 1,
+    stages: 3,
+    min_ctas: 2,
+    wgmma: true,
+};
+
+/// [`LARGE_WG`] on 128-row blocks: two warpgroups, each issuing m64n128k16 on its 64 rows
+/// against the one weight tile they share (half the weight traffic per row), 3 stages; ~98 KiB
+/// of shared memory, 2 CTAs per SM. Its blocks pad each expert's pairs to 128 rows (a
+/// warpgroup with only padding skips its MMAs), so it runs where experts get many pairs.
+pub(super) const LARGE_WG2: TileCfg = TileCfg {
+    gate_up_fn: "moe_gate_up_wg2",
+    down_fn: "moe_down_wg2",
+    bm: 128,
+    bn: 128,
+    bk: 64,
+    warps_m: 8,
     warps_n: 1,
     stages: 3,
     min_ctas: 2,
@@ -262,17 +309,21 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
 impl TileCfg {
     /// The tile the public entry point uses: the decode tile while the average expert gets at
     /// most 8 pairs, the prefill tile above (on an H200 at 16 pairs per expert, 256 tokens of
-    /// Qwen3-30B-A3B: 353 against 464 µs; at 8 the decode tile took 336). With `wgmma` (an
-    /// sm_90 device, [`MOE_WGMMA_ENV`] on) [`LARGE_WG`] from 8 pairs per expert (310 µs there).
-    pub(super) fn select(shape: &MoeShape, wgmma: bool) -> Self {
-        let per_expert_8 = 8 * shape.num_experts;
-        if wgmma && shape.pairs() >= per_expert_8 {
-            LARGE_WG
-        } else if shape.pairs() <= per_expert_8 {
-            SMALL
-        } else {
-            LARGE
+    /// Qwen3-30B-A3B: 353 against 464 µs; at 8 the decode tile took 336). On sm_90 with the
+    /// warpgroup-MMA tiles on, from 8 pairs per expert [`LARGE_WG`] (310 µs there) or
+    /// [`LARGE_WG2`] as `wgmma` says.
+    pub(super) fn select(shape: &MoeShape, wgmma: Wgmma) -> Self {
+        let per_expert = |n: usize| n * shape.num_experts;
+        let pairs = shape.pairs();
+        match wgmma {
+            Wgmma::Off => {}
+            _ if pairs < per_expert(8) => {}
+            Wgmma::Rows64 => return LARGE_WG,
+            Wgmma::Rows128 => return LARGE_WG2,
+            Wgmma::Auto if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_WG2,
+            Wgmma::Auto => return LARGE_WG,
         }
+        if pairs <= per_expert(8) { SMALL } else { LARGE }
     }
 
     pub(super) fn threads(&self) -> usize {
