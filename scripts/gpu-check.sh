@@ -71,6 +71,9 @@
 #   ab-wg2  the two-warpgroup expert GEMM (128-row blocks): MoE checks and timings, ncu on both
 #           warpgroup-MMA tiles, model tests, bench latency prefills (PREFILL_LENS, default
 #           512 1024 2048 4000) with OMNI_CUDA_MOE_WGMMA=64 and 128, interleaved
+#   ab-attn-wg the warpgroup-MMA prefill attention: its checks, every attention check with
+#           OMNI_CUDA_ATTN_WGMMA=1, prefill tiling timings, ncu, model tests with it on, bench
+#           latency prefills (PREFILL_LENS, default 512 2048 4000) with it 0 and ATTN_WG_TILES
 #   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
 #           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
@@ -410,6 +413,32 @@ if want ab-wg2; then
           --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
           --input-len 1024 --output-len 8 --prefill-len "$n" \
           --json "$LOGS/prefill$n-wg$v-r$r-latency.json"
+      done
+    done
+  done
+fi
+
+if want ab-attn-wg; then
+  # The warpgroup-MMA prefill attention (OMNI_CUDA_ATTN_WGMMA): its checks against the CPU and
+  # every attention check through it, the prefill tiling timings, ncu on it at 2048 tokens,
+  # the model tests with it on, then bench latency prefills (PREFILL_LENS) with it off and on
+  # (ATTN_WG_TILES, default `1`: the picked tiling), interleaved, WGMMA_ROUNDS times.
+  step attn-wg-check "$BIN/backend-tests" wgmma_prefill emu_wg paged_attention_mixed --test-threads=1 --nocapture
+  step attn-wg-all env OMNI_CUDA_ATTN_WGMMA=1 "$BIN/backend-tests" cuda::attention --skip timing --test-threads=1
+  step attn-wg-timing "$BIN/backend-tests" attention_prefill_timing --test-threads=1 --nocapture
+  if [ -n "$NCU" ]; then
+    step ncu-attn-wg "$NCU" --kernel-name regex:^attn_prefill_wg_hd128_w2_n64$ --launch-count 1 "${NCU_SECTIONS[@]}" \
+      "$BIN/backend-tests" attention_prefill_timing --test-threads=1
+  fi
+  [ -x "$BIN/model-tests" ] && step attn-wg-model env OMNI_CUDA_ATTN_WGMMA=1 "$BIN/model-tests" --test-threads=1
+  for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
+    for n in ${PREFILL_LENS:-512 2048 4000}; do
+      for v in 0 ${ATTN_WG_TILES:-1}; do
+        step "prefill$n-attnwg$v-r$r-latency" env OMNI_CUDA_ATTN_WGMMA=$v "$BIN/omni-engine" bench latency \
+          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
+          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
+          --input-len 1024 --output-len 8 --prefill-len "$n" \
+          --json "$LOGS/prefill$n-attnwg$v-r$r-latency.json"
       done
     done
   done

@@ -171,9 +171,9 @@ mod tests {
     }
 
     /// The architecture a module of [`every_module`] is checked for: `sm_90`, or `sm_90a` for
-    /// the Hopper-only MoE module.
+    /// the Hopper-only MoE and attention modules.
     fn module_arch(what: &str) -> &'static str {
-        if what == "moe wgmma" {
+        if what == "moe wgmma" || what == "attention wgmma" {
             moe::source::WGMMA_ARCH
         } else {
             "sm_90"
@@ -197,6 +197,10 @@ mod tests {
             ),
             ("moe".to_string(), moe::source::moe_source()),
             ("moe wgmma".to_string(), moe::source::moe_wgmma_source()),
+            (
+                "attention wgmma".to_string(),
+                attention::source::attn_wgmma_source(),
+            ),
             ("moe small".to_string(), moe::small::moe_small_source()),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),

@@ -4,13 +4,15 @@ use std::ffi::c_void;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::source::{REDUCE_FN, hd_kernels, reduce_source};
+use super::source::{REDUCE_FN, attn_wgmma_source, hd_kernels, reduce_source};
 use super::{
     ATTN_COUNTERS, AttnShape, DECODE_THREADS, DecodePlan, GROUP_TILES, MAX_FUSED_PARTS,
-    MAX_PARTITION, PrefillTile, REDUCE_THREADS, TC_TILE, decode_plan, decode_workspace_len,
-    group_size, prefill_cfg, tc_smem_bytes,
+    MAX_PARTITION, PrefillTile, REDUCE_THREADS, TC_TILE, WGMMA_HEAD_DIM, decode_plan,
+    decode_workspace_len, group_size, prefill_cfg, tc_smem_bytes, wgmma_prefill_enabled,
+    wgmma_prefill_for,
 };
 use crate::cuda::launch::{aligned16, at_least, grid_yz, max_dynamic_smem, narrow, shape_err};
+use crate::cuda::moe::source::WGMMA_ARCH;
 use crate::cuda::{CudaContext, CudaResult, bf16};
 
 impl CudaContext {
@@ -74,7 +76,12 @@ impl CudaContext {
         plan: DecodePlan,
     ) -> CudaResult<()> {
         let kernels = hd_kernels(shape.head_dim)?;
-        let prefill = (prefill_cfg(shape.head_dim), kernels.prefill);
+        let prefill = wgmma_prefill_for(
+            shape.head_dim,
+            self.info.compute_capability,
+            wgmma_prefill_enabled(),
+        )
+        .unwrap_or((prefill_cfg(shape.head_dim), kernels.prefill));
         self.paged_attention_tiled(
             q,
             k_cache,
@@ -317,7 +324,19 @@ impl CudaContext {
             }
         } else {
             let bm = 16 * tile.warps;
-            let f = self.function(kernels.source, prefill_fn)?;
+            let f = if tile.wgmma {
+                if sh.head_dim != WGMMA_HEAD_DIM || self.info.compute_capability != (9, 0) {
+                    return Err(crate::Error::Metadata(format!(
+                        "cuda paged attention: the wgmma prefill kernel needs head_dim \
+                         {WGMMA_HEAD_DIM} on compute capability 9.0, not head_dim {} on {:?}",
+                        sh.head_dim, self.info.compute_capability
+                    ))
+                    .into());
+                }
+                self.function_for(attn_wgmma_source, prefill_fn, WGMMA_ARCH)?
+            } else {
+                self.function(kernels.source, prefill_fn)?
+            };
             let smem = max_dynamic_smem(
                 &f,
                 "attention prefill shared memory",
@@ -349,9 +368,10 @@ impl CudaContext {
                 .arg(&mbps)
                 .arg(&scale_log2);
             // SAFETY: the arguments match `attn_prefill_hd*(const u16* x3, u16*, const int* x3,
-            // int x6, float)` of the instance of `tile`; the block has 32 * warps threads and
-            // (BM + 2 BN) * HD bf16 of dynamic shared memory, as that instance assumes (limit
-            // raised above). q/out rows are read and
+            // int x6, float)` (the wgmma entries `attn_prefill_wg_hd128_*` take the same list)
+            // of the instance of `tile`; the block has 32 * warps threads and the dynamic shared
+            // memory `tile.smem_bytes` gives, as that instance assumes (limit raised above; the
+            // wgmma kernel only runs at head_dim 128 on sm_90, checked). q/out rows are read and
             // written only below num_tokens, metadata entries only for s < num_seqs (grid z),
             // table indices are clamped below max_blocks_per_seq and block ids into the caches'
             // num_blocks (checked); all bf16 pointers are 16-byte aligned (checked).

@@ -22,7 +22,10 @@
 //! * **prefill / mixed** (`max_query_len > 1`): flash-attention 2 on tensor cores
 //!   (`mma.sync.m16n8k16` bf16 with `ldmatrix`, f32 accumulation, online softmax), K/V tiles
 //!   gathered from the paged cache through the block table with `cp.async`. Decode rows of a
-//!   mixed batch go through it too.
+//!   mixed batch go through it too. With [`PREFILL_WGMMA_ENV`] on an sm_90 device at head_dim
+//!   128, a Hopper kernel instead (`prefill_wg.cu`, sm_90a): warpgroup MMAs (`wgmma`) of 64
+//!   query rows per warpgroup, Q and double-buffered K/V tiles in 128-byte-swizzled shared
+//!   memory, P from registers.
 //!
 //! The launch grid depends only on host scalars; every per-sequence value (query range, context
 //! length, blocks) is read on the device and CTAs with nothing to do exit at once. So
@@ -42,6 +45,8 @@
 mod emu;
 #[cfg(test)]
 mod emu_tc;
+#[cfg(test)]
+mod emu_wg;
 mod launch;
 pub(super) mod source;
 #[cfg(test)]
@@ -291,13 +296,89 @@ pub(super) struct PrefillTile {
     pub(super) qreg: bool,
     /// `__launch_bounds__` minimum CTAs per SM (0: none; the compiler picks the registers).
     pub(super) min_ctas: usize,
+    /// The Hopper kernel (`prefill_wg.cu`, sm_90a, head_dim [`WGMMA_HEAD_DIM`] only): `warps /
+    /// 4` warpgroups of 64 query rows on `wgmma`, two stages of K and V tiles (`qreg` unused).
+    pub(super) wgmma: bool,
 }
 
 impl PrefillTile {
-    /// Dynamic shared memory: the Q tile and one K and one V tile.
+    /// Dynamic shared memory: the Q tile and one K and one V tile; for the wgmma kernel, room
+    /// to align to 1024 bytes, the Q tile, two stages of K and V tiles and three tiles' cache
+    /// slots (i32).
     pub(super) fn smem_bytes(&self, head_dim: usize) -> usize {
-        (16 * self.warps + 2 * self.bn) * head_dim * 2
+        if self.wgmma {
+            1024 + (16 * self.warps + 4 * self.bn) * head_dim * 2 + 3 * self.bn * 4
+        } else {
+            (16 * self.warps + 2 * self.bn) * head_dim * 2
+        }
     }
+}
+
+/// The only head dimension of the wgmma prefill kernel.
+pub(super) const WGMMA_HEAD_DIM: usize = 128;
+
+/// A wgmma prefill tiling of `wgs` warpgroups (64 query rows each) and `bn`-key tiles.
+const fn wg_tile(wgs: usize, bn: usize, min_ctas: usize) -> PrefillTile {
+    PrefillTile {
+        warps: 4 * wgs,
+        bn,
+        qreg: false,
+        min_ctas,
+        wgmma: true,
+    }
+}
+
+/// The wgmma prefill tilings with their entry points (`source::attn_wgmma_source`; test builds
+/// compile all of them for the timing, others only [`WGMMA_PREFILL_PICK`]'s). The minimum CTAs
+/// per SM are what the shared memory allows (228 KiB per SM).
+pub(super) const WGMMA_PREFILL: [(PrefillTile, &str); 4] = [
+    (wg_tile(1, 64, 2), "attn_prefill_wg_hd128_w1_n64"),
+    (wg_tile(2, 64, 1), "attn_prefill_wg_hd128_w2_n64"),
+    (wg_tile(1, 128, 1), "attn_prefill_wg_hd128_w1_n128"),
+    (wg_tile(2, 128, 1), "attn_prefill_wg_hd128_w2_n128"),
+];
+
+/// The tiling of [`WGMMA_PREFILL`] that [`PREFILL_WGMMA_ENV`]` = 1` turns on (not yet measured:
+/// the first H200 timing, `attention_prefill_timing`, picks it).
+pub(super) const WGMMA_PREFILL_PICK: usize = 1;
+
+/// Set to `1`, prefill attention (`max_query_len > 1`) at head_dim 128 on an sm_90 device runs
+/// on the warpgroup-MMA kernel (`prefill_wg.cu`) instead of the `mma.sync` one, tiled as
+/// [`WGMMA_PREFILL_PICK`]; set to a tiling's name (`w1_n64`, `w2_n64`, `w1_n128`, `w2_n128`:
+/// warpgroups per CTA, keys per tile), on that tiling. Off by default until it is measured on
+/// an H200. Decode steps are unchanged. Read once per process.
+pub const PREFILL_WGMMA_ENV: &str = "OMNI_CUDA_ATTN_WGMMA";
+
+/// The index into [`WGMMA_PREFILL`] a value of [`PREFILL_WGMMA_ENV`] selects, if any.
+fn wgmma_prefill_choice(v: &str) -> Option<usize> {
+    if v == "1" {
+        return Some(WGMMA_PREFILL_PICK);
+    }
+    WGMMA_PREFILL
+        .iter()
+        .position(|(_, name)| name.strip_prefix("attn_prefill_wg_hd128_") == Some(v))
+}
+
+/// The tiling [`PREFILL_WGMMA_ENV`] turns on, if any.
+fn wgmma_prefill_enabled() -> Option<usize> {
+    static ON: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var(PREFILL_WGMMA_ENV)
+            .ok()
+            .and_then(|v| wgmma_prefill_choice(v.trim()))
+    })
+}
+
+/// The wgmma prefill tiling and entry point for `head_dim` on a device of compute capability
+/// `cc` when `enabled` (an index into [`WGMMA_PREFILL`], from [`PREFILL_WGMMA_ENV`]), or `None`
+/// (the `mma.sync` kernel).
+fn wgmma_prefill_for(
+    head_dim: usize,
+    cc: (i32, i32),
+    enabled: Option<usize>,
+) -> Option<(PrefillTile, &'static str)> {
+    let i = enabled?;
+    (cc == (9, 0) && head_dim == WGMMA_HEAD_DIM).then_some(WGMMA_PREFILL[i])
 }
 
 /// Prefill kernel tiling for `head_dim` (the `attn_prefill_hd{HD}` entry point).
@@ -308,6 +389,7 @@ fn prefill_cfg(head_dim: usize) -> PrefillTile {
             bn: 64,
             qreg: true,
             min_ctas: 0,
+            wgmma: false,
         }
     } else {
         PrefillTile {
@@ -315,6 +397,7 @@ fn prefill_cfg(head_dim: usize) -> PrefillTile {
             bn: 32,
             qreg: false,
             min_ctas: 0,
+            wgmma: false,
         }
     }
 }
@@ -330,6 +413,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             bn: 64,
             qreg: true,
             min_ctas: 3,
+            wgmma: false,
         },
         "attn_prefill_hd128_w4_n64_b3",
     ),
@@ -339,6 +423,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             bn: 64,
             qreg: false,
             min_ctas: 3,
+            wgmma: false,
         },
         "attn_prefill_hd128_w4_n64_qs_b3",
     ),
@@ -348,6 +433,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             bn: 32,
             qreg: false,
             min_ctas: 4,
+            wgmma: false,
         },
         "attn_prefill_hd128_w4_n32_qs_b4",
     ),
@@ -357,6 +443,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             bn: 64,
             qreg: true,
             min_ctas: 0,
+            wgmma: false,
         },
         "attn_prefill_hd128_w8_n64",
     ),
@@ -366,6 +453,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             bn: 32,
             qreg: true,
             min_ctas: 0,
+            wgmma: false,
         },
         "attn_prefill_hd128_w8_n32",
     ),
@@ -375,6 +463,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             bn: 32,
             qreg: true,
             min_ctas: 0,
+            wgmma: false,
         },
         "attn_prefill_hd128_w4_n32",
     ),

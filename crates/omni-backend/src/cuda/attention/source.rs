@@ -1,9 +1,11 @@
 //! The attention kernels' source: `kernels/attention/*.cu(h)` after the bf16 helpers, with the
-//! `extern "C"` entry points instantiated per head dimension (and, for decode, per GQA tile).
+//! `extern "C"` entry points instantiated per head dimension (and, for decode, per GQA tile);
+//! and the Hopper module (sm_90a) of the warpgroup-MMA prefill (`prefill_wg.cu`) with its
+//! generated `wgmma` wrappers.
 
 use super::{
     ATTN_COUNTERS, DECODE_THREADS, GROUP_TILES, MAX_FUSED_PARTS, PrefillTile, SUPPORTED_HEAD_DIMS,
-    TC_TILE, prefill_cfg,
+    TC_TILE, WGMMA_HEAD_DIM, WGMMA_PREFILL, prefill_cfg,
 };
 use crate::cuda::CudaResult;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
@@ -16,6 +18,8 @@ const DECODE_TEMPLATE: &str = kernel_file!("attention/decode.cu");
 const PREFILL_TEMPLATE: &str = kernel_file!("attention/prefill.cu");
 /// Flash-decoding on tensor cores (the GQA group as the MMA's rows).
 const DECODE_TC_TEMPLATE: &str = kernel_file!("attention/decode_tc.cu");
+/// Flash-attention prefill on warpgroup MMA (sm_90a, head_dim 128).
+const PREFILL_WG_TEMPLATE: &str = kernel_file!("attention/prefill_wg.cu");
 /// Decode partial merge.
 const REDUCE_BODY: &str = kernel_file!("attention/reduce.cu");
 
@@ -125,6 +129,7 @@ fn prefill_entry(hd: usize, tile: &PrefillTile, name: &str) -> String {
         bn,
         qreg,
         min_ctas,
+        ..
     } = *tile;
     let threads = 32 * warps;
     let bounds = if min_ctas > 0 {
@@ -145,4 +150,115 @@ fn prefill_entry(hd: usize, tile: &PrefillTile, name: &str) -> String {
 /// The decode reduce kernel.
 pub(crate) fn reduce_source() -> String {
     format!("{BF16_HELPERS}{ATTN_COMMON}{REDUCE_BODY}")
+}
+
+/// The wgmma prefill tilings this build compiles: every one of [`WGMMA_PREFILL`]
+/// ([`PREFILL_WGMMA_ENV`](super::PREFILL_WGMMA_ENV) can name any of them).
+fn wg_tiles() -> Vec<(PrefillTile, &'static str)> {
+    WGMMA_PREFILL.to_vec()
+}
+
+/// `apw_qk<n>(d, da, db, first)`: one `wgmma.mma_async` m64n{n}k16, bf16 in, f32 into the
+/// `n / 2` floats of `d` (overwriting them when `first`: scale-d 0 and write-only operands, so
+/// the compiler moves no stale values into them while another wgmma is in flight; else added),
+/// A and B from shared memory, both K-major. `first` must be a compile-time constant.
+fn wgmma_qk_wrapper(n: usize) -> String {
+    let regs = n / 2;
+    let outs = (0..regs)
+        .map(|i| format!("%{i}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let cons = (0..regs)
+        .map(|i| format!("\"+f\"(d[{i}])"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let outs_w = (0..regs)
+        .map(|i| format!("\"=f\"(d[{i}])"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (da, db, sd) = (regs, regs + 1, regs + 2);
+    format!(
+        r#"
+template <> __device__ __forceinline__ void apw_qk<{n}>(float* d, unsigned long long da, unsigned long long db, bool first) {{
+    if (first) {{
+        asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{da}, %{db}, p, 1, 1, 0, 0;\n}}\n"
+                     : {outs_w}
+                     : "l"(da), "l"(db), "r"(0));
+    }} else {{
+        asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{da}, %{db}, p, 1, 1, 0, 0;\n}}\n"
+                     : {cons}
+                     : "l"(da), "l"(db), "r"(1));
+    }}
+}}
+"#
+    )
+}
+
+/// `apw_pv(d, a, db)`: one `wgmma.mma_async` m64n{hd}k16 accumulating into the `hd / 2` floats of
+/// `d`, A from the four bf16x2 registers `a`, B from shared memory MN-major (transpose-B 1).
+fn wgmma_pv_wrapper(hd: usize) -> String {
+    let regs = hd / 2;
+    let outs = (0..regs)
+        .map(|i| format!("%{i}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let cons = (0..regs)
+        .map(|i| format!("\"+f\"(d[{i}])"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let a = (regs..regs + 4)
+        .map(|i| format!("%{i}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (db, sd) = (regs + 4, regs + 5);
+    format!(
+        r#"
+__device__ __forceinline__ void apw_pv(float* d, const u32* a, unsigned long long db) {{
+    asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n{hd}k16.f32.bf16.bf16 {{{outs}}}, {{{a}}}, %{db}, p, 1, 1, 1;\n}}\n"
+                 : {cons}
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}}
+"#
+    )
+}
+
+/// The `extern "C"` entry point `name` instantiating `attn_prefill_wg` with `tile` (the
+/// arguments of [`prefill_entry`]'s).
+fn prefill_wg_entry(tile: &PrefillTile, name: &str) -> String {
+    let wgs = tile.warps / 4;
+    let (bn, threads, min_ctas) = (tile.bn, 32 * tile.warps, tile.min_ctas.max(1));
+    format!(
+        "extern \"C\" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(\
+         const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \
+         const int* seq_lens, const int* bt, int num_tokens, int num_heads, int nkv, int bs, \
+         int num_blocks, int mbps, float scale_log2) {{ \
+         attn_prefill_wg<{wgs}, {bn}>(q, kc, vc, out, qsl, seq_lens, bt, num_tokens, num_heads, \
+         nkv, bs, num_blocks, mbps, scale_log2); }}\n"
+    )
+}
+
+/// The Hopper prefill module (compiled for `sm_90a`): `prefill_wg.cu` after the common helpers
+/// and the generated wrappers, with the entry points of [`wg_tiles`].
+pub(crate) fn attn_wgmma_source() -> String {
+    let tiles = wg_tiles();
+    let mut src = format!(
+        "{BF16_HELPERS}{ATTN_COMMON}\
+         template <int N> __device__ __forceinline__ void apw_qk(float* d, unsigned long long da, \
+         unsigned long long db, bool first);\n"
+    );
+    let mut widths: Vec<usize> = tiles.iter().map(|(t, _)| t.bn).collect();
+    widths.sort_unstable();
+    widths.dedup();
+    for n in widths {
+        src.push_str(&wgmma_qk_wrapper(n));
+    }
+    src.push_str(&wgmma_pv_wrapper(WGMMA_HEAD_DIM));
+    src.push_str(PREFILL_WG_TEMPLATE);
+    for (tile, name) in tiles {
+        src.push_str(&prefill_wg_entry(&tile, name));
+    }
+    src
 }

@@ -5,7 +5,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::emu::{cuda_core_plan, tensor_core_plan, unfused_plan};
-use super::source::{REDUCE_FN, hd_kernels, reduce_source};
+use super::source::{REDUCE_FN, attn_wgmma_source, hd_kernels, reduce_source};
 use super::*;
 use crate::attention::{AttentionMetadata, LayerKvCache, paged_attention, reshape_and_cache};
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
@@ -23,6 +23,35 @@ fn every_head_dim_source_defines_its_entry_points() {
             assert!(src.contains(name), "{name} missing from the hd{hd} source");
         }
     }
+}
+
+/// The Hopper module defines every wgmma entry point (test builds compile all of them), and the
+/// environment switch picks one only for head_dim 128 on sm_90.
+#[test]
+fn wgmma_prefill_source_and_selection() {
+    let src = attn_wgmma_source();
+    for (tile, name) in WGMMA_PREFILL {
+        assert!(src.contains(name), "{name} missing from the wgmma source");
+        assert!(tile.wgmma && tile.warps % 4 == 0 && tile.min_ctas >= 1);
+        // Within the 227 KiB a CTA may have, and min_ctas of them within the SM's 228 KiB
+        // (1 KiB of each reserved).
+        let smem = tile.smem_bytes(WGMMA_HEAD_DIM);
+        assert!(
+            smem <= 227 * 1024 && tile.min_ctas * (smem + 1024) <= 228 * 1024,
+            "{name}"
+        );
+    }
+    let pick = WGMMA_PREFILL[WGMMA_PREFILL_PICK];
+    let on = wgmma_prefill_choice("1");
+    assert_eq!(on, Some(WGMMA_PREFILL_PICK));
+    assert_eq!(wgmma_prefill_choice("w1_n128"), Some(2));
+    assert_eq!(wgmma_prefill_choice("0"), None);
+    assert_eq!(wgmma_prefill_choice("w3_n64"), None);
+    assert_eq!(wgmma_prefill_for(128, (9, 0), on), Some(pick));
+    assert_eq!(wgmma_prefill_for(128, (9, 0), None), None);
+    assert_eq!(wgmma_prefill_for(64, (9, 0), on), None);
+    assert_eq!(wgmma_prefill_for(128, (8, 9), on), None);
+    assert_eq!(wgmma_prefill_for(128, (10, 0), on), None);
 }
 
 #[test]
@@ -240,6 +269,56 @@ impl Fixture {
         cx.download_f32(&out).unwrap()
     }
 
+    /// The prefill path of `shape` on the tiling `prefill` (a `PrefillTile` and its entry).
+    fn run_tiled(
+        &self,
+        cx: &CudaContext,
+        shape: &AttnShape,
+        prefill: (PrefillTile, &'static str),
+    ) -> Vec<f32> {
+        let mut out = cx.zeros_bf16(self.want.len()).unwrap();
+        let mut ws = cx.stream().alloc_zeros::<f32>(1).unwrap();
+        cx.paged_attention_tiled(
+            &self.dq,
+            &self.dk_cache,
+            &self.dv_cache,
+            &mut out,
+            &self.dqsl,
+            &self.dseq,
+            &self.dbt,
+            &mut ws,
+            shape,
+            decode_plan(shape),
+            prefill,
+        )
+        .unwrap();
+        cx.download_f32(&out).unwrap()
+    }
+
+    /// Every wgmma prefill tiling on `shape` against the CPU reference (prints and returns
+    /// the outputs).
+    fn check_wgmma(&self, cx: &CudaContext, what: &str, shape: &AttnShape) -> Vec<Vec<f32>> {
+        WGMMA_PREFILL
+            .iter()
+            .map(|&(tile, name)| {
+                let got = self.run_tiled(cx, shape, (tile, name));
+                let err = rel_err(&got, &self.want);
+                println!(
+                    "attention check {what} {name}: nh {} nkv {} bs {} tokens {} max_q {} max_ctx {} (grid bound q {}): rel_err {err:.3e}",
+                    self.nh,
+                    self.nkv,
+                    self.bs,
+                    self.num_tokens,
+                    self.max_q,
+                    self.max_ctx,
+                    shape.max_query_len
+                );
+                assert!(err <= 2e-2, "{what} {name}: rel_err {err}");
+                got
+            })
+            .collect()
+    }
+
     fn check(&self, cx: &CudaContext, what: &str, shape: &AttnShape) -> Vec<f32> {
         self.check_plan(cx, what, shape, decode_plan(shape))
     }
@@ -318,8 +397,57 @@ fn paged_attention_mixed_batches_match_cpu() {
             let fx = Fixture::new(&cx, nh, nkv, hd, bs, seqs, 100 + (10 * i + j) as u64);
             let sh = fx.shape(fx.max_q, fx.max_ctx);
             fx.check(&cx, "mixed", &sh);
+            if hd == WGMMA_HEAD_DIM && cx.info().compute_capability == (9, 0) {
+                fx.check_wgmma(&cx, "mixed", &sh);
+            }
         }
     }
+}
+
+/// The wgmma prefill kernels (sm_90 only) against the CPU reference: ragged chunks with and
+/// without a cached prefix (ctx0 > 0), lengths off the tiles, decode rows in the same launch,
+/// GQA groups of 1 to 8, odd block sizes, a grid bound above the longest query (identical
+/// bits), and long prefills.
+#[test]
+fn wgmma_prefill_matches_cpu() {
+    let Some(cx) = ctx_or_skip("wgmma_prefill_matches_cpu") else {
+        return;
+    };
+    if cx.info().compute_capability != (9, 0) {
+        println!("SKIP wgmma_prefill_matches_cpu: not an sm_90 device");
+        return;
+    }
+    let ragged = vec![
+        (200, 200),
+        (150, 70),
+        (1, 1),
+        (77, 1),
+        (513, 64),
+        (64, 64),
+        (129, 65),
+        (300, 2),
+        (128, 128),
+        (700, 257),
+        (191, 191),
+    ];
+    let configs: [(usize, usize, usize); 4] = [(8, 1, 16), (32, 4, 16), (4, 4, 5), (6, 2, 32)];
+    for (i, &(nh, nkv, bs)) in configs.iter().enumerate() {
+        for (j, seqs) in [ragged.clone(), random_mix(31 + i as u64, 12, 600)]
+            .iter()
+            .enumerate()
+        {
+            let fx = Fixture::new(&cx, nh, nkv, 128, bs, seqs, 300 + (10 * i + j) as u64);
+            let exact = fx.check_wgmma(&cx, "wgmma", &fx.shape(fx.max_q, fx.max_ctx));
+            let loose = fx.check_wgmma(&cx, "wgmma loose", &fx.shape(fx.max_q + 200, 8192));
+            for ((e, l), (_, name)) in exact.iter().zip(&loose).zip(WGMMA_PREFILL) {
+                assert_eq!(e, l, "{name}: an upper-bound grid differs");
+            }
+        }
+    }
+    // A long causal prefill and a long chunk after a cached prefix (8 query heads per KV head,
+    // as the 30B-A3B shape; fewer heads keep the CPU reference short).
+    let fx = Fixture::new(&cx, 8, 1, 128, 16, &[(1200, 1200), (1600, 300)], 399);
+    fx.check_wgmma(&cx, "wgmma long", &fx.shape(fx.max_q, fx.max_ctx));
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! `scripts/gpu-check.sh`): decode at batch 1 and 64 for the Qwen3-30B-A3B (32/4 heads) and
 //! Qwen3-8B (32/8) shapes, with the plan in use and the unfused plan of 64-token partitions
 //! and a reduce kernel (before the fused merge), eager and replayed from a CUDA graph; the
-//! tensor-core prefill.
+//! tensor-core prefill (`mma.sync` tilings and, on sm_90, the wgmma ones) at 32/8 and 32/4 heads.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -220,8 +220,18 @@ fn attention_prefill_timing() {
     let Some(cx) = ctx_or_skip("attention_prefill_timing") else {
         return;
     };
-    let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
-    let time_us = |f: &mut dyn FnMut()| eager_us(&cx, f);
+    // The Qwen3-8B (32/8) and Qwen3-30B-A3B (32/4) heads.
+    for nkv in [8usize, 4] {
+        prefill_timing(&cx, 32, nkv);
+    }
+}
+
+/// One causal prefill of 2048 tokens at `nh` / `nkv` heads, head_dim 128: the default kernel,
+/// the `mma.sync` candidates and, on sm_90, every wgmma tiling, each checked against the
+/// default's output.
+fn prefill_timing(cx: &CudaContext, nh: usize, nkv: usize) {
+    let (hd, bs) = (128usize, 16usize);
+    let time_us = |f: &mut dyn FnMut()| eager_us(cx, f);
     // Prefill: one sequence of 2048 tokens.
     let t = 2048usize;
     let bps = t / bs;
@@ -254,10 +264,28 @@ fn attention_prefill_timing() {
         scale: 1.0 / (hd as f32).sqrt(),
     };
     let mut ws = cx.stream().alloc_zeros::<f32>(1).unwrap();
-    let us = time_us(&mut || {
-        cx.paged_attention_bf16(&q, &kc, &vc, &mut out, &qsl, &sl, &bt, &mut ws, &shape)
-            .unwrap()
-    });
+    let default = (
+        prefill_cfg(hd),
+        super::source::hd_kernels(hd).unwrap().prefill,
+    );
+    let run = |out: &mut CudaSlice<bf16>, ws: &mut CudaSlice<f32>, tiling| {
+        cx.paged_attention_tiled(
+            &q,
+            &kc,
+            &vc,
+            out,
+            &qsl,
+            &sl,
+            &bt,
+            ws,
+            &shape,
+            decode_plan(&shape),
+            tiling,
+        )
+        .unwrap()
+    };
+    run(&mut out, &mut ws, default);
+    let us = time_us(&mut || run(&mut out, &mut ws, default));
     let flops = 4.0 * (t * t) as f64 / 2.0 * (nh * hd) as f64;
     println!(
         "attention prefill {t} tokens, {nh}/{nkv} heads, hd {hd}, block {bs}: {us:.1} us/call, {:.1} TFLOP/s (x36 layers: {:.2} ms)",
@@ -266,36 +294,36 @@ fn attention_prefill_timing() {
     );
     // Other tilings: the same answer (up to the order of the online softmax's tiles), timed.
     let want = cx.download_f32(&out).unwrap();
-    for (tile, name) in PREFILL_CANDIDATES {
-        let run = |out: &mut CudaSlice<bf16>, ws: &mut CudaSlice<f32>| {
-            cx.paged_attention_tiled(
-                &q,
-                &kc,
-                &vc,
-                out,
-                &qsl,
-                &sl,
-                &bt,
-                ws,
-                &shape,
-                decode_plan(&shape),
-                (tile, name),
-            )
-            .unwrap()
-        };
+    let hopper = cx.info().compute_capability == (9, 0);
+    let wgmma = WGMMA_PREFILL.iter().filter(|_| hopper);
+    let mut table = Vec::new();
+    for &(tile, name) in PREFILL_CANDIDATES.iter().chain(wgmma) {
         cx.stream().memset_zeros(&mut out).unwrap();
-        run(&mut out, &mut ws);
+        run(&mut out, &mut ws, (tile, name));
         let err = crate::cuda::tests::rel_err(&cx.download_f32(&out).unwrap(), &want);
-        let us_c = time_us(&mut || run(&mut out, &mut ws));
+        let us_c = time_us(&mut || run(&mut out, &mut ws, (tile, name)));
+        let tflops = flops / (us_c * 1e6);
         println!(
-            "attention prefill tile {name} (warps {}, keys {}, q in registers {}, min CTAs {}): {us_c:.1} us/call, {:.1} TFLOP/s, {:.2}x the default, rel err vs it {err:.1e}",
+            "attention prefill {nh}/{nkv} heads tile {name} (warps {}, keys {}, q in registers {}, min CTAs {}, wgmma {}): {us_c:.1} us/call, {tflops:.1} TFLOP/s, {:.2}x the default, rel err vs it {err:.1e}",
             tile.warps,
             tile.bn,
             tile.qreg,
             tile.min_ctas,
-            flops / (us_c * 1e6),
+            tile.wgmma,
             us_c / us
         );
+        table.push((name, us_c, tflops, err));
         assert!(err < 1e-2, "{name}: {err}");
+    }
+    if !hopper {
+        println!("attention prefill: no wgmma tilings (not an sm_90 device)");
+    }
+    println!("attention prefill {t} tokens {nh}/{nkv} heads: tile | us | TFLOP/s | rel err");
+    println!(
+        "  attn_prefill_hd128 (default) | {us:.1} | {:.1} | -",
+        flops / (us * 1e6)
+    );
+    for (name, us_c, tflops, err) in table {
+        println!("  {name} | {us_c:.1} | {tflops:.1} | {err:.1e}");
     }
 }

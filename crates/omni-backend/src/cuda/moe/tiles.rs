@@ -23,6 +23,7 @@ pub(super) enum Wgmma {
 }
 
 impl Wgmma {
+    #[cfg(test)]
     pub(super) const ALL: [Wgmma; 4] = [Wgmma::Off, Wgmma::Rows64, Wgmma::Rows128, Wgmma::Auto];
 
     fn parse(v: Option<&str>) -> Self {
