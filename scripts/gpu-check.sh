@@ -68,9 +68,10 @@
 #   ab-wgmma the warpgroup-MMA expert GEMMs: MoE checks and timings, ncu on the prefill tiles
 #           and attention, model tests with OMNI_CUDA_MOE_WGMMA=1 (the default tiles), bench latency
 #           prefills (PREFILL_LENS, default 512 2048) with it 0 and 1, interleaved
-#   ab-wg2  the two-warpgroup expert GEMM (128-row blocks): MoE checks and timings, ncu on both
-#           warpgroup-MMA tiles, model tests, bench latency prefills (PREFILL_LENS, default
-#           512 1024 2048 4000) with OMNI_CUDA_MOE_WGMMA=64 and 128, interleaved
+#   ab-wg2  the two-warpgroup expert GEMMs (128-row blocks): MoE checks and timings, ncu on the
+#           warpgroup-MMA tiles (NCU_TILES, default wg wg2), model tests, bench latency prefills
+#           (PREFILL_LENS, default 512 1024 2048 4000) with OMNI_CUDA_MOE_WGMMA in WG_MODES
+#           (default 64 128; `ws` the warp-specialized tile), interleaved
 #   ab-attn-wg the warpgroup-MMA prefill attention: its checks, every attention check with
 #           OMNI_CUDA_ATTN_WGMMA=1, prefill tiling timings, ncu, model tests with it on, bench
 #           latency prefills (PREFILL_LENS, default 512 2048 4000) with it 0 and ATTN_WG_TILES
@@ -397,7 +398,7 @@ if want ab-wg2; then
   # interleaved, WGMMA_ROUNDS times.
   step wg2-moe "$BIN/backend-tests" cuda::moe --test-threads=1 --nocapture
   if [ -n "$NCU" ]; then
-    for k in wg wg2; do
+    for k in ${NCU_TILES:-wg wg2}; do
       step "ncu-moe-$k" env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name "regex:^moe_(gate_up|down)_$k\$" \
         --launch-skip 4 --launch-count 2 "${NCU_SECTIONS[@]}" \
         "$BIN/backend-tests" fused_moe_real_shape_and_timing --test-threads=1
@@ -407,7 +408,7 @@ if want ab-wg2; then
   [ -x "$BIN/moe-small-tests" ] && step wg2-moe-small "$BIN/moe-small-tests" --test-threads=1
   for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
     for n in ${PREFILL_LENS:-512 1024 2048 4000}; do
-      for v in 64 128; do
+      for v in ${WG_MODES:-64 128}; do
         step "prefill$n-wg$v-r$r-latency" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine" bench latency \
           --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
           --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \

@@ -37,6 +37,45 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The epilogue of the warpgroup-MMA GEMMs: warp `warp` (lane `lane`) of the warpgroup owning
+// block rows r_base .. r_base + 63 writes its accumulators (the m16n8 layout moe_gemm_wg
+// describes) for the rows that hold a pair: gate_up applies SiLU(gate) * up into act row
+// m0 + r, down writes y row p.
+template <int BN, bool GATE_UP>
+__device__ __forceinline__ void moe_wg_store(
+        const float (&acc)[BN / 2], const int* s_pair, unsigned short* __restrict__ dst,
+        long long m0, int r_base, int warp, int lane, int hidden, int inter) {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = r_base + warp * 16 + g + h * 8;
+        const int p = s_pair[r];
+        if (p < 0) continue;
+        if constexpr (GATE_UP) {
+            unsigned short* orow = dst + (size_t)(m0 + r) * inter;
+#pragma unroll
+            for (int nb = 0; nb < BN / 16; ++nb) {
+                const int j = blockIdx.x * (BN / 2) + nb * 8 + 2 * t4;
+                if (j < inter) {
+                    const float g0 = acc[4 * nb + 2 * h], g1 = acc[4 * nb + 2 * h + 1];
+                    const int u = 4 * (nb + BN / 16) + 2 * h;
+                    const float v0 = g0 / (1.0f + expf(-g0)) * acc[u];
+                    const float v1 = g1 / (1.0f + expf(-g1)) * acc[u + 1];
+                    *reinterpret_cast<unsigned*>(orow + j) = pack_bf16x2(v0, v1);
+                }
+            }
+        } else {
+            unsigned short* orow = dst + (size_t)p * hidden;
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb) {
+                const int n = blockIdx.x * BN + nb * 8 + 2 * t4;
+                if (n < hidden)
+                    *reinterpret_cast<unsigned*>(orow + n) = pack_bf16x2(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
+            }
+        }
+    }
+}
+
 template <int BN, int STAGES, int WGS, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_wg(
         const unsigned short* __restrict__ a_src, const unsigned short* __restrict__ w,
@@ -142,34 +181,5 @@ __device__ __forceinline__ void moe_gemm_wg(
     cp_async_wait<0>();
 
     if (!wg_rows) return;
-    const int lane = tid & 31, warp = (tid >> 5) & 3;
-    const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = wg * 64 + warp * 16 + g + h * 8;
-        const int p = s_pair[r];
-        if (p < 0) continue;
-        if constexpr (GATE_UP) {
-            unsigned short* orow = dst + (size_t)(m0 + r) * inter;
-#pragma unroll
-            for (int nb = 0; nb < BN / 16; ++nb) {
-                const int j = blockIdx.x * (BN / 2) + nb * 8 + 2 * t4;
-                if (j < inter) {
-                    const float g0 = acc[4 * nb + 2 * h], g1 = acc[4 * nb + 2 * h + 1];
-                    const int u = 4 * (nb + BN / 16) + 2 * h;
-                    const float v0 = g0 / (1.0f + expf(-g0)) * acc[u];
-                    const float v1 = g1 / (1.0f + expf(-g1)) * acc[u + 1];
-                    *reinterpret_cast<unsigned*>(orow + j) = pack_bf16x2(v0, v1);
-                }
-            }
-        } else {
-            unsigned short* orow = dst + (size_t)p * hidden;
-#pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb) {
-                const int n = blockIdx.x * BN + nb * 8 + 2 * t4;
-                if (n < hidden)
-                    *reinterpret_cast<unsigned*>(orow + n) = pack_bf16x2(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
-            }
-        }
-    }
+    moe_wg_store<BN, GATE_UP>(acc, s_pair, dst, m0, wg * 64, (tid >> 5) & 3, tid & 31, hidden, inter);
 }

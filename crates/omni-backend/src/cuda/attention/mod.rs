@@ -22,8 +22,8 @@
 //! * **prefill / mixed** (`max_query_len > 1`): flash-attention 2 on tensor cores
 //!   (`mma.sync.m16n8k16` bf16 with `ldmatrix`, f32 accumulation, online softmax), K/V tiles
 //!   gathered from the paged cache through the block table with `cp.async`. Decode rows of a
-//!   mixed batch go through it too. With [`PREFILL_WGMMA_ENV`] on an sm_90 device at head_dim
-//!   128, a Hopper kernel instead (`prefill_wg.cu`, sm_90a): warpgroup MMAs (`wgmma`) of 64
+//!   mixed batch go through it too. On an sm_90 device at head_dim 128 (unless
+//!   [`PREFILL_WGMMA_ENV`] is `0`), a Hopper kernel instead (`prefill_wg.cu`, sm_90a): warpgroup MMAs (`wgmma`) of 64
 //!   query rows per warpgroup, Q and double-buffered K/V tiles in 128-byte-swizzled shared
 //!   memory, P from registers.
 //!
@@ -338,35 +338,39 @@ pub(super) const WGMMA_PREFILL: [(PrefillTile, &str); 4] = [
     (wg_tile(2, 128, 1), "attn_prefill_wg_hd128_w2_n128"),
 ];
 
-/// The tiling of [`WGMMA_PREFILL`] that [`PREFILL_WGMMA_ENV`]` = 1` turns on (not yet measured:
-/// the first H200 timing, `attention_prefill_timing`, picks it).
-pub(super) const WGMMA_PREFILL_PICK: usize = 1;
+/// The tiling of [`WGMMA_PREFILL`] prefills run by default: two warpgroups over 128-key tiles.
+/// On an H200 (2048 tokens, 32/4 heads) 159.5 µs against 274.9 for the `mma.sync` kernel
+/// (w2_n64 184.7, w1_n64 201.1, w1_n128 266.1); a 2048-token prefill of Qwen3-30B-A3B 45.8 ->
+/// 41.7 ms to the first token, 4000 tokens 101.3 -> 83.5 ms
+/// (`bench/results/gpu-prefill-wgmma-h200-2026-12-04.md`).
+pub(super) const WGMMA_PREFILL_PICK: usize = 3;
 
-/// Set to `1`, prefill attention (`max_query_len > 1`) at head_dim 128 on an sm_90 device runs
-/// on the warpgroup-MMA kernel (`prefill_wg.cu`) instead of the `mma.sync` one, tiled as
-/// [`WGMMA_PREFILL_PICK`]; set to a tiling's name (`w1_n64`, `w2_n64`, `w1_n128`, `w2_n128`:
-/// warpgroups per CTA, keys per tile), on that tiling. Off by default until it is measured on
-/// an H200. Decode steps are unchanged. Read once per process.
+/// Prefill attention (`max_query_len > 1`) at head_dim 128 on an sm_90 device runs on the
+/// warpgroup-MMA kernel (`prefill_wg.cu`) tiled as [`WGMMA_PREFILL_PICK`] unless this is `0`
+/// (the `mma.sync` kernel, as on other GPUs); set to a tiling's name (`w1_n64`, `w2_n64`,
+/// `w1_n128`, `w2_n128`: warpgroups per CTA, keys per tile), on that tiling. Decode steps are
+/// unchanged. Read once per process.
 pub const PREFILL_WGMMA_ENV: &str = "OMNI_CUDA_ATTN_WGMMA";
 
-/// The index into [`WGMMA_PREFILL`] a value of [`PREFILL_WGMMA_ENV`] selects, if any.
-fn wgmma_prefill_choice(v: &str) -> Option<usize> {
-    if v == "1" {
-        return Some(WGMMA_PREFILL_PICK);
+/// The index into [`WGMMA_PREFILL`] a value of [`PREFILL_WGMMA_ENV`] selects (unset, `1` or
+/// anything unknown: the default), or `None` for `0`.
+fn wgmma_prefill_choice(v: Option<&str>) -> Option<usize> {
+    match v.map(str::trim) {
+        Some("0") => None,
+        Some(v) => Some(
+            WGMMA_PREFILL
+                .iter()
+                .position(|(_, name)| name.strip_prefix("attn_prefill_wg_hd128_") == Some(v))
+                .unwrap_or(WGMMA_PREFILL_PICK),
+        ),
+        None => Some(WGMMA_PREFILL_PICK),
     }
-    WGMMA_PREFILL
-        .iter()
-        .position(|(_, name)| name.strip_prefix("attn_prefill_wg_hd128_") == Some(v))
 }
 
-/// The tiling [`PREFILL_WGMMA_ENV`] turns on, if any.
-fn wgmma_prefill_enabled() -> Option<usize> {
+/// The tiling [`PREFILL_WGMMA_ENV`] selects, if any.
+pub(super) fn wgmma_prefill_enabled() -> Option<usize> {
     static ON: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var(PREFILL_WGMMA_ENV)
-            .ok()
-            .and_then(|v| wgmma_prefill_choice(v.trim()))
-    })
+    *ON.get_or_init(|| wgmma_prefill_choice(std::env::var(PREFILL_WGMMA_ENV).ok().as_deref()))
 }
 
 /// The wgmma prefill tiling and entry point for `head_dim` on a device of compute capability

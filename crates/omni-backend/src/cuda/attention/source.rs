@@ -152,10 +152,17 @@ pub(crate) fn reduce_source() -> String {
     format!("{BF16_HELPERS}{ATTN_COMMON}{REDUCE_BODY}")
 }
 
-/// The wgmma prefill tilings this build compiles: every one of [`WGMMA_PREFILL`]
-/// ([`PREFILL_WGMMA_ENV`](super::PREFILL_WGMMA_ENV) can name any of them).
+/// The wgmma prefill tilings this build compiles: in test builds every one of
+/// [`WGMMA_PREFILL`] (the timing compares them), else the one
+/// [`PREFILL_WGMMA_ENV`](super::PREFILL_WGMMA_ENV) selects (by default
+/// [`WGMMA_PREFILL_PICK`](super::WGMMA_PREFILL_PICK)), which keeps start-up compiles short.
 fn wg_tiles() -> Vec<(PrefillTile, &'static str)> {
-    WGMMA_PREFILL.to_vec()
+    if cfg!(test) {
+        WGMMA_PREFILL.to_vec()
+    } else {
+        let i = super::wgmma_prefill_enabled().unwrap_or(super::WGMMA_PREFILL_PICK);
+        vec![WGMMA_PREFILL[i]]
+    }
 }
 
 /// `apw_qk<n>(d, da, db, first)`: one `wgmma.mma_async` m64n{n}k16, bf16 in, f32 into the

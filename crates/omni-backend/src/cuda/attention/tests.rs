@@ -42,11 +42,12 @@ fn wgmma_prefill_source_and_selection() {
         );
     }
     let pick = WGMMA_PREFILL[WGMMA_PREFILL_PICK];
-    let on = wgmma_prefill_choice("1");
+    let on = wgmma_prefill_choice(None);
     assert_eq!(on, Some(WGMMA_PREFILL_PICK));
-    assert_eq!(wgmma_prefill_choice("w1_n128"), Some(2));
-    assert_eq!(wgmma_prefill_choice("0"), None);
-    assert_eq!(wgmma_prefill_choice("w3_n64"), None);
+    assert_eq!(wgmma_prefill_choice(Some("1")), on);
+    assert_eq!(wgmma_prefill_choice(Some("yes")), on);
+    assert_eq!(wgmma_prefill_choice(Some("w1_n128")), Some(2));
+    assert_eq!(wgmma_prefill_choice(Some(" 0")), None);
     assert_eq!(wgmma_prefill_for(128, (9, 0), on), Some(pick));
     assert_eq!(wgmma_prefill_for(128, (9, 0), None), None);
     assert_eq!(wgmma_prefill_for(64, (9, 0), on), None);

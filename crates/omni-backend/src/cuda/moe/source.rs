@@ -3,7 +3,7 @@
 //! Hopper module (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`), with its generated
 //! `wgmma` wrappers.
 
-use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, SMALL, TileCfg};
+use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, LARGE_WS, SMALL, TileCfg};
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 
 /// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
@@ -22,6 +22,8 @@ const GROUPED_GEMM: &str = kernel_file!("moe/grouped_gemm.cu");
 const REDUCE: &str = kernel_file!("moe/reduce.cu");
 /// The grouped GEMM template on warpgroup MMA (`moe_gemm_wg`, sm_90a).
 const GROUPED_GEMM_WG: &str = kernel_file!("moe/grouped_gemm_wg.cu");
+/// Its warp-specialized form (`moe_gemm_ws`).
+const GROUPED_GEMM_WS: &str = kernel_file!("moe/grouped_gemm_ws.cu");
 /// The cuBLAS prefill path's counts and gather.
 const GATHER: &str = kernel_file!("moe/gather.cu");
 
@@ -48,6 +50,18 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
             ..
         } = *cfg;
         let (threads, wgs) = (cfg.threads(), bm / 64);
+        if cfg.producer_warps > 0 {
+            return format!(
+                r#"
+extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
+        const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
+        const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
+        unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
+    moe_gemm_ws<{bn}, {stages}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
+}}
+"#
+            );
+        }
         return format!(
             r#"
 extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
@@ -127,11 +141,11 @@ template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, unsigned l
     )
 }
 
-/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], and in test builds
-/// the timing test's candidates.
+/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], [`LARGE_WS`], and
+/// in test builds the timing test's candidates.
 fn wg_tiles() -> Vec<TileCfg> {
     #[allow(unused_mut)]
-    let mut v = vec![LARGE_WG, LARGE_WG2];
+    let mut v = vec![LARGE_WG, LARGE_WG2, LARGE_WS];
     #[cfg(test)]
     v.extend(super::tiles::WG_CANDIDATES);
     v
@@ -151,6 +165,7 @@ pub(crate) fn moe_wgmma_source() -> String {
         s.push_str(&wgmma_wrapper(n));
     }
     s.push_str(GROUPED_GEMM_WG);
+    s.push_str(GROUPED_GEMM_WS);
     for cfg in tiles {
         s.push_str(&gemm_entry(&cfg, true));
         s.push_str(&gemm_entry(&cfg, false));

@@ -5,8 +5,9 @@ use super::MoeShape;
 
 /// `OMNI_CUDA_MOE_WGMMA` picks the warpgroup-MMA tiles of sm_90 devices ([`Wgmma`]): `0` keeps
 /// them off (prefill steps then run [`LARGE`] and the cuBLAS path, as other GPUs do), `64` runs
-/// only the one-warpgroup tile [`LARGE_WG`], `128` the two-warpgroup tile [`LARGE_WG2`] wherever
-/// a warpgroup-MMA tile runs; unset or any other value: the default ([`Wgmma::Auto`]).
+/// only the one-warpgroup tile [`LARGE_WG`], `128` the two-warpgroup tile [`LARGE_WG2`], `ws` its
+/// warp-specialized form [`LARGE_WS`], wherever a warpgroup-MMA tile runs; unset or any other
+/// value: the default ([`Wgmma::Auto`]).
 pub const MOE_WGMMA_ENV: &str = "OMNI_CUDA_MOE_WGMMA";
 
 /// Which warpgroup-MMA tiles an sm_90 device's MoE prefill steps run.
@@ -18,19 +19,28 @@ pub(super) enum Wgmma {
     Rows64,
     /// [`LARGE_WG2`] only.
     Rows128,
+    /// [`LARGE_WS`] only.
+    Ws,
     /// [`LARGE_WG`], and [`LARGE_WG2`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
     Auto,
 }
 
 impl Wgmma {
     #[cfg(test)]
-    pub(super) const ALL: [Wgmma; 4] = [Wgmma::Off, Wgmma::Rows64, Wgmma::Rows128, Wgmma::Auto];
+    pub(super) const ALL: [Wgmma; 5] = [
+        Wgmma::Off,
+        Wgmma::Rows64,
+        Wgmma::Rows128,
+        Wgmma::Ws,
+        Wgmma::Auto,
+    ];
 
     fn parse(v: Option<&str>) -> Self {
         match v.map(str::trim) {
             Some("0") => Wgmma::Off,
             Some("64") => Wgmma::Rows64,
             Some("128") => Wgmma::Rows128,
+            Some("ws") => Wgmma::Ws,
             _ => Wgmma::Auto,
         }
     }
@@ -65,6 +75,10 @@ pub(super) struct TileCfg {
     /// Hopper's warpgroup MMA (`moe_gemm_wg`, sm_90a only; `bk` 64, `bm` / 64 warpgroups as
     /// `warps_m` 4 `bm` / 64 x `warps_n` 1) rather than `mma.sync` (`moe_gemm`).
     pub(super) wgmma: bool,
+    /// Warp-specialized warpgroup-MMA tile (`moe_gemm_ws`, `bm` 128): this many producer warps
+    /// issue the copies while the `warps_m` x `warps_n` consumer warps only compute; 0 for
+    /// the other tiles.
+    pub(super) producer_warps: usize,
 }
 
 /// Decode tile: 16 sorted rows x 32 weight rows, 2 warps, 128-wide K stages (8 KiB of weights
@@ -80,6 +94,7 @@ pub(super) const SMALL: TileCfg = TileCfg {
     stages: 4,
     min_ctas: 4,
     wgmma: false,
+    producer_warps: 0,
 };
 
 /// Prefill tile: 64 sorted rows x 128 weight rows, 4 warps of 32 x 64, 64-wide K stages (each
@@ -98,6 +113,7 @@ pub(super) const LARGE: TileCfg = TileCfg {
     stages: 3,
     min_ctas: 2,
     wgmma: false,
+    producer_warps: 0,
 };
 
 /// Prefill tile on Hopper (sm_90): the 64-row blocks of [`LARGE`] (the same alignment and
@@ -118,6 +134,7 @@ pub(super) const LARGE_WG: TileCfg = TileCfg {
     stages: 3,
     min_ctas: 2,
     wgmma: true,
+    producer_warps: 0,
 };
 
 /// [`LARGE_WG`] on 128-row blocks: two warpgroups, each issuing m64n128k16 on its 64 rows
@@ -135,11 +152,42 @@ pub(super) const LARGE_WG2: TileCfg = TileCfg {
     stages: 3,
     min_ctas: 2,
     wgmma: true,
+    producer_warps: 0,
+};
+
+/// [`LARGE_WG2`] warp-specialized: one producer warp fills a 3-stage pipeline (mbarriers, no
+/// CTA-wide barrier per stage) for two consumer warpgroups that keep a stage's MMAs in flight.
+pub(super) const LARGE_WS: TileCfg = TileCfg {
+    gate_up_fn: "moe_gate_up_ws",
+    down_fn: "moe_down_ws",
+    bm: 128,
+    bn: 128,
+    bk: 64,
+    warps_m: 8,
+    warps_n: 1,
+    stages: 3,
+    min_ctas: 2,
+    wgmma: true,
+    producer_warps: 1,
 };
 
 /// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only).
 #[cfg(test)]
-pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
+pub(super) const WG_CANDIDATES: [TileCfg; 5] = [
+    // LARGE_WS with 6 stages, one CTA per SM.
+    TileCfg {
+        gate_up_fn: "moe_gate_up_ws6",
+        down_fn: "moe_down_ws6",
+        bm: 128,
+        bn: 128,
+        bk: 64,
+        warps_m: 8,
+        warps_n: 1,
+        stages: 6,
+        min_ctas: 1,
+        wgmma: true,
+        producer_warps: 1,
+    },
     // 192 weight rows (96 gate + 96 up), 3 stages, 2 CTAs per SM.
     TileCfg {
         gate_up_fn: "moe_gate_up_wg192s3",
@@ -152,6 +200,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
         stages: 3,
         min_ctas: 2,
         wgmma: true,
+        producer_warps: 0,
     },
     // 256 weight rows, 2 stages, 2 CTAs per SM.
     TileCfg {
@@ -165,6 +214,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
         stages: 2,
         min_ctas: 2,
         wgmma: true,
+        producer_warps: 0,
     },
     // LARGE_WG with 4 stages (2 CTAs per SM).
     TileCfg {
@@ -178,6 +228,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
         stages: 4,
         min_ctas: 2,
         wgmma: true,
+        producer_warps: 0,
     },
     // 256 weight rows, 3 stages, one CTA per SM.
     TileCfg {
@@ -191,6 +242,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
         stages: 3,
         min_ctas: 1,
         wgmma: true,
+        producer_warps: 0,
     },
 ];
 
@@ -210,6 +262,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         stages: 6,
         min_ctas: 3,
         wgmma: false,
+        producer_warps: 0,
     },
     TileCfg {
         gate_up_fn: "moe_gate_up_c32x128s6",
@@ -222,6 +275,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         stages: 6,
         min_ctas: 2,
         wgmma: false,
+        producer_warps: 0,
     },
     TileCfg {
         gate_up_fn: "moe_gate_up_c16x128s4",
@@ -234,6 +288,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         stages: 4,
         min_ctas: 6,
         wgmma: false,
+        producer_warps: 0,
     },
     TileCfg {
         gate_up_fn: "moe_gate_up_c64x128s4",
@@ -246,6 +301,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         stages: 4,
         min_ctas: 2,
         wgmma: false,
+        producer_warps: 0,
     },
 ];
 
@@ -265,6 +321,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         stages: 4,
         min_ctas: 2,
         wgmma: false,
+        producer_warps: 0,
     },
     // LARGE with 4 stages.
     TileCfg {
@@ -278,6 +335,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         stages: 4,
         min_ctas: 2,
         wgmma: false,
+        producer_warps: 0,
     },
     // LARGE with warps of 64 x 32.
     TileCfg {
@@ -291,6 +349,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         stages: 3,
         min_ctas: 2,
         wgmma: false,
+        producer_warps: 0,
     },
     // LARGE with 32-wide K stages, 4 of them, 3 CTAs per SM.
     TileCfg {
@@ -304,6 +363,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         stages: 4,
         min_ctas: 3,
         wgmma: false,
+        producer_warps: 0,
     },
 ];
 
@@ -321,6 +381,7 @@ impl TileCfg {
             _ if pairs < per_expert(8) => {}
             Wgmma::Rows64 => return LARGE_WG,
             Wgmma::Rows128 => return LARGE_WG2,
+            Wgmma::Ws => return LARGE_WS,
             Wgmma::Auto if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_WG2,
             Wgmma::Auto => return LARGE_WG,
         }
@@ -328,11 +389,14 @@ impl TileCfg {
     }
 
     pub(super) fn threads(&self) -> usize {
-        32 * self.warps_m * self.warps_n
+        32 * (self.warps_m * self.warps_n + self.producer_warps)
     }
 
     pub(super) fn smem_bytes(&self) -> usize {
-        if self.wgmma {
+        if self.producer_warps > 0 {
+            // As below, plus the A-row offsets (i64) and two mbarriers per stage.
+            self.stages * (self.bm + self.bn) * self.bk * 2 + self.bm * 12 + self.stages * 16 + 1024
+        } else if self.wgmma {
             // Unpadded swizzled rows, and up to 1024 bytes to align the first tile.
             self.stages * (self.bm + self.bn) * self.bk * 2 + self.bm * 4 + 1024
         } else {
