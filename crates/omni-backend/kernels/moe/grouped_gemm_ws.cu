@@ -1,12 +1,12 @@
 // The grouped expert GEMM on warpgroup MMA, warp-specialized (sm_90a): the problem, arguments,
 // 128-row blocks and epilogue of `moe_gemm_wg<BN, STAGES, 2, GATE_UP>` (grouped_gemm_wg.cu,
 // whose descriptor and wgmma helpers precede this file in the module), but the CTA's roles are
-// split: one producer warp issues every `cp.async` of a stage and never computes; two consumer
+// split: PW producer warps issue every `cp.async` of a stage and never compute; two consumer
 // warpgroups (rows 0-63 and 64-127 of the block) only wait for stages and issue MMAs, keeping
 // one stage's MMAs in flight while they wait for the next. Stages are handed over with
 // mbarriers, not CTA-wide barriers:
 //
-// * full[s] (count 32): each producer lane's `cp.async.mbarrier.arrive.noinc` arrives once its
+// * full[s] (count 32 PW): each producer thread's `cp.async.mbarrier.arrive.noinc` arrives once its
 //   copies of the stage in slot s have landed, so the phase completes when all of them have.
 //   A consumer waits for it (acquire), then `fence.proxy.async` makes those generic-proxy writes
 //   visible to its wgmma reads (async proxy).
@@ -44,16 +44,17 @@ __device__ __forceinline__ void cp_async_mbar_arrive(unsigned addr) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(addr) : "memory");
 }
 
-template <int BN, int STAGES, bool GATE_UP>
+template <int BN, int STAGES, int PW, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_ws(
         const unsigned short* __restrict__ a_src, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
         unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {
-    constexpr int BM = 128, BK = 64, NC = 256, NT = NC + 32;
+    constexpr int BM = 128, BK = 64, NC = 256, NP = 32 * PW, NT = NC + NP;
+    constexpr int RS = NP / 8;  // rows per producer pass: 8 threads per 128-byte row
     constexpr int A_BYTES = BM * BK * 2;
     constexpr int B_BYTES = BN * BK * 2;
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "wgmma N: a multiple of 16 up to 256");
-    static_assert(BN % 8 == 0 && (BN / 2) % 4 == 0, "producer rows: 4 per pass");
+    static_assert(BM % RS == 0 && BN % RS == 0 && (BN / 2) % RS == 0, "producer rows per pass");
 
     moe_pdl_enter();
     const int expert = block_expert[blockIdx.y];
@@ -78,7 +79,7 @@ __device__ __forceinline__ void moe_gemm_ws(
     }
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 32);
+            mbar_init(full0 + 8 * s, NP);
             mbar_init(empty0 + 8 * s, NC / 32);
         }
     }
@@ -86,8 +87,8 @@ __device__ __forceinline__ void moe_gemm_ws(
     const int KT = (K + BK - 1) / BK;
 
     if (tid >= NC) {
-        // Producer warp: lane copies 16-byte chunk `chunk` of rows rsub + 4 i of both tiles.
-        const int lane = tid - NC, chunk = lane & 7, rsub = lane >> 3;
+        // Producers: thread pt copies 16-byte chunk `chunk` of rows rsub + RS i of both tiles.
+        const int pt = tid - NC, chunk = pt & 7, rsub = pt >> 3;
         const unsigned short* w_e =
             w + (size_t)expert * (size_t)(GATE_UP ? 2 * inter : hidden) * (size_t)K;
         for (int kt = 0; kt < KT; ++kt) {
@@ -97,16 +98,16 @@ __device__ __forceinline__ void moe_gemm_ws(
             const bool kin = kcol < K;
             unsigned char* da = sA + s * A_BYTES;
 #pragma unroll 8
-            for (int i = 0; i < BM / 4; ++i) {
-                const int r = rsub + 4 * i;
+            for (int i = 0; i < BM / RS; ++i) {
+                const int r = rsub + RS * i;
                 const long long off = s_aoff[r];
                 const bool ok = off >= 0 && kin;
                 cp_async16(da + r * 128 + ((chunk ^ (r & 7)) * 16), ok ? (const void*)(a_src + off + kcol) : (const void*)a_src, ok);
             }
             unsigned char* db = sB + s * B_BYTES;
 #pragma unroll 8
-            for (int i = 0; i < BN / 4; ++i) {
-                const int r = rsub + 4 * i;
+            for (int i = 0; i < BN / RS; ++i) {
+                const int r = rsub + RS * i;
                 int j, grow;
                 if (GATE_UP) {
                     const int up = r >= BN / 2 ? 1 : 0;

@@ -67,7 +67,7 @@ pub use tiles::MOE_WGMMA_ENV;
 #[cfg(doc)]
 use super::CudaContext;
 
-use tiles::{LARGE, LARGE_WG2, LARGE_WS, SMALL, TileCfg};
+use tiles::{LARGE, LARGE_WG2, SMALL, TileCfg};
 
 /// Largest expert count the routing and alignment kernels support (their per-expert tables live
 /// in shared memory).
@@ -137,6 +137,5 @@ pub fn fused_moe_workspace_bytes(shape: MoeShape) -> usize {
         .total
         .max(Layout::new(&shape, &LARGE).total)
         .max(Layout::new(&shape, &LARGE_WG2).total)
-        .max(Layout::new(&shape, &LARGE_WS).total)
         .max(cublas::CublasLayout::new(&shape).total)
 }

@@ -3,7 +3,7 @@
 //! Hopper module (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`), with its generated
 //! `wgmma` wrappers.
 
-use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, LARGE_WS, SMALL, TileCfg};
+use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, SMALL, TileCfg};
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 
 /// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
@@ -51,13 +51,14 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
         } = *cfg;
         let (threads, wgs) = (cfg.threads(), bm / 64);
         if cfg.producer_warps > 0 {
+            let pw = cfg.producer_warps;
             return format!(
                 r#"
 extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
         const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
         unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
-    moe_gemm_ws<{bn}, {stages}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
+    moe_gemm_ws<{bn}, {stages}, {pw}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
 }}
 "#
             );
@@ -141,13 +142,15 @@ template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, unsigned l
     )
 }
 
-/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], [`LARGE_WS`], and
-/// in test builds the timing test's candidates.
+/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], and in test builds
+/// the timing test's candidates (the warp-specialized ones among them).
 fn wg_tiles() -> Vec<TileCfg> {
     #[allow(unused_mut)]
-    let mut v = vec![LARGE_WG, LARGE_WG2, LARGE_WS];
+    let mut v = vec![LARGE_WG, LARGE_WG2];
     #[cfg(test)]
     v.extend(super::tiles::WG_CANDIDATES);
+    #[cfg(test)]
+    v.extend(super::tiles::WS_CANDIDATES);
     v
 }
 

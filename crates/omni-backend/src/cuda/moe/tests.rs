@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
 use super::launch::{MoeGemm, MoeOut};
-use super::tiles::{LARGE_WG, LARGE_WG2, LARGE_WS, Wgmma};
+use super::tiles::{LARGE_WG, LARGE_WG2, WS_CANDIDATES, Wgmma};
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, bf16};
@@ -75,11 +75,14 @@ fn moe_workspace_bound_and_tiles() {
         "two 2-warpgroup CTAs per SM"
     );
     assert_eq!((LARGE_WG2.bm, LARGE_WG2.threads()), (128, 256));
-    assert!(
-        LARGE_WS.smem_bytes() <= 113 * 1024,
-        "two warp-specialized CTAs per SM"
-    );
-    assert_eq!((LARGE_WS.bm, LARGE_WS.threads()), (128, 288));
+    for ws in WS_CANDIDATES {
+        // The warp-specialized tiles run on LARGE_WG2's alignment and workspace.
+        assert_eq!((ws.bm, ws.threads()), (128, 256 + 32 * ws.producer_warps));
+        assert!(
+            ws.min_ctas * (ws.smem_bytes() + 1024) <= 228 * 1024,
+            "{ws:?}"
+        );
+    }
     // The warpgroup-MMA tile runs on the prefill tile's alignment and workspace.
     assert_eq!((LARGE_WG.bm, LARGE_WG.threads()), (LARGE.bm, 128));
 }
@@ -341,7 +344,9 @@ fn gemms(cx: &CudaContext) -> Vec<(&'static str, Option<MoeGemm>)> {
     if cx.info().compute_capability == (9, 0) {
         v.push(("wgmma", Some(MoeGemm::Tiles(LARGE_WG))));
         v.push(("wgmma2", Some(MoeGemm::Tiles(LARGE_WG2))));
-        v.push(("wgmma-ws", Some(MoeGemm::Tiles(LARGE_WS))));
+        for ws in WS_CANDIDATES {
+            v.push((ws.down_fn, Some(MoeGemm::Tiles(ws))));
+        }
     }
     v
 }

@@ -5,9 +5,8 @@ use super::MoeShape;
 
 /// `OMNI_CUDA_MOE_WGMMA` picks the warpgroup-MMA tiles of sm_90 devices ([`Wgmma`]): `0` keeps
 /// them off (prefill steps then run [`LARGE`] and the cuBLAS path, as other GPUs do), `64` runs
-/// only the one-warpgroup tile [`LARGE_WG`], `128` the two-warpgroup tile [`LARGE_WG2`], `ws` its
-/// warp-specialized form [`LARGE_WS`], wherever a warpgroup-MMA tile runs; unset or any other
-/// value: the default ([`Wgmma::Auto`]).
+/// only the one-warpgroup tile [`LARGE_WG`], `128` the two-warpgroup tile [`LARGE_WG2`] wherever
+/// a warpgroup-MMA tile runs; unset or any other value: the default ([`Wgmma::Auto`]).
 pub const MOE_WGMMA_ENV: &str = "OMNI_CUDA_MOE_WGMMA";
 
 /// Which warpgroup-MMA tiles an sm_90 device's MoE prefill steps run.
@@ -19,28 +18,20 @@ pub(super) enum Wgmma {
     Rows64,
     /// [`LARGE_WG2`] only.
     Rows128,
-    /// [`LARGE_WS`] only.
-    Ws,
+
     /// [`LARGE_WG`], and [`LARGE_WG2`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
     Auto,
 }
 
 impl Wgmma {
     #[cfg(test)]
-    pub(super) const ALL: [Wgmma; 5] = [
-        Wgmma::Off,
-        Wgmma::Rows64,
-        Wgmma::Rows128,
-        Wgmma::Ws,
-        Wgmma::Auto,
-    ];
+    pub(super) const ALL: [Wgmma; 4] = [Wgmma::Off, Wgmma::Rows64, Wgmma::Rows128, Wgmma::Auto];
 
     fn parse(v: Option<&str>) -> Self {
         match v.map(str::trim) {
             Some("0") => Wgmma::Off,
             Some("64") => Wgmma::Rows64,
             Some("128") => Wgmma::Rows128,
-            Some("ws") => Wgmma::Ws,
             _ => Wgmma::Auto,
         }
     }
@@ -155,39 +146,9 @@ pub(super) const LARGE_WG2: TileCfg = TileCfg {
     producer_warps: 0,
 };
 
-/// [`LARGE_WG2`] warp-specialized: one producer warp fills a 3-stage pipeline (mbarriers, no
-/// CTA-wide barrier per stage) for two consumer warpgroups that keep a stage's MMAs in flight.
-pub(super) const LARGE_WS: TileCfg = TileCfg {
-    gate_up_fn: "moe_gate_up_ws",
-    down_fn: "moe_down_ws",
-    bm: 128,
-    bn: 128,
-    bk: 64,
-    warps_m: 8,
-    warps_n: 1,
-    stages: 3,
-    min_ctas: 2,
-    wgmma: true,
-    producer_warps: 1,
-};
-
 /// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only).
 #[cfg(test)]
-pub(super) const WG_CANDIDATES: [TileCfg; 5] = [
-    // LARGE_WS with 6 stages, one CTA per SM.
-    TileCfg {
-        gate_up_fn: "moe_gate_up_ws6",
-        down_fn: "moe_down_ws6",
-        bm: 128,
-        bn: 128,
-        bk: 64,
-        warps_m: 8,
-        warps_n: 1,
-        stages: 6,
-        min_ctas: 1,
-        wgmma: true,
-        producer_warps: 1,
-    },
+pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
     // 192 weight rows (96 gate + 96 up), 3 stages, 2 CTAs per SM.
     TileCfg {
         gate_up_fn: "moe_gate_up_wg192s3",
@@ -245,6 +206,41 @@ pub(super) const WG_CANDIDATES: [TileCfg; 5] = [
         producer_warps: 0,
     },
 ];
+
+/// Warp-specialized forms of [`LARGE_WG2`] (`moe_gemm_ws`, test builds only): producer warps
+/// fill the stages through mbarriers while two consumer warpgroups only compute. On an H200 one
+/// producer warp was 2.5x [`LARGE_WG`]'s time at 1024-2048 tokens (3 stages; 4.5x with 6): a
+/// single warp cannot issue a stage's 2048 copies fast enough.
+#[cfg(test)]
+pub(super) const WS_CANDIDATES: [TileCfg; 3] = [
+    ws_tile("moe_gate_up_ws1s3", "moe_down_ws1s3", 1, 3, 2),
+    ws_tile("moe_gate_up_ws2s3", "moe_down_ws2s3", 2, 3, 2),
+    ws_tile("moe_gate_up_ws4s6", "moe_down_ws4s6", 4, 6, 1),
+];
+
+/// A warp-specialized 128 x 128 tile with `producer_warps` producers and `stages` stages.
+#[cfg(test)]
+const fn ws_tile(
+    gate_up_fn: &'static str,
+    down_fn: &'static str,
+    producer_warps: usize,
+    stages: usize,
+    min_ctas: usize,
+) -> TileCfg {
+    TileCfg {
+        gate_up_fn,
+        down_fn,
+        bm: 128,
+        bn: 128,
+        bk: 64,
+        warps_m: 8,
+        warps_n: 1,
+        stages,
+        min_ctas,
+        wgmma: true,
+        producer_warps,
+    }
+}
 
 /// Decode tiles the timing test measures against [`SMALL`] (test builds only): more weight rows
 /// per CTA, deeper pipelines, one-warp CTAs, wider K stages. All keep `bm` 16, so the alignment
@@ -381,7 +377,6 @@ impl TileCfg {
             _ if pairs < per_expert(8) => {}
             Wgmma::Rows64 => return LARGE_WG,
             Wgmma::Rows128 => return LARGE_WG2,
-            Wgmma::Ws => return LARGE_WS,
             Wgmma::Auto if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_WG2,
             Wgmma::Auto => return LARGE_WG,
         }

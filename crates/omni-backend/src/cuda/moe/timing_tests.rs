@@ -6,7 +6,7 @@
 
 use super::launch::MoeGemm;
 use super::tests::{CUBLAS, bf16_out, cpu_moe_rows, rand_bf16_scaled, run_topk};
-use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, LARGE_WS, SMALL, TileCfg, WG_CANDIDATES};
+use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, SMALL, TileCfg, WG_CANDIDATES, WS_CANDIDATES};
 use super::{MoeShape, fused_moe_workspace_bytes};
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, bf16};
@@ -90,9 +90,10 @@ fn fused_moe_real_shape_and_timing() {
         let candidates = super::tiles::CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
         let large = super::tiles::LARGE_CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
         let wg: Vec<_> = if hopper {
-            [LARGE_WG, LARGE_WG2, LARGE_WS]
+            [LARGE_WG, LARGE_WG2]
                 .into_iter()
                 .chain(WG_CANDIDATES)
+                .chain(WS_CANDIDATES)
                 .map(|c| (c.down_fn, MoeGemm::Tiles(c)))
                 .collect()
         } else {
@@ -184,17 +185,16 @@ fn fused_moe_real_shape_and_timing() {
         });
         let us_cublas = us_var[1];
         let mut run = |tile: TileCfg| run_on(MoeGemm::Tiles(tile));
-        let (us_wg, us_wg2, us_ws) = if hopper && t >= 128 {
-            (run(LARGE_WG), run(LARGE_WG2), run(LARGE_WS))
+        let (us_wg, us_wg2) = if hopper && t >= 128 {
+            (run(LARGE_WG), run(LARGE_WG2))
         } else {
-            (f64::NAN, f64::NAN, f64::NAN)
+            (f64::NAN, f64::NAN)
         };
         let chosen = cx.select_gemm(&s).unwrap();
         let us = match chosen {
             MoeGemm::Tiles(t) if t == SMALL => us_small,
             MoeGemm::Tiles(t) if t == LARGE_WG => us_wg,
             MoeGemm::Tiles(t) if t == LARGE_WG2 => us_wg2,
-            MoeGemm::Tiles(t) if t == LARGE_WS => us_ws,
             MoeGemm::Tiles(_) => us_large,
             MoeGemm::Cublas { .. } => us_cublas,
         };
@@ -212,14 +212,12 @@ fn fused_moe_real_shape_and_timing() {
         }
         let tf = |us: f64| 2.0 * (t * k * 3 * h * i) as f64 / (us * 1e-6) / 1e12;
         println!(
-            "moe paths T={t}: small {us_small:.1} µs, large {us_large:.1} µs ({:.0} TFLOP/s), cublas {us_cublas:.1} µs ({:.0} TFLOP/s), wgmma {us_wg:.1} µs ({:.0} TFLOP/s), wgmma2 {us_wg2:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma), ws {us_ws:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma), chosen {}",
+            "moe paths T={t}: small {us_small:.1} µs, large {us_large:.1} µs ({:.0} TFLOP/s), cublas {us_cublas:.1} µs ({:.0} TFLOP/s), wgmma {us_wg:.1} µs ({:.0} TFLOP/s), wgmma2 {us_wg2:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma), chosen {}",
             tf(us_large),
             tf(us_cublas),
             tf(us_wg),
             tf(us_wg2),
             us_wg2 / us_wg,
-            tf(us_ws),
-            us_ws / us_wg,
             match chosen {
                 MoeGemm::Tiles(t) => t.down_fn,
                 MoeGemm::Cublas { .. } => "cublas",
@@ -267,15 +265,18 @@ fn fused_moe_real_shape_and_timing() {
             }
         }
         if t >= 128 && hopper {
-            for cand in WG_CANDIDATES {
+            for cand in WG_CANDIDATES.into_iter().chain(WS_CANDIDATES) {
                 let us_c = run(cand);
                 println!(
-                    "moe wgmma T={t} {} (bn {} stages {}): {us_c:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma, {:.2}x large, {:.2}x cublas)",
+                    "moe wgmma T={t} {} (bm {} bn {} stages {} producer warps {}): {us_c:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma, {:.2}x wgmma2, {:.2}x large, {:.2}x cublas)",
                     cand.down_fn,
+                    cand.bm,
                     cand.bn,
                     cand.stages,
+                    cand.producer_warps,
                     tf(us_c),
                     us_c / us_wg,
+                    us_c / us_wg2,
                     us_c / us_large,
                     us_c / us_cublas
                 );
