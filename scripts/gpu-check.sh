@@ -144,6 +144,16 @@ step() { # name, command...
   return 0
 }
 
+# One prefill measurement of the Qwen3-30B-A3B shape (dummy weights): step name, prefill tokens,
+# then the command's prefix (`env VAR=value ...` and the binary), JSON in $LOGS/<name>.json.
+prefill_latency() {
+  local name=$1 n=$2; shift 2
+  step "$name" "$@" bench latency \
+    --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
+    --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
+    --input-len 1024 --output-len 8 --prefill-len "$n" --json "$LOGS/$name.json"
+}
+
 if want tests; then
   step kernels "$BIN/backend-tests" cuda:: --test-threads=1 --nocapture
   step model "$BIN/model-tests" --test-threads=1 --nocapture
@@ -351,11 +361,7 @@ if want ab-prefill; then
       for p in "" base-; do
         v=${p:-new}; v=${v%-}
         [ -x "$BIN/${p}omni-engine" ] || continue
-        step "prefill$n-$v-r$r-latency" "$BIN/${p}omni-engine" bench latency \
-          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
-          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
-          --input-len 1024 --output-len 8 --prefill-len "$n" \
-          --json "$LOGS/prefill$n-$v-r$r-latency.json"
+        prefill_latency "prefill$n-$v-r$r-latency" "$n" "$BIN/${p}omni-engine"
       done
     done
   done
@@ -381,11 +387,7 @@ if want ab-wgmma; then
   for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
     for n in ${PREFILL_LENS:-512 2048}; do
       for v in 0 1; do
-        step "prefill$n-wg$v-r$r-latency" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine" bench latency \
-          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
-          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
-          --input-len 1024 --output-len 8 --prefill-len "$n" \
-          --json "$LOGS/prefill$n-wg$v-r$r-latency.json"
+        prefill_latency "prefill$n-wg$v-r$r-latency" "$n" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine"
       done
     done
   done
@@ -409,11 +411,7 @@ if want ab-wg2; then
   for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
     for n in ${PREFILL_LENS:-512 1024 2048 4000}; do
       for v in ${WG_MODES:-64 128}; do
-        step "prefill$n-wg$v-r$r-latency" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine" bench latency \
-          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
-          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
-          --input-len 1024 --output-len 8 --prefill-len "$n" \
-          --json "$LOGS/prefill$n-wg$v-r$r-latency.json"
+        prefill_latency "prefill$n-wg$v-r$r-latency" "$n" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine"
       done
     done
   done
@@ -435,11 +433,7 @@ if want ab-attn-wg; then
   for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
     for n in ${PREFILL_LENS:-512 2048 4000}; do
       for v in 0 ${ATTN_WG_TILES:-1}; do
-        step "prefill$n-attnwg$v-r$r-latency" env OMNI_CUDA_ATTN_WGMMA=$v "$BIN/omni-engine" bench latency \
-          --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
-          --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
-          --input-len 1024 --output-len 8 --prefill-len "$n" \
-          --json "$LOGS/prefill$n-attnwg$v-r$r-latency.json"
+        prefill_latency "prefill$n-attnwg$v-r$r-latency" "$n" env OMNI_CUDA_ATTN_WGMMA=$v "$BIN/omni-engine"
       done
     done
   done

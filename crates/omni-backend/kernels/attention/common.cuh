@@ -43,3 +43,19 @@ __device__ __forceinline__ int attn_part_len(int seq_len, int part_size, int max
     const int per = (seq_len + np - 1) / np;
     return min((per + 15) / 16 * 16, part_size);
 }
+
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+// 16-byte cp.async (L2 only) of `bytes` (16, or 0: the destination is zero-filled, nothing read).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's commit groups are pending.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+}

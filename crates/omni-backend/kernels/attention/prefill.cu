@@ -3,18 +3,6 @@
 // Prepended by the Rust side: bf16.cuh, attention/common.cuh (decode.cu precedes it in the same
 // module).
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
 __device__ __forceinline__ void ldsm_x4(u32 addr, u32* r) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -105,7 +93,7 @@ __device__ __forceinline__ void attn_prefill(
     float m_run[2] = {ATTN_NEG_INF, ATTN_NEG_INF}, l_run[2] = {0.f, 0.f};
 
     for (int j = 0; j < n_tiles; ++j) {
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // K_j (and Q) landed; every warp is done with V_{j-1}
         if (QREG && j == 0) {
 #pragma unroll
@@ -193,7 +181,7 @@ __device__ __forceinline__ void attn_prefill(
             }
         }
 
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // V_j landed; every warp is done with K_j
         if (j + 1 < n_tiles) {
 #pragma unroll
@@ -224,7 +212,7 @@ __device__ __forceinline__ void attn_prefill(
             }
         }
     }
-    cp_async_wait_all();
+    cp_async_wait<0>();
 
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {

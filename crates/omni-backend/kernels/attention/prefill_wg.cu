@@ -29,18 +29,6 @@
 // a wait retires). A warpgroup whose rows see no key of a tile (the causal diagonal of the CTA's
 // other warpgroup, or rows past the chunk) skips its MMAs for it but keeps the barriers.
 
-__device__ __forceinline__ u32 apw_smem(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void apw_cp16(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void apw_cp_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void apw_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
-}
 // Makes this thread's landed cp.async writes visible to the async proxy (wgmma's operand reads).
 __device__ __forceinline__ void apw_fence_proxy() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -93,7 +81,7 @@ __device__ __forceinline__ void attn_prefill_wg(
     static_assert(BN <= NT, "one thread per key computes the slots");
 
     extern __shared__ __align__(1024) unsigned char apw_smem_raw[];
-    const u32 raw = apw_smem(apw_smem_raw);
+    const u32 raw = smem_u32(apw_smem_raw);
     const u32 sQ = (raw + 1023u) & ~1023u;
     const u32 sK = sQ + 2 * QH;
     const u32 sV = sK + 2 * STAGE;
@@ -136,7 +124,7 @@ __device__ __forceinline__ void attn_prefill_wg(
             const int r = r0 + k * RSTEP;
             const int slot = sl[r];
             const u16* src = slot >= 0 ? cache + (size_t)slot * tok_stride + head_off : cache;
-            apw_cp16(d + r * 128, src, slot >= 0 ? 16 : 0);
+            cp_async16(d + r * 128, src, slot >= 0 ? 16 : 0);
         }
     };
 
@@ -151,14 +139,14 @@ __device__ __forceinline__ void attn_prefill_wg(
         const int tok = qs + q0 + r;
         const bool ok = (q0 + r < qlen) && tok >= 0 && tok < num_tokens;
         const u16* src = ok ? q + ((size_t)tok * num_heads + h) * HD + ch * 8 : q;
-        apw_cp16(sQ + half_q + r * 128 + swz, src, ok ? 16 : 0);
+        cp_async16(sQ + half_q + r * 128 + swz, src, ok ? 16 : 0);
     }
     if (n_tiles > 0) load_tile(kc, sK, 0);
-    apw_cp_commit();
+    cp_async_commit();
     if (n_tiles > 0) load_tile(vc, sV, 0);
-    apw_cp_commit();
+    cp_async_commit();
     if (n_tiles > 1) load_tile(kc, sK, 1);
-    apw_cp_commit();
+    cp_async_commit();
 
     // Accumulator element 4 nb + e of thread (warp wq of the warpgroup, lane): row
     // 16 wq + g + 8 (e / 2), column 8 nb + 2 c + e % 2 (the m16n8 layout per warp).
@@ -275,7 +263,7 @@ __device__ __forceinline__ void attn_prefill_wg(
     };
 
     // Tile 0's scores (its K landed with Q: only V_0 and K_1 may pend).
-    apw_cp_wait<2>();
+    cp_async_wait<2>();
     apw_fence_proxy();
     __syncthreads();
     if (n_tiles > 0 && active(0)) {
@@ -286,13 +274,13 @@ __device__ __forceinline__ void attn_prefill_wg(
     }
 
     for (int j = 0; j < n_tiles; ++j) {
-        apw_cp_wait<0>();  // V_j and K_{j+1} landed
+        cp_async_wait<0>();  // V_j and K_{j+1} landed
         apw_fence_proxy();
         __syncthreads();   // ... for every thread; every warpgroup is done with K_j and V_{j-1}
         if (j + 1 < n_tiles) load_tile(vc, sV, j + 1);  // into V_{j-1}'s stage
-        apw_cp_commit();
+        cp_async_commit();
         if (j + 2 < n_tiles) load_tile(kc, sK, j + 2);  // into K_j's stage
-        apw_cp_commit();
+        cp_async_commit();
         if (j + 3 < n_tiles) fill_slots(j + 3);          // into tile j's slots
 
         // S_{j+1} first, then O += P_j V_j: the softmax of S_{j+1} runs while PV_j does. Each
@@ -312,7 +300,7 @@ __device__ __forceinline__ void attn_prefill_wg(
             keep_p();
         }
     }
-    apw_cp_wait<0>();
+    cp_async_wait<0>();
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) apw_keep(o[i]);
 

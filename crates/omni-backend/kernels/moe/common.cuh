@@ -8,6 +8,20 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
 }
 
+// The row, in expert weights of `GATE_UP` (w13: 2 inter rows, gate then up) or down (w2: hidden
+// rows), of row r (0 <= r < BN) of the weight tile for N tile blockIdx.x: gate_up tiles hold
+// BN / 2 gate rows, then the matching BN / 2 up rows. -1 past N (inter or hidden).
+template <int BN, bool GATE_UP>
+__device__ __forceinline__ int moe_weight_row(int r, int hidden, int inter) {
+    if (GATE_UP) {
+        const int up = r >= BN / 2 ? 1 : 0;
+        const int j = blockIdx.x * (BN / 2) + r - up * (BN / 2);
+        return j < inter ? up * inter + j : -1;
+    }
+    const int j = blockIdx.x * BN + r;
+    return j < hidden ? j : -1;
+}
+
 // The global sources of one thread's cp.async copies in a tile of the grouped GEMMs (both
 // `moe_gemm` and `moe_gemm_wg`): A rows row0 + i * RSTEP of the BM-row block starting at sorted
 // row m0 (gate_up: the token p / top_k of the pair p in s_pair; down: the sorted row itself);
@@ -22,7 +36,6 @@ __device__ __forceinline__ void moe_tile_sources(
         const unsigned short* (&a_ptr)[A_IT], bool (&a_ok)[A_IT],
         const unsigned short* (&b_ptr)[B_IT], bool (&b_ok)[B_IT]) {
     const int K = GATE_UP ? hidden : inter;
-    const int N = GATE_UP ? inter : hidden;
 #pragma unroll
     for (int i = 0; i < A_IT; ++i) {
         const int r = row0 + i * RSTEP;
@@ -35,17 +48,8 @@ __device__ __forceinline__ void moe_tile_sources(
     const unsigned short* w_e = w + (size_t)expert * (size_t)(GATE_UP ? 2 * inter : hidden) * (size_t)K;
 #pragma unroll
     for (int i = 0; i < B_IT; ++i) {
-        const int r = row0 + i * RSTEP;
-        int j, grow;
-        if (GATE_UP) {
-            const int up = r >= BN / 2 ? 1 : 0;
-            j = blockIdx.x * (BN / 2) + r - up * (BN / 2);
-            grow = up * inter + j;
-        } else {
-            j = blockIdx.x * BN + r;
-            grow = j;
-        }
-        b_ok[i] = j < N;
+        const int grow = moe_weight_row<BN, GATE_UP>(row0 + i * RSTEP, hidden, inter);
+        b_ok[i] = grow >= 0;
         b_ptr[i] = w_e + (size_t)(b_ok[i] ? grow : 0) * K + chunk * 8;
     }
 }

@@ -60,7 +60,6 @@ __device__ __forceinline__ void moe_gemm_ws(
     const int expert = block_expert[blockIdx.y];
     if (expert < 0) return;  // CTA-uniform, before any barrier
     const int K = GATE_UP ? hidden : inter;
-    const int N = GATE_UP ? inter : hidden;
     const long long m0 = (long long)blockIdx.y * BM;
 
     const unsigned raw = wg_smem_u32(moe_smem);
@@ -108,16 +107,8 @@ __device__ __forceinline__ void moe_gemm_ws(
 #pragma unroll 8
             for (int i = 0; i < BN / RS; ++i) {
                 const int r = rsub + RS * i;
-                int j, grow;
-                if (GATE_UP) {
-                    const int up = r >= BN / 2 ? 1 : 0;
-                    j = blockIdx.x * (BN / 2) + r - up * (BN / 2);
-                    grow = up * inter + j;
-                } else {
-                    j = blockIdx.x * BN + r;
-                    grow = j;
-                }
-                const bool ok = j < N && kin;
+                const int grow = moe_weight_row<BN, GATE_UP>(r, hidden, inter);
+                const bool ok = grow >= 0 && kin;
                 cp_async16(db + r * 128 + ((chunk ^ (r & 7)) * 16), ok ? (const void*)(w_e + (size_t)grow * K + kcol) : (const void*)w, ok);
             }
             cp_async_mbar_arrive(full0 + 8 * s);

@@ -39,6 +39,7 @@ mod sampling;
 mod talker;
 #[cfg(test)]
 pub(crate) mod tests;
+mod wgmma;
 
 pub use attention::*;
 pub use collective::NcclAllReduce;

@@ -170,65 +170,21 @@ fn wg_tiles() -> Vec<(PrefillTile, &'static str)> {
 /// the compiler moves no stale values into them while another wgmma is in flight; else added),
 /// A and B from shared memory, both K-major. `first` must be a compile-time constant.
 fn wgmma_qk_wrapper(n: usize) -> String {
-    let regs = n / 2;
-    let outs = (0..regs)
-        .map(|i| format!("%{i}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let cons = (0..regs)
-        .map(|i| format!("\"+f\"(d[{i}])"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let outs_w = (0..regs)
-        .map(|i| format!("\"=f\"(d[{i}])"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let (da, db, sd) = (regs, regs + 1, regs + 2);
+    let (first, acc) = (
+        crate::cuda::wgmma::ss_asm(n, true),
+        crate::cuda::wgmma::ss_asm(n, false),
+    );
     format!(
-        r#"
-template <> __device__ __forceinline__ void apw_qk<{n}>(float* d, unsigned long long da, unsigned long long db, bool first) {{
-    if (first) {{
-        asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{da}, %{db}, p, 1, 1, 0, 0;\n}}\n"
-                     : {outs_w}
-                     : "l"(da), "l"(db), "r"(0));
-    }} else {{
-        asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{da}, %{db}, p, 1, 1, 0, 0;\n}}\n"
-                     : {cons}
-                     : "l"(da), "l"(db), "r"(1));
-    }}
-}}
-"#
+        "\ntemplate <> __device__ __forceinline__ void apw_qk<{n}>(float* d, unsigned long long da, unsigned long long db, bool first) {{\n    if (first) {{\n        {first}\n    }} else {{\n        {acc}\n    }}\n}}\n"
     )
 }
 
 /// `apw_pv(d, a, db)`: one `wgmma.mma_async` m64n{hd}k16 accumulating into the `hd / 2` floats of
 /// `d`, A from the four bf16x2 registers `a`, B from shared memory MN-major (transpose-B 1).
 fn wgmma_pv_wrapper(hd: usize) -> String {
-    let regs = hd / 2;
-    let outs = (0..regs)
-        .map(|i| format!("%{i}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let cons = (0..regs)
-        .map(|i| format!("\"+f\"(d[{i}])"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let a = (regs..regs + 4)
-        .map(|i| format!("%{i}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let (db, sd) = (regs + 4, regs + 5);
+    let asm = crate::cuda::wgmma::rs_asm_tnsp_b(hd);
     format!(
-        r#"
-__device__ __forceinline__ void apw_pv(float* d, const u32* a, unsigned long long db) {{
-    asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n{hd}k16.f32.bf16.bf16 {{{outs}}}, {{{a}}}, %{db}, p, 1, 1, 1;\n}}\n"
-                 : {cons}
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}}
-"#
+        "\n__device__ __forceinline__ void apw_pv(float* d, const u32* a, unsigned long long db) {{\n    {asm}\n}}\n"
     )
 }
 

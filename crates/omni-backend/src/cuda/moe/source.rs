@@ -37,43 +37,10 @@ pub(super) const GATHER_FN: &str = "moe_gather";
 /// architecture-specific `a` target).
 pub(crate) const WGMMA_ARCH: &str = "sm_90a";
 
-/// The `extern "C"` wrapper instantiating `moe_gemm` (or `moe_gemm_wg`) for one tile
-/// configuration.
+/// The `extern "C"` wrapper instantiating `moe_gemm` (or `moe_gemm_wg`, `moe_gemm_ws`) for one
+/// tile configuration.
 fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
     let name = if gate_up { cfg.gate_up_fn } else { cfg.down_fn };
-    if cfg.wgmma {
-        let TileCfg {
-            bm,
-            bn,
-            stages,
-            min_ctas,
-            ..
-        } = *cfg;
-        let (threads, wgs) = (cfg.threads(), bm / 64);
-        if cfg.producer_warps > 0 {
-            let pw = cfg.producer_warps;
-            return format!(
-                r#"
-extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
-        const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
-        const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-        unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
-    moe_gemm_ws<{bn}, {stages}, {pw}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
-}}
-"#
-            );
-        }
-        return format!(
-            r#"
-extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
-        const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
-        const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-        unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
-    moe_gemm_wg<{bn}, {stages}, {wgs}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
-}}
-"#
-        );
-    }
     let TileCfg {
         bm,
         bn,
@@ -82,16 +49,27 @@ extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
         warps_n,
         stages,
         min_ctas,
+        producer_warps,
         ..
     } = *cfg;
     let threads = cfg.threads();
+    let (template, args) = if producer_warps > 0 {
+        ("moe_gemm_ws", format!("{bn}, {stages}, {producer_warps}"))
+    } else if cfg.wgmma {
+        ("moe_gemm_wg", format!("{bn}, {stages}, {}", bm / 64))
+    } else {
+        (
+            "moe_gemm",
+            format!("{bm}, {bn}, {bk}, {warps_m}, {warps_n}, {stages}"),
+        )
+    };
     format!(
         r#"
 extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
         const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
         unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
-    moe_gemm<{bm}, {bn}, {bk}, {warps_m}, {warps_n}, {stages}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
+    {template}<{args}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
 }}
 "#
     )
@@ -120,25 +98,9 @@ pub(crate) fn moe_source() -> String {
 /// `wgmma_bf16<n>(d, desc_a, desc_b)`: one `wgmma.mma_async` m64n{n}k16, bf16 in, f32
 /// accumulated into the `n / 2` floats of `d` (scale-d 1, no negation, both operands K-major).
 fn wgmma_wrapper(n: usize) -> String {
-    let regs = n / 2;
-    let outs = (0..regs)
-        .map(|i| format!("%{i}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let cons = (0..regs)
-        .map(|i| format!("\"+f\"(d[{i}])"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let (da, db, sd) = (regs, regs + 1, regs + 2);
+    let asm = crate::cuda::wgmma::ss_asm(n, false);
     format!(
-        r#"
-template <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, unsigned long long da, unsigned long long db) {{
-    asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{sd}, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{da}, %{db}, p, 1, 1, 0, 0;\n}}\n"
-                 : {cons}
-                 : "l"(da), "l"(db), "r"(1));
-}}
-"#
+        "\ntemplate <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, unsigned long long da, unsigned long long db) {{\n    {asm}\n}}\n"
     )
 }
 
