@@ -28,6 +28,20 @@
 // loop's back edge or a branch (ptxas serializes every wgmma when it cannot tell which group
 // a wait retires). A warpgroup whose rows see no key of a tile (the causal diagonal of the CTA's
 // other warpgroup, or rows past the chunk) skips its MMAs for it but keeps the barriers.
+//
+// Ping-pong variant (PP, two warpgroups): no CTA-wide barrier per key tile. Warpgroup 0 alone
+// copies K and V, into three stages each (V_{j+1} and K_{j+2} at the top of its tile j, as
+// above), each copy handed over with mbarriers: full_k / full_v[stage] complete when its 128
+// threads' cp.async landed (cp.async.mbarrier.arrive.noinc), empty_k / empty_v[stage] when all
+// 256 threads released the tile (after the wgmma wait that retires its reads); readers fence
+// the async proxy after the full wait, since the writes came from other threads. The slot
+// table is warpgroup 0's own (named barrier 3 of 128 threads). Both warpgroups run the same
+// key loop, but take turns issuing their MMAs: warpgroup w does bar.sync 1 + w before a
+// phase's wgmmas and bar.arrive 2 - w after them (FlashAttention-3's warpgroup ping-pong), so
+// one's softmax runs under the other's MMAs. The third stage is the slack that lets
+// warpgroup 0 refill a stage while warpgroup 1, half a tile behind, still reads the previous
+// one. Every warpgroup keeps every barrier, including inactive ones; the arrivals inside a
+// wgmma group's flight are predicated instructions, never branches.
 
 // Makes this thread's landed cp.async writes visible to the async proxy (wgmma's operand reads).
 __device__ __forceinline__ void apw_fence_proxy() {
@@ -43,6 +57,39 @@ template <int N> __device__ __forceinline__ void apw_wg_wait() {
 // retire a register an in-flight wgmma still reads.
 __device__ __forceinline__ void apw_keep(float& x) { asm volatile("" : "+f"(x) :: "memory"); }
 __device__ __forceinline__ void apw_keep(u32& x) { asm volatile("" : "+r"(x) :: "memory"); }
+
+// Ping-pong variant (PP): mbarriers (shared::cta) and named barriers.
+__device__ __forceinline__ void apw_mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// One arrival on `bar` when `pred` (a predicated instruction, not a branch: safe while a wgmma
+// group is in flight).
+__device__ __forceinline__ void apw_mbar_arrive(u32 bar, bool pred) {
+    asm volatile("{\n.reg .pred p;\n.reg .b64 st;\nsetp.ne.b32 p, %1, 0;\n"
+                 "@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(bar), "r"((int)pred) : "memory");
+}
+// One arrival on `bar` once every cp.async this thread issued so far has landed (counted in
+// the barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void apw_mbar_cp_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` of `bar` completed (a loop: never with a wgmma group
+// in flight).
+__device__ __forceinline__ void apw_mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+}
+// Named barrier `id` of `count` threads: wait for it, or arrive without waiting (when `pred`).
+__device__ __forceinline__ void apw_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void apw_bar_arrive(int id, int count, bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.arrive %0, %1;\n}\n"
+                 :: "r"(id), "r"(count), "r"((int)pred) : "memory");
+}
 
 // Descriptor of a K-major operand with 128-byte rows and the 128-byte swizzle (as in the MoE
 // kernel): start address >> 4 in bits 0-13, leading byte offset unused (0), stride byte offset
@@ -63,7 +110,7 @@ __device__ __forceinline__ unsigned long long apw_desc_mn(u32 addr, u32 lbo) {
            (64ull << 32) | (1ull << 62);
 }
 
-template <int WGS, int BN>
+template <int WGS, int BN, bool PP>
 __device__ __forceinline__ void attn_prefill_wg(
     const u16* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
     u16* __restrict__ out, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
@@ -74,18 +121,31 @@ __device__ __forceinline__ void attn_prefill_wg(
     constexpr u32 QH = BM * 128;         // bytes of one Q half
     constexpr u32 KH = BN * 128;         // bytes of one K (or V) half
     constexpr u32 STAGE = 2 * KH;        // one K (or V) tile
-    constexpr int RSTEP = NT / 16;       // rows per copy pass (16 chunks of 16 bytes per row)
-    constexpr int QPT = BM / RSTEP, KPT = BN / RSTEP;
+    constexpr int NS = PP ? 3 : 2;       // stages of K and of V
+    constexpr int CT = PP ? 128 : NT;    // threads that copy K and V (PP: warpgroup 0)
+    constexpr int RSTEP = NT / 16;       // Q rows per copy pass (16 chunks of 16 bytes per row)
+    constexpr int KRSTEP = CT / 16;      // K / V rows per copy pass
+    constexpr int QPT = BM / RSTEP, KPT = BN / KRSTEP;
     static_assert(BN == 64 || BN == 128, "key tile: 64 or 128");
-    static_assert(RSTEP % 8 == 0, "a thread's rows share their row % 8 (one swizzle offset)");
-    static_assert(BN <= NT, "one thread per key computes the slots");
+    static_assert(KRSTEP % 8 == 0, "a thread's rows share their row % 8 (one swizzle offset)");
+    static_assert(BN <= CT, "one copying thread per key computes the slots");
+    static_assert(!PP || WGS == 2, "ping-pong: two warpgroups");
 
     extern __shared__ __align__(1024) unsigned char apw_smem_raw[];
     const u32 raw = smem_u32(apw_smem_raw);
     const u32 sQ = (raw + 1023u) & ~1023u;
     const u32 sK = sQ + 2 * QH;
-    const u32 sV = sK + 2 * STAGE;
-    int* s_slot = reinterpret_cast<int*>(apw_smem_raw + (sV + 2 * STAGE - raw));
+    const u32 sV = sK + NS * STAGE;
+    // PP: mbarriers full_k[3], full_v[3] (a stage's copies landed), empty_k[3], empty_v[3] (both
+    // warpgroups are done reading it), 8 bytes each, then the slots.
+    const u32 sBar = sV + NS * STAGE;
+    constexpr u32 BARS = PP ? 12 * 8 : 0;
+    int* s_slot = reinterpret_cast<int*>(apw_smem_raw + (sBar + BARS - raw));
+    auto full_k = [&](int t) { return sBar + (u32)(t % 3) * 8; };
+    auto full_v = [&](int t) { return sBar + 24 + (u32)(t % 3) * 8; };
+    auto empty_k = [&](int t) { return sBar + 48 + (u32)(t % 3) * 8; };
+    auto empty_v = [&](int t) { return sBar + 72 + (u32)(t % 3) * 8; };
+    auto stage = [](int t) { return PP ? (u32)(t % 3) : (u32)(t & 1); };
 
     const int s = blockIdx.z, h = blockIdx.y;
     const int qt = gridDim.x - 1 - blockIdx.x;
@@ -115,19 +175,27 @@ __device__ __forceinline__ void attn_prefill_wg(
             s_slot[(t % 3) * BN + tid] = key < kv_end ? kv_slot(btab, key, bs, mbps, num_blocks) : -1;
         }
     };
-    // K or V tile t of `cache` into stage t % 2 of `dst` (zero rows past kv_end).
+    // K or V tile t of `cache` into stage t % NS of `dst` (zero rows past kv_end).
     auto load_tile = [&](const u16* cache, u32 dst, int t) {
         const int* sl = s_slot + (t % 3) * BN;
-        const u32 d = dst + (t & 1) * STAGE + half_k + swz;
+        const u32 d = dst + stage(t) * STAGE + half_k + swz;
 #pragma unroll
         for (int k = 0; k < KPT; ++k) {
-            const int r = r0 + k * RSTEP;
+            const int r = r0 + k * KRSTEP;
             const int slot = sl[r];
             const u16* src = slot >= 0 ? cache + (size_t)slot * tok_stride + head_off : cache;
             cp_async16(d + r * 128, src, slot >= 0 ? 16 : 0);
         }
     };
 
+    if (PP && tid == 0) {
+        for (int i = 0; i < 3; ++i) {
+            apw_mbar_init(full_k(i), 128);
+            apw_mbar_init(full_v(i), 128);
+            apw_mbar_init(empty_k(i), NT);
+            apw_mbar_init(empty_v(i), NT);
+        }
+    }
     fill_slots(0);
     fill_slots(1);
     fill_slots(2);
@@ -141,12 +209,22 @@ __device__ __forceinline__ void attn_prefill_wg(
         const u16* src = ok ? q + ((size_t)tok * num_heads + h) * HD + ch * 8 : q;
         cp_async16(sQ + half_q + r * 128 + swz, src, ok ? 16 : 0);
     }
-    if (n_tiles > 0) load_tile(kc, sK, 0);
-    cp_async_commit();
-    if (n_tiles > 0) load_tile(vc, sV, 0);
-    cp_async_commit();
-    if (n_tiles > 1) load_tile(kc, sK, 1);
-    cp_async_commit();
+    if constexpr (PP) {
+        // Q is one commit group; warpgroup 0's K / V copies are tracked by the mbarriers.
+        cp_async_commit();
+        if (wg == 0) {
+            if (n_tiles > 0) { load_tile(kc, sK, 0); apw_mbar_cp_arrive(full_k(0)); }
+            if (n_tiles > 0) { load_tile(vc, sV, 0); apw_mbar_cp_arrive(full_v(0)); }
+            if (n_tiles > 1) { load_tile(kc, sK, 1); apw_mbar_cp_arrive(full_k(1)); }
+        }
+    } else {
+        if (n_tiles > 0) load_tile(kc, sK, 0);
+        cp_async_commit();
+        if (n_tiles > 0) load_tile(vc, sV, 0);
+        cp_async_commit();
+        if (n_tiles > 1) load_tile(kc, sK, 1);
+        cp_async_commit();
+    }
 
     // Accumulator element 4 nb + e of thread (warp wq of the warpgroup, lane): row
     // 16 wq + g + 8 (e / 2), column 8 nb + 2 c + e % 2 (the m16n8 layout per warp).
@@ -171,7 +249,7 @@ __device__ __forceinline__ void attn_prefill_wg(
     // S_t = Q K_t^T (K_t in stage t % 2), issued and committed.
     auto issue_s = [&](int t) {
         apw_wg_fence();
-        const u32 kb = sK + (t & 1) * STAGE;
+        const u32 kb = sK + stage(t) * STAGE;
 #pragma unroll
         for (int ks = 0; ks < HD / 16; ++ks) {
             const u32 off = (u32)(ks & 3) * 32;  // k16 step within the 64-dim half
@@ -249,7 +327,7 @@ __device__ __forceinline__ void attn_prefill_wg(
     // O += P_t V_t (V_t in stage t % 2), issued and committed.
     auto issue_pv = [&](int t) {
         apw_wg_fence();
-        const u32 vb = sV + (t & 1) * STAGE;
+        const u32 vb = sV + stage(t) * STAGE;
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) apw_pv(o, p[kk], apw_desc_mn(vb + kk * 2048, KH));
         apw_wg_commit();
@@ -262,42 +340,125 @@ __device__ __forceinline__ void attn_prefill_wg(
         }
     };
 
-    // Tile 0's scores (its K landed with Q: only V_0 and K_1 may pend).
-    cp_async_wait<2>();
-    apw_fence_proxy();
-    __syncthreads();
-    if (n_tiles > 0 && active(0)) {
-        issue_s(0);
-        apw_wg_wait<0>();
-        softmax(0);
-        rescale_pack();
-    }
-
-    for (int j = 0; j < n_tiles; ++j) {
-        cp_async_wait<0>();  // V_j and K_{j+1} landed
+    if constexpr (PP) {
+        // Q landed (its own commit group), for every thread.
+        cp_async_wait<0>();
         apw_fence_proxy();
-        __syncthreads();   // ... for every thread; every warpgroup is done with K_j and V_{j-1}
-        if (j + 1 < n_tiles) load_tile(vc, sV, j + 1);  // into V_{j-1}'s stage
-        cp_async_commit();
-        if (j + 2 < n_tiles) load_tile(kc, sK, j + 2);  // into K_j's stage
-        cp_async_commit();
-        if (j + 3 < n_tiles) fill_slots(j + 3);          // into tile j's slots
-
-        // S_{j+1} first, then O += P_j V_j: the softmax of S_{j+1} runs while PV_j does. Each
-        // branch is straight-line, so ptxas sees which group each wait retires (with the
-        // issues under separate conditions it serializes every wgmma).
-        if (j + 1 < n_tiles && active(j + 1)) {  // implies active(j)
-            issue_s(j + 1);
-            issue_pv(j);
-            apw_wg_wait<1>();  // S_{j+1}
-            softmax(j + 1);
-            apw_wg_wait<0>();  // PV_j
-            keep_p();
-            rescale_pack();
-        } else if (active(j)) {
-            issue_pv(j);
+        __syncthreads();
+        // GEMM turns: warpgroup w waits on named barrier 1 + w before it issues a phase's
+        // wgmmas and then arrives on the other's (2 - w), so the two warpgroups' MMAs alternate
+        // on the tensor cores and one's softmax runs under the other's MMAs. Warpgroup 1 opens
+        // the first turn and leaves out its last arrival (each barrier sees n_tiles + 1 pairs).
+        const int my_turn = 1 + wg, other_turn = 2 - wg;
+        if (wg == 1) apw_bar_arrive(1, NT, true);
+        // Tile 0's scores.
+        if (n_tiles > 0) apw_mbar_wait(full_k(0), 0);
+        apw_fence_proxy();
+        if (n_tiles > 0 && active(0)) {
+            apw_bar_sync(my_turn, NT);
+            issue_s(0);
+            apw_bar_arrive(other_turn, NT, true);
             apw_wg_wait<0>();
-            keep_p();
+            apw_mbar_arrive(empty_k(0), true);
+            softmax(0);
+            rescale_pack();
+        } else {
+            apw_bar_sync(my_turn, NT);
+            apw_bar_arrive(other_turn, NT, wg == 0 || n_tiles > 0);
+            apw_mbar_arrive(empty_k(0), n_tiles > 0);
+        }
+
+        for (int j = 0; j < n_tiles; ++j) {
+            // Warpgroup 0 copies V_{j+1} (into V_{j-2}'s stage) and K_{j+2} (into K_{j-1}'s)
+            // once both warpgroups released those, and the slots of tile j + 3 (into tile j's:
+            // a barrier of warpgroup 0 alone orders the slot table, only it reads it).
+            if (wg == 0) {
+                apw_bar_sync(3, 128);
+                if (j + 1 < n_tiles) {
+                    if (j + 1 >= 3) apw_mbar_wait(empty_v(j + 1), (u32)((j + 1) / 3 - 1) & 1u);
+                    load_tile(vc, sV, j + 1);
+                    apw_mbar_cp_arrive(full_v(j + 1));
+                }
+                if (j + 2 < n_tiles) {
+                    if (j + 2 >= 3) apw_mbar_wait(empty_k(j + 2), (u32)((j + 2) / 3 - 1) & 1u);
+                    load_tile(kc, sK, j + 2);
+                    apw_mbar_cp_arrive(full_k(j + 2));
+                }
+                if (j + 3 < n_tiles) fill_slots(j + 3);
+            }
+            // V_j and K_{j+1} landed (copies by other threads: the proxy fence on this side).
+            if (j + 1 < n_tiles) apw_mbar_wait(full_k(j + 1), (u32)((j + 1) / 3) & 1u);
+            apw_mbar_wait(full_v(j), (u32)(j / 3) & 1u);
+            apw_fence_proxy();
+            const bool more = j + 1 < n_tiles;
+            const bool hand_over = wg == 0 || more;
+            // As in the lockstep kernel, each branch is straight-line while a wgmma group is in
+            // flight; the barrier arrivals in it are predicated instructions.
+            if (more && active(j + 1)) {
+                apw_bar_sync(my_turn, NT);
+                issue_s(j + 1);
+                issue_pv(j);
+                apw_bar_arrive(other_turn, NT, hand_over);
+                apw_wg_wait<1>();  // S_{j+1}: K_{j+1} read
+                apw_mbar_arrive(empty_k(j + 1), true);
+                softmax(j + 1);
+                apw_wg_wait<0>();  // PV_j: V_j read
+                keep_p();
+                apw_mbar_arrive(empty_v(j), true);
+                rescale_pack();
+            } else if (active(j)) {
+                apw_bar_sync(my_turn, NT);
+                issue_pv(j);
+                apw_bar_arrive(other_turn, NT, hand_over);
+                apw_wg_wait<0>();
+                keep_p();
+                apw_mbar_arrive(empty_k(j + 1), more);
+                apw_mbar_arrive(empty_v(j), true);
+            } else {
+                apw_bar_sync(my_turn, NT);
+                apw_bar_arrive(other_turn, NT, hand_over);
+                apw_mbar_arrive(empty_k(j + 1), more);
+                apw_mbar_arrive(empty_v(j), true);
+            }
+        }
+    } else {
+        // Tile 0's scores (its K landed with Q: only V_0 and K_1 may pend).
+        cp_async_wait<2>();
+        apw_fence_proxy();
+        __syncthreads();
+        if (n_tiles > 0 && active(0)) {
+            issue_s(0);
+            apw_wg_wait<0>();
+            softmax(0);
+            rescale_pack();
+        }
+
+        for (int j = 0; j < n_tiles; ++j) {
+            cp_async_wait<0>();  // V_j and K_{j+1} landed
+            apw_fence_proxy();
+            __syncthreads();   // ... for every thread; every warpgroup is done with K_j and V_{j-1}
+            if (j + 1 < n_tiles) load_tile(vc, sV, j + 1);  // into V_{j-1}'s stage
+            cp_async_commit();
+            if (j + 2 < n_tiles) load_tile(kc, sK, j + 2);  // into K_j's stage
+            cp_async_commit();
+            if (j + 3 < n_tiles) fill_slots(j + 3);          // into tile j's slots
+
+            // S_{j+1} first, then O += P_j V_j: the softmax of S_{j+1} runs while PV_j does. Each
+            // branch is straight-line, so ptxas sees which group each wait retires (with the
+            // issues under separate conditions it serializes every wgmma).
+            if (j + 1 < n_tiles && active(j + 1)) {  // implies active(j)
+                issue_s(j + 1);
+                issue_pv(j);
+                apw_wg_wait<1>();  // S_{j+1}
+                softmax(j + 1);
+                apw_wg_wait<0>();  // PV_j
+                keep_p();
+                rescale_pack();
+            } else if (active(j)) {
+                issue_pv(j);
+                apw_wg_wait<0>();
+                keep_p();
+            }
         }
     }
     cp_async_wait<0>();

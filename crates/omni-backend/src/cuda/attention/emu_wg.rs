@@ -193,6 +193,8 @@ struct Smem {
     inflight: Vec<VecDeque<Vec<usize>>>,
     /// The slot table (`s_slot`): value and the phase it was written in.
     slots: Vec<Option<(i32, u64)>>,
+    /// Ping-pong: the mbarrier and tile whose copy last landed in the chunk.
+    owner: Vec<Option<(Bar, usize)>>,
 }
 
 impl Smem {
@@ -205,6 +207,7 @@ impl Smem {
             phase: 1,
             inflight: vec![VecDeque::new(); wgs],
             slots: vec![None; 3 * bn],
+            owner: vec![None; bytes / 16],
         }
     }
     fn cp16(&mut self, dst: usize, src: Option<&[f32]>) {
@@ -334,6 +337,199 @@ fn wgmma_rs(sm: &Smem, d: &mut [[f32; HD / 2]], a: &[[u32; 4]], db: u64) -> Vec<
     reads
 }
 
+/// The ping-pong variant's mbarriers, one of each per stage (tile % 3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Bar {
+    FullK,
+    FullV,
+    EmptyK,
+    EmptyV,
+}
+
+/// One step of a warpgroup's program in the ping-pong variant (as the kernel orders them).
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    /// `bar.sync id` (the other warpgroup arrives on it).
+    Sync(usize),
+    /// `bar.arrive id` when the flag is set.
+    Arrive(usize, bool),
+    /// Warpgroup 0's own barrier before it reads the slot table.
+    SlotBarrier,
+    /// Waits for completion `k` (the kernel's parity is `k & 1`) of the mbarrier of tile `t`.
+    Wait(Bar, usize, usize),
+    /// An arrival on the mbarrier of tile `t` when the flag is set.
+    MArrive(Bar, usize, bool),
+    LoadK(usize),
+    LoadV(usize),
+    /// `cp.async.mbarrier.arrive.noinc`: the copies so far land later, then arrive.
+    CpArrive(Bar, usize),
+    Fill(usize),
+    IssueS(usize),
+    IssuePv(usize),
+    WgWait(usize),
+    Softmax(usize),
+    RescalePack,
+}
+
+/// Copies in flight: (16-byte chunk, its bf16 values).
+type Copies = Vec<(usize, [u16; 8])>;
+
+/// Barrier state of one ping-pong CTA: each warpgroup counts as one party (its 128 threads).
+#[derive(Default)]
+struct PpSync {
+    /// Named barriers 1 and 2 (index 0 unused): parties arrived, generations completed.
+    named: [(usize, u64); 3],
+    /// Per mbarrier and stage: arrivals in the current phase, phases completed.
+    mbar: std::collections::HashMap<(Bar, usize), (usize, usize)>,
+    /// Copies issued before a `CpArrive`, not landed yet, with their barrier.
+    batches: Vec<(Bar, usize, Copies)>,
+}
+
+impl PpSync {
+    fn blocked(&self, op: Op, waiting: Option<u64>) -> bool {
+        match op {
+            Op::Sync(id) => waiting == Some(self.named[id].1),
+            Op::Wait(bar, t, k) => {
+                let done = self.mbar.get(&(bar, t % 3)).map_or(0, |m| m.1);
+                // One more completed phase and the parity wait would never return.
+                assert!(
+                    done <= k + 1,
+                    "{bar:?} of tile {t}: phase {k} lapped ({done} done)"
+                );
+                done < k + 1
+            }
+            _ => false,
+        }
+    }
+    fn arrive_named(&mut self, id: usize, pred: bool) {
+        if pred {
+            let b = &mut self.named[id];
+            b.0 += 1;
+            if b.0 == 2 {
+                *b = (0, b.1 + 1);
+            }
+        }
+    }
+    /// `bar.sync id`: arrives once, then done when the generation moved on.
+    fn sync(&mut self, id: usize, waiting: &mut Option<u64>) -> bool {
+        let g = *waiting.get_or_insert_with(|| {
+            let g = self.named[id].1;
+            self.arrive_named(id, true);
+            g
+        });
+        let done = self.named[id].1 != g;
+        if done {
+            *waiting = None;
+        }
+        done
+    }
+    fn arrive(&mut self, bar: Bar, t: usize, pred: bool) {
+        if !pred {
+            return;
+        }
+        let parties = if matches!(bar, Bar::FullK | Bar::FullV) {
+            1
+        } else {
+            2
+        };
+        let m = self.mbar.entry((bar, t % 3)).or_default();
+        m.0 += 1;
+        if m.0 == parties {
+            *m = (0, m.1 + 1);
+        }
+    }
+    fn cp_arrive(&mut self, sm: &mut Smem, bar: Bar, t: usize) {
+        self.batches.push((bar, t, std::mem::take(&mut sm.open)));
+    }
+    /// Batch `i` lands (visible to wgmma: every reader waits on the mbarrier and fences) and
+    /// arrives on its barrier.
+    fn land(&mut self, sm: &mut Smem, i: usize) {
+        let (bar, t, copies) = self.batches.swap_remove(i);
+        for (chunk, v) in copies {
+            sm.data[chunk * 8..chunk * 8 + 8].copy_from_slice(&v);
+            sm.landed[chunk] = Some(0);
+            sm.owner[chunk] = Some((bar, t));
+        }
+        self.arrive(bar, t, true);
+    }
+}
+
+/// Warpgroup `wg`'s program in the ping-pong kernel over `n` key tiles (`prefill_wg.cu`, `PP`).
+fn pp_program(wg: usize, n: usize, active: impl Fn(usize) -> bool) -> Vec<Op> {
+    let (mine, other) = (1 + wg, 2 - wg);
+    let mut p = Vec::new();
+    if wg == 1 {
+        p.push(Op::Arrive(1, true));
+    }
+    if n > 0 {
+        p.push(Op::Wait(Bar::FullK, 0, 0));
+    }
+    if n > 0 && active(0) {
+        p.extend([
+            Op::Sync(mine),
+            Op::IssueS(0),
+            Op::Arrive(other, true),
+            Op::WgWait(0),
+        ]);
+        p.extend([
+            Op::MArrive(Bar::EmptyK, 0, true),
+            Op::Softmax(0),
+            Op::RescalePack,
+        ]);
+    } else {
+        p.extend([Op::Sync(mine), Op::Arrive(other, wg == 0 || n > 0)]);
+        p.push(Op::MArrive(Bar::EmptyK, 0, n > 0));
+    }
+    for j in 0..n {
+        if wg == 0 {
+            p.push(Op::SlotBarrier);
+            if j + 1 < n {
+                if j + 1 >= 3 {
+                    p.push(Op::Wait(Bar::EmptyV, j + 1, (j + 1 - 3) / 3));
+                }
+                p.extend([Op::LoadV(j + 1), Op::CpArrive(Bar::FullV, j + 1)]);
+            }
+            if j + 2 < n {
+                if j + 2 >= 3 {
+                    p.push(Op::Wait(Bar::EmptyK, j + 2, (j + 2 - 3) / 3));
+                }
+                p.extend([Op::LoadK(j + 2), Op::CpArrive(Bar::FullK, j + 2)]);
+            }
+            if j + 3 < n {
+                p.push(Op::Fill(j + 3));
+            }
+        }
+        let more = j + 1 < n;
+        if more {
+            p.push(Op::Wait(Bar::FullK, j + 1, (j + 1) / 3));
+        }
+        p.push(Op::Wait(Bar::FullV, j, j / 3));
+        let hand_over = wg == 0 || more;
+        if more && active(j + 1) {
+            assert!(active(j));
+            p.extend([Op::Sync(mine), Op::IssueS(j + 1), Op::IssuePv(j)]);
+            p.extend([Op::Arrive(other, hand_over), Op::WgWait(1)]);
+            p.extend([Op::MArrive(Bar::EmptyK, j + 1, true), Op::Softmax(j + 1)]);
+            p.extend([
+                Op::WgWait(0),
+                Op::MArrive(Bar::EmptyV, j, true),
+                Op::RescalePack,
+            ]);
+        } else if active(j) {
+            p.extend([Op::Sync(mine), Op::IssuePv(j), Op::Arrive(other, hand_over)]);
+            p.extend([Op::WgWait(0), Op::MArrive(Bar::EmptyK, j + 1, more)]);
+            p.push(Op::MArrive(Bar::EmptyV, j, true));
+        } else {
+            p.extend([Op::Sync(mine), Op::Arrive(other, hand_over)]);
+            p.extend([
+                Op::MArrive(Bar::EmptyK, j + 1, more),
+                Op::MArrive(Bar::EmptyV, j, true),
+            ]);
+        }
+    }
+    p
+}
+
 /// One CTA (sequence `s`, head `h`, grid x `bx` of `gx`) of the instance `tile`, with dynamic
 /// shared memory starting at byte `raw`; writes its rows of `out`, counting writes in `wrote`.
 #[allow(clippy::too_many_arguments)]
@@ -377,9 +573,11 @@ fn emu_cta(
     let mut sm = Smem::new(raw + total, wgs, bn);
     let sq = (raw + 1023) & !1023;
     let sk = sq + 2 * qh;
-    let sv = sk + 2 * stage;
+    let (ns, bars) = if tile.pingpong { (3, 96) } else { (2, 0) };
+    let stage_of = |t: usize| if tile.pingpong { t % 3 } else { t & 1 };
+    let sv = sk + ns * stage;
     assert!(
-        sv + 2 * stage + 3 * bn * 4 <= raw + total,
+        sv + ns * stage + bars + 3 * bn * 4 <= raw + total,
         "shared memory size"
     );
 
@@ -394,13 +592,15 @@ fn emu_cta(
             sm.write_slot((t % 3) * bn + tid, v);
         }
     };
-    let load_tile = |sm: &mut Smem, cache: &[f32], dst: usize, t: usize| {
-        for tid in 0..nt {
+    // Tile t by the first `ct` threads.
+    let load_tile = |sm: &mut Smem, cache: &[f32], dst: usize, t: usize, ct: usize| {
+        let krstep = ct / 16;
+        for tid in 0..ct {
             let (ch, r0) = (tid & 15, tid >> 4);
             let swz = ((ch & 7) ^ (r0 & 7)) * 16;
-            let d = dst + (t & 1) * stage + (ch >> 3) * kh + swz;
-            for k in 0..bn / rstep {
-                let r = r0 + k * rstep;
+            let d = dst + stage_of(t) * stage + (ch >> 3) * kh + swz;
+            for k in 0..bn / krstep {
+                let r = r0 + k * krstep;
                 let slot = sm.read_slot((t % 3) * bn + r);
                 let src =
                     (slot >= 0).then(|| &cache[(slot as usize * b.nkv + kvh) * HD + ch * 8..][..8]);
@@ -424,18 +624,35 @@ fn emu_cta(
             sm.cp16(sq + (ch >> 3) * qh + r * 128 + swz, src);
         }
     }
-    if n_tiles > 0 {
-        load_tile(&mut sm, &b.k, sk, 0);
+    let mut pp = PpSync::default();
+    if tile.pingpong {
+        // Q is one commit group; warpgroup 0's K / V copies land through the mbarriers.
+        sm.commit();
+        for (t, bar) in [(0, Bar::FullK), (0, Bar::FullV), (1, Bar::FullK)] {
+            if t < n_tiles {
+                let (cache, dst) = if bar == Bar::FullK {
+                    (&b.k, sk)
+                } else {
+                    (&b.v, sv)
+                };
+                load_tile(&mut sm, cache, dst, t, 128);
+                pp.cp_arrive(&mut sm, bar, t);
+            }
+        }
+    } else {
+        if n_tiles > 0 {
+            load_tile(&mut sm, &b.k, sk, 0, nt);
+        }
+        sm.commit();
+        if n_tiles > 0 {
+            load_tile(&mut sm, &b.v, sv, 0, nt);
+        }
+        sm.commit();
+        if n_tiles > 1 {
+            load_tile(&mut sm, &b.k, sk, 1, nt);
+        }
+        sm.commit();
     }
-    sm.commit();
-    if n_tiles > 0 {
-        load_tile(&mut sm, &b.v, sv, 0);
-    }
-    sm.commit();
-    if n_tiles > 1 {
-        load_tile(&mut sm, &b.k, sk, 1);
-    }
-    sm.commit();
 
     let mut wgr: Vec<Wg> = (0..wgs)
         .map(|_| Wg {
@@ -454,7 +671,7 @@ fn emu_cta(
     };
     let issue_s = |sm: &mut Smem, wg: usize, r: &mut Wg, t: usize| {
         let qa = (sq + wg * 64 * 128) as u32;
-        let kb = (sk + (t & 1) * stage) as u32;
+        let kb = (sk + stage_of(t) * stage) as u32;
         let mut reads = Vec::new();
         for ks in 0..HD / 16 {
             let off = (ks as u32 & 3) * 32;
@@ -466,7 +683,7 @@ fn emu_cta(
         sm.inflight[wg].push_back(reads);
     };
     let issue_pv = |sm: &mut Smem, wg: usize, r: &mut Wg, t: usize| {
-        let vb = (sv + (t & 1) * stage) as u32;
+        let vb = (sv + stage_of(t) * stage) as u32;
         let mut reads = Vec::new();
         for kk in 0..bn / 16 {
             let a: Vec<[u32; 4]> = (0..128).map(|th| r.p[th][kk]).collect();
@@ -556,42 +773,119 @@ fn emu_cta(
         }
     };
 
-    sm.wait(2);
-    sm.barrier();
-    for (wg, r) in wgr.iter_mut().enumerate() {
-        if n_tiles > 0 && active(wg, 0) {
-            issue_s(&mut sm, wg, r, 0);
-            wg_wait(&mut sm, wg, 0);
-            softmax(wg, r, 0);
-            rescale_pack(r);
-        }
-    }
-    for j in 0..n_tiles {
+    if tile.pingpong {
         sm.wait(0);
         sm.barrier();
-        if j + 1 < n_tiles {
-            load_tile(&mut sm, &b.v, sv, j + 1);
+        let progs = [0, 1].map(|wg| pp_program(wg, n_tiles, |t| active(wg, t)));
+        let mut rng = Lcg(1 + (s * 7919 + h * 131 + bx) as u64);
+        // Scheduling weights of warpgroup 0, 1 and the landing copies, drawn per CTA so that
+        // either warpgroup may run far ahead (as far as the barriers let it) and copies land
+        // late or early.
+        let weight: [usize; 3] = [0, 1, 2].map(|_| [1, 3, 40][rng.next(3)]);
+        // The (mbarrier, tile) pairs each warpgroup waited for: all it may read of K / V.
+        let mut acquired = [0, 1].map(|_| std::collections::HashSet::new());
+        let (mut pc, mut waiting) = ([0usize; 2], [None::<u64>; 2]);
+        loop {
+            let mut ready: Vec<usize> = (0..2)
+                .filter(|&w| pc[w] < progs[w].len() && !pp.blocked(progs[w][pc[w]], waiting[w]))
+                .collect();
+            if !pp.batches.is_empty() {
+                ready.push(2);
+            }
+            if ready.is_empty() {
+                assert!(
+                    pc[0] == progs[0].len() && pc[1] == progs[1].len(),
+                    "deadlock at {pc:?}"
+                );
+                break;
+            }
+            let total: usize = ready.iter().map(|&w| weight[w]).sum();
+            let mut x = rng.next(total);
+            let w = *ready
+                .iter()
+                .find(|&&w| {
+                    let hit = x < weight[w];
+                    x = x.saturating_sub(weight[w]);
+                    hit
+                })
+                .unwrap();
+            if w == 2 {
+                pp.land(&mut sm, rng.next(pp.batches.len()));
+                continue;
+            }
+            let r = &mut wgr[w];
+            let mut done = true;
+            match progs[w][pc[w]] {
+                Op::Sync(id) => done = pp.sync(id, &mut waiting[w]),
+                Op::Arrive(id, pred) => pp.arrive_named(id, pred),
+                Op::SlotBarrier => sm.barrier(),
+                Op::Wait(bar, t, _) => {
+                    acquired[w].insert((bar, t));
+                }
+                Op::MArrive(bar, t, pred) => pp.arrive(bar, t, pred),
+                Op::LoadK(t) => load_tile(&mut sm, &b.k, sk, t, 128),
+                Op::LoadV(t) => load_tile(&mut sm, &b.v, sv, t, 128),
+                Op::CpArrive(bar, t) => pp.cp_arrive(&mut sm, bar, t),
+                Op::Fill(t) => fill_slots(&mut sm, t),
+                Op::IssueS(t) => issue_s(&mut sm, w, r, t),
+                Op::IssuePv(t) => issue_pv(&mut sm, w, r, t),
+                Op::WgWait(n) => wg_wait(&mut sm, w, n),
+                Op::Softmax(t) => softmax(w, r, t),
+                Op::RescalePack => rescale_pack(r),
+            }
+            if let Op::IssueS(_) | Op::IssuePv(_) = progs[w][pc[w]] {
+                for &c in sm.inflight[w].back().unwrap() {
+                    let o = sm.owner[c];
+                    assert!(
+                        o.is_none_or(|o| acquired[w].contains(&o)),
+                        "warpgroup {w} reads {o:?} without waiting for it"
+                    );
+                }
+            }
+            if done {
+                pc[w] += 1;
+            }
         }
-        sm.commit();
-        if j + 2 < n_tiles {
-            load_tile(&mut sm, &b.k, sk, j + 2);
-        }
-        sm.commit();
-        if j + 3 < n_tiles {
-            fill_slots(&mut sm, j + 3);
-        }
+        assert!(pp.batches.is_empty() && pp.named.iter().all(|&(a, _)| a == 0));
+    }
+    if !tile.pingpong {
+        sm.wait(2);
+        sm.barrier();
         for (wg, r) in wgr.iter_mut().enumerate() {
-            if j + 1 < n_tiles && active(wg, j + 1) {
-                assert!(active(wg, j));
-                issue_s(&mut sm, wg, r, j + 1);
-                issue_pv(&mut sm, wg, r, j);
-                wg_wait(&mut sm, wg, 1);
-                softmax(wg, r, j + 1);
+            if n_tiles > 0 && active(wg, 0) {
+                issue_s(&mut sm, wg, r, 0);
                 wg_wait(&mut sm, wg, 0);
+                softmax(wg, r, 0);
                 rescale_pack(r);
-            } else if active(wg, j) {
-                issue_pv(&mut sm, wg, r, j);
-                wg_wait(&mut sm, wg, 0);
+            }
+        }
+        for j in 0..n_tiles {
+            sm.wait(0);
+            sm.barrier();
+            if j + 1 < n_tiles {
+                load_tile(&mut sm, &b.v, sv, j + 1, nt);
+            }
+            sm.commit();
+            if j + 2 < n_tiles {
+                load_tile(&mut sm, &b.k, sk, j + 2, nt);
+            }
+            sm.commit();
+            if j + 3 < n_tiles {
+                fill_slots(&mut sm, j + 3);
+            }
+            for (wg, r) in wgr.iter_mut().enumerate() {
+                if j + 1 < n_tiles && active(wg, j + 1) {
+                    assert!(active(wg, j));
+                    issue_s(&mut sm, wg, r, j + 1);
+                    issue_pv(&mut sm, wg, r, j);
+                    wg_wait(&mut sm, wg, 1);
+                    softmax(wg, r, j + 1);
+                    wg_wait(&mut sm, wg, 0);
+                    rescale_pack(r);
+                } else if active(wg, j) {
+                    issue_pv(&mut sm, wg, r, j);
+                    wg_wait(&mut sm, wg, 0);
+                }
             }
         }
     }
@@ -695,6 +989,7 @@ fn emulated_wgmma_prefill_matches_the_reference() {
         (64, 64),
         (1, 1),
         (260, 130),
+        (520, 200),
     ];
     let mut rng = Lcg(17);
     let mix: Vec<(usize, usize)> = (0..5)

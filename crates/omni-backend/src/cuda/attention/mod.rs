@@ -299,15 +299,20 @@ pub(super) struct PrefillTile {
     /// The Hopper kernel (`prefill_wg.cu`, sm_90a, head_dim [`WGMMA_HEAD_DIM`] only): `warps /
     /// 4` warpgroups of 64 query rows on `wgmma`, two stages of K and V tiles (`qreg` unused).
     pub(super) wgmma: bool,
+    /// The wgmma kernel's ping-pong variant (two warpgroups only): the warpgroups take turns
+    /// issuing their MMAs (named barriers), K / V copied by warpgroup 0 into three stages each,
+    /// handed over with mbarriers instead of a CTA-wide barrier per key tile.
+    pub(super) pingpong: bool,
 }
 
 impl PrefillTile {
     /// Dynamic shared memory: the Q tile and one K and one V tile; for the wgmma kernel, room
-    /// to align to 1024 bytes, the Q tile, two stages of K and V tiles and three tiles' cache
-    /// slots (i32).
+    /// to align to 1024 bytes, the Q tile, two stages of K and V tiles (three in the ping-pong
+    /// variant, with its 12 mbarriers) and three tiles' cache slots (i32).
     pub(super) fn smem_bytes(&self, head_dim: usize) -> usize {
         if self.wgmma {
-            1024 + (16 * self.warps + 4 * self.bn) * head_dim * 2 + 3 * self.bn * 4
+            let (stages, bars) = if self.pingpong { (3, 12 * 8) } else { (2, 0) };
+            1024 + (16 * self.warps + 2 * stages * self.bn) * head_dim * 2 + bars + 3 * self.bn * 4
         } else {
             (16 * self.warps + 2 * self.bn) * head_dim * 2
         }
@@ -325,17 +330,28 @@ const fn wg_tile(wgs: usize, bn: usize, min_ctas: usize) -> PrefillTile {
         qreg: false,
         min_ctas,
         wgmma: true,
+        pingpong: false,
+    }
+}
+
+/// The ping-pong variant of the two-warpgroup tiling over `bn`-key tiles (one CTA per SM).
+const fn wg_pingpong(bn: usize) -> PrefillTile {
+    PrefillTile {
+        pingpong: true,
+        ..wg_tile(2, bn, 1)
     }
 }
 
 /// The wgmma prefill tilings with their entry points (`source::attn_wgmma_source`; test builds
 /// compile all of them for the timing, others only [`WGMMA_PREFILL_PICK`]'s). The minimum CTAs
 /// per SM are what the shared memory allows (228 KiB per SM).
-pub(super) const WGMMA_PREFILL: [(PrefillTile, &str); 4] = [
+pub(super) const WGMMA_PREFILL: [(PrefillTile, &str); 6] = [
     (wg_tile(1, 64, 2), "attn_prefill_wg_hd128_w1_n64"),
     (wg_tile(2, 64, 1), "attn_prefill_wg_hd128_w2_n64"),
     (wg_tile(1, 128, 1), "attn_prefill_wg_hd128_w1_n128"),
     (wg_tile(2, 128, 1), "attn_prefill_wg_hd128_w2_n128"),
+    (wg_pingpong(64), "attn_prefill_wg_hd128_w2_n64_pp"),
+    (wg_pingpong(128), "attn_prefill_wg_hd128_w2_n128_pp"),
 ];
 
 /// The tiling of [`WGMMA_PREFILL`] prefills run by default: two warpgroups over 128-key tiles.
@@ -348,7 +364,8 @@ pub(super) const WGMMA_PREFILL_PICK: usize = 3;
 /// Prefill attention (`max_query_len > 1`) at head_dim 128 on an sm_90 device runs on the
 /// warpgroup-MMA kernel (`prefill_wg.cu`) tiled as [`WGMMA_PREFILL_PICK`] unless this is `0`
 /// (the `mma.sync` kernel, as on other GPUs); set to a tiling's name (`w1_n64`, `w2_n64`,
-/// `w1_n128`, `w2_n128`: warpgroups per CTA, keys per tile), on that tiling. Decode steps are
+/// `w1_n128`, `w2_n128`: warpgroups per CTA, keys per tile; `w2_n64_pp`, `w2_n128_pp`: their
+/// ping-pong variants), on that tiling. Decode steps are
 /// unchanged. Read once per process.
 pub const PREFILL_WGMMA_ENV: &str = "OMNI_CUDA_ATTN_WGMMA";
 
@@ -394,6 +411,7 @@ fn prefill_cfg(head_dim: usize) -> PrefillTile {
             qreg: true,
             min_ctas: 0,
             wgmma: false,
+            pingpong: false,
         }
     } else {
         PrefillTile {
@@ -402,6 +420,7 @@ fn prefill_cfg(head_dim: usize) -> PrefillTile {
             qreg: false,
             min_ctas: 0,
             wgmma: false,
+            pingpong: false,
         }
     }
 }
@@ -418,6 +437,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             qreg: true,
             min_ctas: 3,
             wgmma: false,
+            pingpong: false,
         },
         "attn_prefill_hd128_w4_n64_b3",
     ),
@@ -428,6 +448,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             qreg: false,
             min_ctas: 3,
             wgmma: false,
+            pingpong: false,
         },
         "attn_prefill_hd128_w4_n64_qs_b3",
     ),
@@ -438,6 +459,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             qreg: false,
             min_ctas: 4,
             wgmma: false,
+            pingpong: false,
         },
         "attn_prefill_hd128_w4_n32_qs_b4",
     ),
@@ -448,6 +470,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             qreg: true,
             min_ctas: 0,
             wgmma: false,
+            pingpong: false,
         },
         "attn_prefill_hd128_w8_n64",
     ),
@@ -458,6 +481,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             qreg: true,
             min_ctas: 0,
             wgmma: false,
+            pingpong: false,
         },
         "attn_prefill_hd128_w8_n32",
     ),
@@ -468,6 +492,7 @@ pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
             qreg: true,
             min_ctas: 0,
             wgmma: false,
+            pingpong: false,
         },
         "attn_prefill_hd128_w4_n32",
     ),

@@ -193,12 +193,13 @@ fn wgmma_pv_wrapper(hd: usize) -> String {
 fn prefill_wg_entry(tile: &PrefillTile, name: &str) -> String {
     let wgs = tile.warps / 4;
     let (bn, threads, min_ctas) = (tile.bn, 32 * tile.warps, tile.min_ctas.max(1));
+    let pp = tile.pingpong;
     format!(
         "extern \"C\" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(\
          const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \
          const int* seq_lens, const int* bt, int num_tokens, int num_heads, int nkv, int bs, \
          int num_blocks, int mbps, float scale_log2) {{ \
-         attn_prefill_wg<{wgs}, {bn}>(q, kc, vc, out, qsl, seq_lens, bt, num_tokens, num_heads, \
+         attn_prefill_wg<{wgs}, {bn}, {pp}>(q, kc, vc, out, qsl, seq_lens, bt, num_tokens, num_heads, \
          nkv, bs, num_blocks, mbps, scale_log2); }}\n"
     )
 }

@@ -47,6 +47,7 @@ fn wgmma_prefill_source_and_selection() {
     assert_eq!(wgmma_prefill_choice(Some("1")), on);
     assert_eq!(wgmma_prefill_choice(Some("yes")), on);
     assert_eq!(wgmma_prefill_choice(Some("w1_n128")), Some(2));
+    assert_eq!(wgmma_prefill_choice(Some("w2_n128_pp")), Some(5));
     assert_eq!(wgmma_prefill_choice(Some(" 0")), None);
     assert_eq!(wgmma_prefill_for(128, (9, 0), on), Some(pick));
     assert_eq!(wgmma_prefill_for(128, (9, 0), None), None);
