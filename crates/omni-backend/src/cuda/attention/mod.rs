@@ -334,7 +334,12 @@ const fn wg_tile(wgs: usize, bn: usize, min_ctas: usize) -> PrefillTile {
     }
 }
 
-/// The ping-pong variant of the two-warpgroup tiling over `bn`-key tiles (one CTA per SM).
+/// The ping-pong variant of the two-warpgroup tiling over `bn`-key tiles (one CTA per SM):
+/// warpgroup 0 copies K/V into 3 stages handed over by mbarriers, the warpgroups alternate their
+/// MMAs through named barriers. Correct on an H200 but slower than the lockstep kernel (2048
+/// tokens, 32/4 heads: 201.6 against 157.7 µs at 128 keys, 230.9 against 184.5 at 64; a
+/// 2048-token prefill of Qwen3-30B-A3B 42.5 against 40.3 ms), so not the default: one
+/// warpgroup issuing every copy is likely its limit.
 const fn wg_pingpong(bn: usize) -> PrefillTile {
     PrefillTile {
         pingpong: true,
@@ -356,7 +361,7 @@ pub(super) const WGMMA_PREFILL: [(PrefillTile, &str); 6] = [
 
 /// The tiling of [`WGMMA_PREFILL`] prefills run by default: two warpgroups over 128-key tiles.
 /// On an H200 (2048 tokens, 32/4 heads) 159.5 µs against 274.9 for the `mma.sync` kernel
-/// (w2_n64 184.7, w1_n64 201.1, w1_n128 266.1); a 2048-token prefill of Qwen3-30B-A3B 45.8 ->
+/// (w2_n64 184.7, w1_n64 201.1, w1_n128 266.1, the ping-pong variants 201.6 / 230.9); a 2048-token prefill of Qwen3-30B-A3B 45.8 ->
 /// 41.7 ms to the first token, 4000 tokens 101.3 -> 83.5 ms
 /// (`bench/results/gpu-prefill-wgmma-h200-2026-12-04.md`).
 pub(super) const WGMMA_PREFILL_PICK: usize = 3;
