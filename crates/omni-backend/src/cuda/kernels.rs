@@ -149,7 +149,8 @@ mod tests {
     }
 
     /// Test helper: compiles `src` for `sm_90` (the lent H200s) and panics with NVRTC's log on
-    /// failure or when ptxas serializes warpgroup MMAs; returns `false` (skipped, printed) when NVRTC is not loadable.
+    /// failure or when ptxas serializes warpgroup MMAs; returns `false` (skipped, printed) when
+    /// NVRTC is not loadable.
     fn check_compiles(what: &str, src: &str) -> bool {
         if !nvrtc_present() {
             println!(

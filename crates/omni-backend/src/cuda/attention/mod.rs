@@ -23,9 +23,9 @@
 //!   (`mma.sync.m16n8k16` bf16 with `ldmatrix`, f32 accumulation, online softmax), K/V tiles
 //!   gathered from the paged cache through the block table with `cp.async`. Decode rows of a
 //!   mixed batch go through it too. On an sm_90 device at head_dim 128 (unless
-//!   [`PREFILL_WGMMA_ENV`] is `0`), a Hopper kernel instead (`prefill_wg.cu`, sm_90a): warpgroup MMAs (`wgmma`) of 64
-//!   query rows per warpgroup, Q and double-buffered K/V tiles in 128-byte-swizzled shared
-//!   memory, P from registers.
+//!   [`PREFILL_WGMMA_ENV`] is `0`), a Hopper kernel instead (`prefill_wg.cu`, sm_90a):
+//!   warpgroup MMAs (`wgmma`) of 64 query rows per warpgroup, Q and double-buffered K/V tiles
+//!   in 128-byte-swizzled shared memory, P from registers.
 //!
 //! The launch grid depends only on host scalars; every per-sequence value (query range, context
 //! length, blocks) is read on the device and CTAs with nothing to do exit at once. So
@@ -322,15 +322,24 @@ impl PrefillTile {
 /// The only head dimension of the wgmma prefill kernel.
 pub(super) const WGMMA_HEAD_DIM: usize = 128;
 
+/// An `mma.sync` prefill tiling (`prefill.cu`): `warps` warps of 16 query rows, `bn`-key
+/// tiles, Q in registers when `qreg`, `__launch_bounds__` minimum `min_ctas` CTAs per SM.
+const fn mma_tile(warps: usize, bn: usize, qreg: bool, min_ctas: usize) -> PrefillTile {
+    PrefillTile {
+        warps,
+        bn,
+        qreg,
+        min_ctas,
+        wgmma: false,
+        pingpong: false,
+    }
+}
+
 /// A wgmma prefill tiling of `wgs` warpgroups (64 query rows each) and `bn`-key tiles.
 const fn wg_tile(wgs: usize, bn: usize, min_ctas: usize) -> PrefillTile {
     PrefillTile {
-        warps: 4 * wgs,
-        bn,
-        qreg: false,
-        min_ctas,
         wgmma: true,
-        pingpong: false,
+        ..mma_tile(4 * wgs, bn, false, min_ctas)
     }
 }
 
@@ -348,8 +357,8 @@ const fn wg_pingpong(bn: usize) -> PrefillTile {
 }
 
 /// The wgmma prefill tilings with their entry points (`source::attn_wgmma_source`; test builds
-/// compile all of them for the timing, others only [`WGMMA_PREFILL_PICK`]'s). The minimum CTAs
-/// per SM are what the shared memory allows (228 KiB per SM).
+/// compile all of them for the timing, others only the one [`PREFILL_WGMMA_ENV`] selects). The
+/// minimum CTAs per SM are what the shared memory allows (228 KiB per SM).
 pub(super) const WGMMA_PREFILL: [(PrefillTile, &str); 6] = [
     (wg_tile(1, 64, 2), "attn_prefill_wg_hd128_w1_n64"),
     (wg_tile(2, 64, 1), "attn_prefill_wg_hd128_w2_n64"),
@@ -361,17 +370,16 @@ pub(super) const WGMMA_PREFILL: [(PrefillTile, &str); 6] = [
 
 /// The tiling of [`WGMMA_PREFILL`] prefills run by default: two warpgroups over 128-key tiles.
 /// On an H200 (2048 tokens, 32/4 heads) 159.5 µs against 274.9 for the `mma.sync` kernel
-/// (w2_n64 184.7, w1_n64 201.1, w1_n128 266.1, the ping-pong variants 201.6 / 230.9); a 2048-token prefill of Qwen3-30B-A3B 45.8 ->
-/// 41.7 ms to the first token, 4000 tokens 101.3 -> 83.5 ms
-/// (`bench/results/gpu-prefill-wgmma-h200-2026-12-04.md`).
+/// (w2_n64 184.7, w1_n64 201.1, w1_n128 266.1, the ping-pong variants 201.6 / 230.9); a
+/// 2048-token prefill of Qwen3-30B-A3B 45.8 -> 41.7 ms to the first token, 4000 tokens 101.3 ->
+/// 83.5 ms (`bench/results/gpu-prefill-wgmma-h200-2026-12-04.md`).
 pub(super) const WGMMA_PREFILL_PICK: usize = 3;
 
 /// Prefill attention (`max_query_len > 1`) at head_dim 128 on an sm_90 device runs on the
 /// warpgroup-MMA kernel (`prefill_wg.cu`) tiled as [`WGMMA_PREFILL_PICK`] unless this is `0`
 /// (the `mma.sync` kernel, as on other GPUs); set to a tiling's name (`w1_n64`, `w2_n64`,
 /// `w1_n128`, `w2_n128`: warpgroups per CTA, keys per tile; `w2_n64_pp`, `w2_n128_pp`: their
-/// ping-pong variants), on that tiling. Decode steps are
-/// unchanged. Read once per process.
+/// ping-pong variants), on that tiling. Decode steps are unchanged. Read once per process.
 pub const PREFILL_WGMMA_ENV: &str = "OMNI_CUDA_ATTN_WGMMA";
 
 /// The index into [`WGMMA_PREFILL`] a value of [`PREFILL_WGMMA_ENV`] selects (unset, `1` or
@@ -410,23 +418,9 @@ fn wgmma_prefill_for(
 /// Prefill kernel tiling for `head_dim` (the `attn_prefill_hd{HD}` entry point).
 fn prefill_cfg(head_dim: usize) -> PrefillTile {
     if head_dim <= 128 {
-        PrefillTile {
-            warps: 4,
-            bn: 64,
-            qreg: true,
-            min_ctas: 0,
-            wgmma: false,
-            pingpong: false,
-        }
+        mma_tile(4, 64, true, 0)
     } else {
-        PrefillTile {
-            warps: 2,
-            bn: 32,
-            qreg: false,
-            min_ctas: 0,
-            wgmma: false,
-            pingpong: false,
-        }
+        mma_tile(2, 32, false, 0)
     }
 }
 
@@ -435,70 +429,10 @@ fn prefill_cfg(head_dim: usize) -> PrefillTile {
 #[cfg(test)]
 pub(super) const PREFILL_CANDIDATES: [(PrefillTile, &str); 6] = [
     // The default held to 168 registers (3 CTAs per SM), with Q in registers or re-read.
-    (
-        PrefillTile {
-            warps: 4,
-            bn: 64,
-            qreg: true,
-            min_ctas: 3,
-            wgmma: false,
-            pingpong: false,
-        },
-        "attn_prefill_hd128_w4_n64_b3",
-    ),
-    (
-        PrefillTile {
-            warps: 4,
-            bn: 64,
-            qreg: false,
-            min_ctas: 3,
-            wgmma: false,
-            pingpong: false,
-        },
-        "attn_prefill_hd128_w4_n64_qs_b3",
-    ),
-    (
-        PrefillTile {
-            warps: 4,
-            bn: 32,
-            qreg: false,
-            min_ctas: 4,
-            wgmma: false,
-            pingpong: false,
-        },
-        "attn_prefill_hd128_w4_n32_qs_b4",
-    ),
-    (
-        PrefillTile {
-            warps: 8,
-            bn: 64,
-            qreg: true,
-            min_ctas: 0,
-            wgmma: false,
-            pingpong: false,
-        },
-        "attn_prefill_hd128_w8_n64",
-    ),
-    (
-        PrefillTile {
-            warps: 8,
-            bn: 32,
-            qreg: true,
-            min_ctas: 0,
-            wgmma: false,
-            pingpong: false,
-        },
-        "attn_prefill_hd128_w8_n32",
-    ),
-    (
-        PrefillTile {
-            warps: 4,
-            bn: 32,
-            qreg: true,
-            min_ctas: 0,
-            wgmma: false,
-            pingpong: false,
-        },
-        "attn_prefill_hd128_w4_n32",
-    ),
+    (mma_tile(4, 64, true, 3), "attn_prefill_hd128_w4_n64_b3"),
+    (mma_tile(4, 64, false, 3), "attn_prefill_hd128_w4_n64_qs_b3"),
+    (mma_tile(4, 32, false, 4), "attn_prefill_hd128_w4_n32_qs_b4"),
+    (mma_tile(8, 64, true, 0), "attn_prefill_hd128_w8_n64"),
+    (mma_tile(8, 32, true, 0), "attn_prefill_hd128_w8_n32"),
+    (mma_tile(4, 32, true, 0), "attn_prefill_hd128_w4_n32"),
 ];

@@ -22,7 +22,8 @@ const GROUPED_GEMM: &str = kernel_file!("moe/grouped_gemm.cu");
 const REDUCE: &str = kernel_file!("moe/reduce.cu");
 /// The grouped GEMM template on warpgroup MMA (`moe_gemm_wg`, sm_90a).
 const GROUPED_GEMM_WG: &str = kernel_file!("moe/grouped_gemm_wg.cu");
-/// Its warp-specialized form (`moe_gemm_ws`).
+/// Its warp-specialized form (`moe_gemm_ws`; only test builds instantiate it).
+#[cfg(test)]
 const GROUPED_GEMM_WS: &str = kernel_file!("moe/grouped_gemm_ws.cu");
 /// The cuBLAS prefill path's counts and gather.
 const GATHER: &str = kernel_file!("moe/gather.cu");
@@ -130,6 +131,7 @@ pub(crate) fn moe_wgmma_source() -> String {
         s.push_str(&wgmma_wrapper(n));
     }
     s.push_str(GROUPED_GEMM_WG);
+    #[cfg(test)]
     s.push_str(GROUPED_GEMM_WS);
     for cfg in tiles {
         s.push_str(&gemm_entry(&cfg, true));

@@ -18,7 +18,6 @@ pub(super) enum Wgmma {
     Rows64,
     /// [`LARGE_WG2`] only.
     Rows128,
-
     /// [`LARGE_WG`], and [`LARGE_WG2`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
     Auto,
 }
@@ -64,8 +63,8 @@ pub(super) struct TileCfg {
     pub(super) stages: usize,
     /// `__launch_bounds__` minimum CTAs per SM.
     pub(super) min_ctas: usize,
-    /// Hopper's warpgroup MMA (`moe_gemm_wg`, sm_90a only; `bk` 64, `bm` / 64 warpgroups as
-    /// `warps_m` 4 `bm` / 64 x `warps_n` 1) rather than `mma.sync` (`moe_gemm`).
+    /// Hopper's warpgroup MMA (`moe_gemm_wg`, sm_90a only; `bk` 64, `bm` / 64 warpgroups, so
+    /// `warps_m` = 4 `bm` / 64 and `warps_n` = 1) rather than `mma.sync` (`moe_gemm`).
     pub(super) wgmma: bool,
     /// Warp-specialized warpgroup-MMA tile (`moe_gemm_ws`, `bm` 128): this many producer warps
     /// issue the copies while the `warps_m` x `warps_n` consumer warps only compute; 0 for
