@@ -66,15 +66,12 @@
 #           (prefills of PREFILL_LENS tokens) for this tree and, when staged, base-omni-engine
 #           (twice each, interleaved)
 #   ab-wgmma the warpgroup-MMA expert GEMMs: MoE checks and timings, ncu on the prefill tiles
-#           and attention, model tests with OMNI_CUDA_MOE_WGMMA=1 (the default tiles), bench latency
-#           prefills (PREFILL_LENS, default 512 2048) with it 0 and 1, interleaved
-#   ab-wg2  the two-warpgroup expert GEMMs (128-row blocks): MoE checks and timings, ncu on the
-#           warpgroup-MMA tiles (NCU_TILES, default wg wg2), model tests, bench latency prefills
-#           (PREFILL_LENS, default 512 1024 2048 4000) with OMNI_CUDA_MOE_WGMMA in WG_MODES
-#           (default 64 128; `ws` the warp-specialized tile), interleaved
+#           (NCU_TILES, default large wg) and attention, model tests, bench latency prefills
+#           (PREFILL_LENS, default 512 2048) with OMNI_CUDA_MOE_WGMMA in WG_MODES (default 0 1;
+#           64 / 128 one tile), interleaved
 #   ab-attn-wg the warpgroup-MMA prefill attention: its checks, every attention check with
-#           OMNI_CUDA_ATTN_WGMMA=1, prefill tiling timings, ncu, model tests with it on, bench
-#           latency prefills (PREFILL_LENS, default 512 2048 4000) with it 0 and ATTN_WG_TILES
+#           OMNI_CUDA_ATTN_WGMMA=1, prefill tiling timings, ncu on the default tiling, model
+#           tests with it on, bench latency prefills (PREFILL_LENS, default 512 2048 4000) with it 0 and ATTN_WG_TILES
 #   peer    the peer: scripts/bench-hf-peer.py (Hugging Face transformers + torch.compile,
 #           random weights of the same shapes) for decode at batch 1 and 8 and a 2k prefill
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
@@ -368,13 +365,14 @@ if want ab-prefill; then
 fi
 
 if want ab-wgmma; then
-  # The warpgroup-MMA expert GEMMs (OMNI_CUDA_MOE_WGMMA=1): every MoE check and timing, Nsight
-  # Compute on both prefill tiles and the attention prefill at 2048 tokens, the model tests on
-  # the wgmma path, then bench latency prefills of PREFILL_LENS tokens (Qwen3-30B-A3B shape)
-  # with and without it, interleaved, WGMMA_ROUNDS times.
+  # The warpgroup-MMA expert GEMMs: every MoE check and timing, Nsight Compute on the prefill
+  # tiles NCU_TILES (default large wg) and the attention prefill at 2048 tokens, the model and
+  # small-batch MoE tests on the default tiles, then bench latency prefills of PREFILL_LENS
+  # tokens (Qwen3-30B-A3B shape) with OMNI_CUDA_MOE_WGMMA in WG_MODES (default 0 1: off / the
+  # default tiles; 64 / 128 one tile), interleaved, WGMMA_ROUNDS times.
   step wg-moe "$BIN/backend-tests" cuda::moe --test-threads=1 --nocapture
   if [ -n "$NCU" ]; then
-    for k in large wg; do
+    for k in ${NCU_TILES:-large wg}; do
       step "ncu-moe-$k" env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name "regex:^moe_(gate_up|down)_$k\$" \
         --launch-skip 4 --launch-count 2 "${NCU_SECTIONS[@]}" \
         "$BIN/backend-tests" fused_moe_real_shape_and_timing --test-threads=1
@@ -382,35 +380,11 @@ if want ab-wgmma; then
     step ncu-attn "$NCU" --kernel-name attn_prefill_hd128 --launch-count 1 "${NCU_SECTIONS[@]}" \
       "$BIN/backend-tests" attention_prefill_timing --test-threads=1
   fi
-  [ -x "$BIN/model-tests" ] && step wg-model env OMNI_CUDA_MOE_WGMMA=1 "$BIN/model-tests" --test-threads=1
-  [ -x "$BIN/moe-small-tests" ] && step wg-moe-small env OMNI_CUDA_MOE_WGMMA=1 "$BIN/moe-small-tests" --test-threads=1
+  [ -x "$BIN/model-tests" ] && step wg-model "$BIN/model-tests" --test-threads=1
+  [ -x "$BIN/moe-small-tests" ] && step wg-moe-small "$BIN/moe-small-tests" --test-threads=1
   for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
     for n in ${PREFILL_LENS:-512 2048}; do
-      for v in 0 1; do
-        prefill_latency "prefill$n-wg$v-r$r-latency" "$n" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine"
-      done
-    done
-  done
-fi
-
-if want ab-wg2; then
-  # The two-warpgroup expert GEMM (128-row blocks) against the one-warpgroup tile: MoE checks
-  # and timings, Nsight Compute on both at 2048 tokens, the model tests on the default
-  # selection, then bench latency prefills (PREFILL_LENS) with OMNI_CUDA_MOE_WGMMA=64 and 128,
-  # interleaved, WGMMA_ROUNDS times.
-  step wg2-moe "$BIN/backend-tests" cuda::moe --test-threads=1 --nocapture
-  if [ -n "$NCU" ]; then
-    for k in ${NCU_TILES:-wg wg2}; do
-      step "ncu-moe-$k" env OMNI_MOE_TIMING_TOKENS=2048 "$NCU" --kernel-name "regex:^moe_(gate_up|down)_$k\$" \
-        --launch-skip 4 --launch-count 2 "${NCU_SECTIONS[@]}" \
-        "$BIN/backend-tests" fused_moe_real_shape_and_timing --test-threads=1
-    done
-  fi
-  [ -x "$BIN/model-tests" ] && step wg2-model "$BIN/model-tests" --test-threads=1
-  [ -x "$BIN/moe-small-tests" ] && step wg2-moe-small "$BIN/moe-small-tests" --test-threads=1
-  for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
-    for n in ${PREFILL_LENS:-512 1024 2048 4000}; do
-      for v in ${WG_MODES:-64 128}; do
+      for v in ${WG_MODES:-0 1}; do
         prefill_latency "prefill$n-wg$v-r$r-latency" "$n" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine"
       done
     done
@@ -426,7 +400,7 @@ if want ab-attn-wg; then
   step attn-wg-all env OMNI_CUDA_ATTN_WGMMA=1 "$BIN/backend-tests" cuda::attention --skip timing --test-threads=1
   step attn-wg-timing "$BIN/backend-tests" attention_prefill_timing --test-threads=1 --nocapture
   if [ -n "$NCU" ]; then
-    step ncu-attn-wg "$NCU" --kernel-name regex:^attn_prefill_wg_hd128_w2_n64$ --launch-count 1 "${NCU_SECTIONS[@]}" \
+    step ncu-attn-wg "$NCU" --kernel-name regex:^attn_prefill_wg_hd128_w2_n128$ --launch-count 1 "${NCU_SECTIONS[@]}" \
       "$BIN/backend-tests" attention_prefill_timing --test-threads=1
   fi
   [ -x "$BIN/model-tests" ] && step attn-wg-model env OMNI_CUDA_ATTN_WGMMA=1 "$BIN/model-tests" --test-threads=1
