@@ -18,6 +18,46 @@ use crate::attention::{AttentionMetadata, LayerKvCache, paged_attention};
 use crate::cuda::bf16;
 use crate::cuda::tests::rel_err;
 
+/// Block tables over a shuffled pool of blocks for sequences needing `need[s]` blocks each:
+/// the pool holds their sum + 2 blocks, each sequence gets `need[s]` distinct ones in pool
+/// order, the flat table has `mbps` = max + 1 entries per sequence (padding entries point at a
+/// real block, never read).
+pub(super) struct ShuffledTables {
+    pub(super) num_blocks: usize,
+    pub(super) mbps: usize,
+    /// Flat `[sequence][mbps]` table, as the kernels read it.
+    pub(super) bt: Vec<i32>,
+    /// Each sequence's blocks, as the CPU reference reads them.
+    pub(super) tables: Vec<Vec<u32>>,
+}
+
+/// [`ShuffledTables`] for `need`, the pool order drawn from `rng`.
+pub(super) fn shuffled_tables(need: &[usize], rng: &mut Lcg) -> ShuffledTables {
+    let num_blocks = need.iter().sum::<usize>() + 2;
+    let mut perm: Vec<usize> = (0..num_blocks).collect();
+    for i in (1..num_blocks).rev() {
+        perm.swap(i, rng.next(i + 1));
+    }
+    let mbps = need.iter().copied().max().unwrap_or(0) + 1;
+    let mut bt = vec![perm[num_blocks - 1] as i32; need.len() * mbps];
+    let mut tables = Vec::new();
+    let mut next = 0;
+    for (s, &n) in need.iter().enumerate() {
+        let t: Vec<u32> = perm[next..next + n].iter().map(|&b| b as u32).collect();
+        next += n;
+        for (i, &b) in t.iter().enumerate() {
+            bt[s * mbps + i] = b as i32;
+        }
+        tables.push(t);
+    }
+    ShuffledTables {
+        num_blocks,
+        mbps,
+        bt,
+        tables,
+    }
+}
+
 /// The flat device inputs of one decode call, with the CPU reference output.
 pub(super) struct Batch {
     pub(super) nh: usize,
@@ -43,23 +83,12 @@ impl Batch {
         let mut rng = Lcg(seed);
         let ctx: Vec<usize> = lens.iter().map(|&c| if c == 0 { 5 } else { c }).collect();
         let need: Vec<usize> = ctx.iter().map(|c| c.div_ceil(bs)).collect();
-        let num_blocks = need.iter().sum::<usize>() + 2;
-        let mut perm: Vec<usize> = (0..num_blocks).collect();
-        for i in (1..num_blocks).rev() {
-            perm.swap(i, rng.next(i + 1));
-        }
-        let mbps = need.iter().copied().max().unwrap_or(0) + 1;
-        let mut bt = vec![perm[num_blocks - 1] as i32; lens.len() * mbps];
-        let mut tables = Vec::new();
-        let mut next = 0;
-        for (s, &n) in need.iter().enumerate() {
-            let t: Vec<u32> = perm[next..next + n].iter().map(|&b| b as u32).collect();
-            next += n;
-            for (i, &b) in t.iter().enumerate() {
-                bt[s * mbps + i] = b as i32;
-            }
-            tables.push(t);
-        }
+        let ShuffledTables {
+            num_blocks,
+            mbps,
+            bt,
+            tables,
+        } = shuffled_tables(&need, &mut rng);
         let mut cache = LayerKvCache::new(num_blocks, bs, nkv, hd);
         cache.k.iter_mut().for_each(|x| *x = rng.f32());
         cache.v.iter_mut().for_each(|x| *x = rng.f32());

@@ -1,7 +1,7 @@
 //! The emulated launch: one CTA of a tiling walked thread by thread over a prefill batch,
 //! against the CPU reference, and the tests.
 
-use super::super::emu::kv_slot;
+use super::super::emu::{ShuffledTables, kv_slot, shuffled_tables};
 use super::super::tests::Lcg;
 use super::super::{PrefillTile, WGMMA_PREFILL};
 use super::pingpong::{Op, PpSync, pp_program};
@@ -31,24 +31,12 @@ impl Batch {
     fn new(nh: usize, nkv: usize, bs: usize, seqs: &[(usize, usize)], seed: u64) -> Self {
         let mut rng = Lcg(seed);
         let need: Vec<usize> = seqs.iter().map(|&(c, _)| c.div_ceil(bs)).collect();
-        let num_blocks = need.iter().sum::<usize>() + 2;
-        let mut perm: Vec<usize> = (0..num_blocks).collect();
-        for i in (1..num_blocks).rev() {
-            perm.swap(i, rng.next(i + 1));
-        }
-        let mbps = need.iter().copied().max().unwrap_or(0) + 1;
-        // Padding entries point at a real block, never read.
-        let mut bt = vec![perm[num_blocks - 1] as i32; seqs.len() * mbps];
-        let mut tables = Vec::new();
-        let mut next = 0;
-        for (s, &n) in need.iter().enumerate() {
-            let t: Vec<u32> = perm[next..next + n].iter().map(|&b| b as u32).collect();
-            next += n;
-            for (i, &b) in t.iter().enumerate() {
-                bt[s * mbps + i] = b as i32;
-            }
-            tables.push(t);
-        }
+        let ShuffledTables {
+            num_blocks,
+            mbps,
+            bt,
+            tables,
+        } = shuffled_tables(&need, &mut rng);
         let mut cache = LayerKvCache::new(num_blocks, bs, nkv, HD);
         cache.k.iter_mut().for_each(|x| *x = round(rng.f32()));
         cache.v.iter_mut().for_each(|x| *x = round(rng.f32()));
