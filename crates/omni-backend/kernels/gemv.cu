@@ -7,7 +7,8 @@
 //   input   GV_IN_X:     x bf16 [rows, k] from global memory;
 //           GV_IN_NORM:  x = bf16(rms_norm(residual[r]) * norm_w), the f32 residual stream
 //                        normalised per block exactly as `fused_add_rmsnorm_f32res` does it
-//                        (same threads, same reduction order: same bits) into shared memory;
+//                        (its reduction over its thread count, whatever this block's: the
+//                        same bits) into shared memory;
 //                        with `set`, the residual is first bf16 `init` [rows, k] (the
 //                        embedding), which block 0 also writes to `residual`;
 //   output  GV_OUT_BF16 / GV_OUT_F32: y [rows, n];
@@ -30,40 +31,47 @@
 #define GV_OUT_SILU 3
 
 // Row r of `residual` (or of bf16 `init` when set) normalised into xs[r * dim ..]: the loops of
-// `fused_add_rmsnorm_f32res` (mode 1 / the add already done), dim a multiple of 4.
+// `fused_add_rmsnorm_f32res` (mode 1 / the add already done) and its block sum over its own
+// thread count (`gv_virtual_block_sum`), so any block size gives its bits; dim a multiple of 4.
 __device__ __forceinline__ void gv_norm_row(const float* __restrict__ x,
         const unsigned short* __restrict__ init, bool set, bool write_back, float* residual,
         const unsigned short* __restrict__ w, unsigned short* xs, int dim, float eps, float* sh) {
-    float ss = 0.f;
-    for (int i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
-        float4 v;
-        if (set) {
-            const unsigned short* s = init + i;
-            v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
-            if (write_back) *reinterpret_cast<float4*>(residual + i) = v;
-        } else {
-            v = *reinterpret_cast<const float4*>(x + i);
+    const int vt = gv_norm_threads(dim);
+    const float total = gv_virtual_block_sum(vt, sh, [&](int v) {
+        float ss = 0.f;
+        for (int i = v * 4; i < dim; i += vt * 4) {
+            float4 e;
+            if (set) {
+                const unsigned short* s = init + i;
+                e = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
+                if (write_back) *reinterpret_cast<float4*>(residual + i) = e;
+            } else {
+                e = *reinterpret_cast<const float4*>(x + i);
+            }
+            ss += e.x * e.x + e.y * e.y + e.z * e.z + e.w * e.w;
         }
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    float inv = rsqrtf(gv_block_sum(ss, sh) / (float)dim + eps);
+        return ss;
+    });
+    const float inv = rsqrtf(total / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float xi = set ? bf2f(init[i]) : x[i];
         xs[i] = f2bf(bf2f(w[i]) * (xi * inv));
     }
 }
 
-// Grid: ceil(n / warps) blocks of `warps` warps; warp o of the grid owns output column o.
-// Dynamic shared memory: rows * k bf16 for GV_IN_NORM (none otherwise). The accumulators are
-// indexed by compile-time rows only (unrolled, predicated on `rows`), so they stay in registers;
-// PAIR (SiLU-and-mul) streams two weight rows per warp, UNROLL chunks of each in flight per lane.
-template <bool PAIR, int UNROLL>
+// Grid: ceil(n / 8) blocks of GV_WARPS warps; warp o of the grid owns output column o. Dynamic
+// shared memory: rows * k bf16 for GV_IN_NORM (none otherwise). R (>= rows) bounds the
+// accumulators, indexed by compile-time rows only (unrolled, predicated on `rows`) so they stay
+// in registers; PAIR (SiLU-and-mul) streams two weight rows per warp, UNROLL chunks of each in
+// flight per lane. Small R keeps the registers low enough for 32 resident warps per SM (the
+// weight loads of a one-row step in flight at once, one wave for most widths).
+template <bool PAIR, int R, int UNROLL>
 __device__ __forceinline__ void gemv_body(const unsigned short* __restrict__ x, float* residual,
         const unsigned short* __restrict__ norm_w, const unsigned short* __restrict__ w, void* y,
         int rows, int k, int n, int in_mode, int out_mode, int set, float eps) {
     extern __shared__ __align__(16) unsigned short gv_xs[];
     __shared__ float sh[32];
-    gv_launch_dependents();
+    pdl_launch_dependents();
     const int warps = blockDim.x >> 5;
     const int o = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -80,7 +88,7 @@ __device__ __forceinline__ void gemv_body(const unsigned short* __restrict__ x, 
             if (PAIR) wb[u] = w1[c];
         }
     }
-    gv_wait();
+    pdl_wait();
     if (in_mode == GV_IN_NORM) {
         for (int r = 0; r < rows; ++r)
             gv_norm_row(residual + (size_t)r * k, x + (size_t)r * k, set != 0,
@@ -90,9 +98,9 @@ __device__ __forceinline__ void gemv_body(const unsigned short* __restrict__ x, 
     }
     if (!live) return;
     const uint4* xin = reinterpret_cast<const uint4*>(in_mode == GV_IN_NORM ? gv_xs : x);
-    float acc[GV_MAX_ROWS], accb[PAIR ? GV_MAX_ROWS : 1];
+    float acc[R], accb[PAIR ? R : 1];
 #pragma unroll
-    for (int r = 0; r < GV_MAX_ROWS; ++r) {
+    for (int r = 0; r < R; ++r) {
         acc[r] = 0.f;
         if (PAIR) accb[r] = 0.f;
     }
@@ -115,7 +123,7 @@ __device__ __forceinline__ void gemv_body(const unsigned short* __restrict__ x, 
                 gv_unpack(wa[u], wf);
                 if (PAIR) gv_unpack(wb[u], wg);
 #pragma unroll
-                for (int r = 0; r < GV_MAX_ROWS; ++r) {
+                for (int r = 0; r < R; ++r) {
                     if (r < rows) {
                         const uint4 xv = xin[(size_t)r * chunks + c];
                         acc[r] += gv_dot8(xv, wf);
@@ -126,7 +134,7 @@ __device__ __forceinline__ void gemv_body(const unsigned short* __restrict__ x, 
         }
     }
 #pragma unroll
-    for (int r = 0; r < GV_MAX_ROWS; ++r) {
+    for (int r = 0; r < R; ++r) {
         if (r >= rows) break;
         float v = acc[r], vb = PAIR ? accb[r] : 0.f;
         for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
@@ -143,25 +151,26 @@ __device__ __forceinline__ void gemv_body(const unsigned short* __restrict__ x, 
     }
 }
 
-// The entries: {one weight row, SiLU-and-mul pair} x {blocks of at most 512, 1024 threads} (a
-// normalising launch takes the norm's threads, up to 1024 at hidden 4096: the bound keeps the
-// registers within them; 512-thread blocks get twice the registers).
+// The entries: {one weight row, SiLU-and-mul pair} x R in {1, 2, 4, 8}, blocks of GV_WARPS
+// warps (the host's PLAIN_WARPS). A pair streams UNROLL / 2 chunks of each row at a time: the
+// same loads in flight per lane as one row.
+#define GV_WARPS 8
 #define GV_ARGS const unsigned short* __restrict__ x, float* residual, \
         const unsigned short* __restrict__ norm_w, const unsigned short* __restrict__ w, void* y, \
         int rows, int k, int n, int in_mode, int out_mode, int set, float eps
 #define GV_PASS x, residual, norm_w, w, y, rows, k, n, in_mode, out_mode, set, eps
-extern "C" __global__ void __launch_bounds__(512) gemv_fused_bf16(GV_ARGS) {
-    gemv_body<false, GV_UNROLL>(GV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(512) gemv_fused_silu_bf16(GV_ARGS) {
-    gemv_body<true, GV_UNROLL>(GV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(1024) gemv_fused_bf16_1024(GV_ARGS) {
-    gemv_body<false, GV_UNROLL>(GV_PASS);
-}
-extern "C" __global__ void __launch_bounds__(1024) gemv_fused_silu_bf16_1024(GV_ARGS) {
-    gemv_body<true, GV_UNROLL / 4>(GV_PASS);
-}
+#define GV_ENTRY(name, pair, r, min_blocks)                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * GV_WARPS, min_blocks) name(GV_ARGS) { \
+        gemv_body<pair, r, pair ? GV_UNROLL / 2 : GV_UNROLL>(GV_PASS);                      \
+    }
+GV_ENTRY(gemv_r1, false, 1, 4)
+GV_ENTRY(gemv_r2, false, 2, 4)
+GV_ENTRY(gemv_r4, false, 4, 3)
+GV_ENTRY(gemv_r8, false, 8, 3)
+GV_ENTRY(gemv_silu_r1, true, 1, 4)
+GV_ENTRY(gemv_silu_r2, true, 2, 3)
+GV_ENTRY(gemv_silu_r4, true, 4, 3)
+GV_ENTRY(gemv_silu_r8, true, 8, 3)
 
 // out[b] = bf16(rms_norm(residual[rows[b]]) * w) for b < n_rows: the final norm of the rows a
 // step outputs, gathered (the fused path's `fused_add_rmsnorm_f32res` + `embedding_ids_bf16`;
@@ -171,8 +180,8 @@ extern "C" __global__ void rms_norm_rows_f32res(const float* __restrict__ residu
         const int* __restrict__ rows, const unsigned short* __restrict__ w,
         unsigned short* __restrict__ out, int dim, float eps) {
     __shared__ float sh[32];
-    gv_launch_dependents();
-    gv_wait();
+    pdl_launch_dependents();
+    pdl_wait();
     const int b = blockIdx.x;
     const float* x = residual + (size_t)rows[b] * dim;
     gv_norm_row(x, nullptr, false, false, nullptr, w, out + (size_t)b * dim, dim, eps, sh);

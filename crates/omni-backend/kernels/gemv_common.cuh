@@ -1,33 +1,40 @@
-// The helpers of the weight-streaming GEMV kernels (gemv.cu, moe/small.cu): programmatic
-// dependent launch, the block sum of `fused_add_rmsnorm_f32res`, the 8-wide bf16 dot product and
-// unpacking. Prepended by the Rust side after bf16.cuh.
+// The helpers of the weight-streaming GEMV kernels (gemv.cu, moe/small.cu): the block sum of
+// `fused_add_rmsnorm_f32res` (at any block size), the 8-wide bf16 dot product and unpacking. Prepended by the Rust side after bf16.cuh.
 
 #define GV_UNROLL 8
 #define GV_MAX_ROWS 8
 
-__device__ __forceinline__ void gv_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void gv_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// `block_sum` of layers.cu (the same shuffles in the same order).
-__device__ __forceinline__ float gv_block_sum(float v, float* sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+// The block sum of `fused_add_rmsnorm_f32res` (layers.cu) launched with `vt` threads (a
+// multiple of 32, at most 1024), computed by this block's threads whatever their number: thread
+// t plays virtual threads t, t + blockDim.x, ... < vt. `part(v)` is virtual thread v's partial
+// sum; each virtual warp's xor-shuffle reduction and the final one over the virtual warps are
+// the unfused kernel's, in its order (the same bits). `sh` holds 32 floats.
+template <typename Part>
+__device__ __forceinline__ float gv_virtual_block_sum(int vt, float* sh, Part part) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    __syncthreads();  // the previous use of sh is over
+    for (int v0 = 0; v0 < vt; v0 += blockDim.x) {
+        const int v = v0 + threadIdx.x;  // v < vt is warp-uniform (vt, v0: multiples of 32)
+        if (v < vt) {
+            float s = part(v);
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (lane == 0) sh[v >> 5] = s;
+        }
+    }
     __syncthreads();
-    if (lane == 0) sh[wid] = v;
-    __syncthreads();
-    v = (threadIdx.x < (blockDim.x >> 5)) ? sh[lane] : 0.f;
-    if (wid == 0) for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (threadIdx.x == 0) sh[0] = v;
+    if (wid == 0) {
+        float s = lane < (vt >> 5) ? sh[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) sh[0] = s;
+    }
     __syncthreads();
     return sh[0];
+}
+
+// The threads `fused_add_rmsnorm_f32res` runs with for rows of `dim` (the host's
+// `block_threads(dim / 4, 1024)`).
+__device__ __forceinline__ int gv_norm_threads(int dim) {
+    return min(max(((dim >> 2) + 31) >> 5, 1), 32) << 5;
 }
 
 // Chunk c (8 values) of x row r dotted with the 8 weights wf: the plain GEMV's inner sum.

@@ -152,14 +152,6 @@ __device__ __forceinline__ void attn_fused_tail(
                                 max_parts, np);
 }
 
-// Programmatic dependent launch: waits for the predecessor grid (a no-op when launched
-// without the attribute).
-__device__ __forceinline__ void attn_grid_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // The metadata step of a decode CTA (`attn_decode`, `attn_decode_tc`): false when the CTA
 // has nothing to do (its sequence has not exactly one query token, or the partition starting
 // at `start` lies past the context); else it waits for the predecessor grid and sets the query
@@ -178,7 +170,7 @@ __device__ __forceinline__ bool attn_decode_begin(const int* __restrict__ qsl,
     const int seq_len = seq_lens[s];
     if (qe - qs != 1 || qs < 0 || qs >= num_tokens) return false;
     if (start >= seq_len) return false;
-    attn_grid_wait();
+    pdl_wait();
     n = min(part_size, seq_len - start);
     np = min((seq_len + part_size - 1) / part_size, max_parts);
     return true;

@@ -6,7 +6,7 @@
 extern "C" __global__ void __launch_bounds__(1024) moe_align(
         const int* __restrict__ topk_ids, int pairs, int num_experts, int bm, int max_blocks,
         int* __restrict__ sorted_ids, int* __restrict__ block_expert) {
-    moe_pdl_enter();
+    pdl_enter();
     int* warp_tot = reinterpret_cast<int*>(moe_smem);
     int* cnt = warp_tot + 32;
     int* boff = cnt + num_experts;

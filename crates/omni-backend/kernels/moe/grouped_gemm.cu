@@ -27,7 +27,7 @@ __device__ __forceinline__ void moe_gemm(
     static_assert(BK % 16 == 0 && NT % CPR == 0, "k tiling");
     static_assert(BM % RSTEP == 0 && BN % RSTEP == 0 && (BN / 2) % RSTEP == 0, "load mapping");
 
-    moe_pdl_enter();
+    pdl_enter();
     const int expert = block_expert[blockIdx.y];
     if (expert < 0) return;  // CTA-uniform, before any barrier
     const int K = GATE_UP ? hidden : inter;

@@ -91,7 +91,7 @@ __device__ __forceinline__ void moe_gemm_wg(
     static_assert((BN / 2) % RSTEP == 0, "gate and up halves load whole passes");
     static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
 
-    moe_pdl_enter();
+    pdl_enter();
     const int expert = block_expert[blockIdx.y];
     if (expert < 0) return;  // CTA-uniform, before any barrier
     const int K = GATE_UP ? hidden : inter;

@@ -56,7 +56,7 @@ __device__ __forceinline__ void moe_gemm_ws(
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "wgmma N: a multiple of 16 up to 256");
     static_assert(BM % RS == 0 && BN % RS == 0 && (BN / 2) % RS == 0, "producer rows per pass");
 
-    moe_pdl_enter();
+    pdl_enter();
     const int expert = block_expert[blockIdx.y];
     if (expert < 0) return;  // CTA-uniform, before any barrier
     const int K = GATE_UP ? hidden : inter;

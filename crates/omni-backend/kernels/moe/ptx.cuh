@@ -1,5 +1,4 @@
-// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`; programmatic
-// dependent launch (sm_90+).
+// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
 // Prepended by the Rust side after bf16.cuh (src/cuda/moe/source.rs).
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
@@ -23,14 +22,3 @@ __device__ __forceinline__ void mma_16816(float* c, const unsigned* a, unsigned 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// First statement of the kernels launched with programmatic dependent launch (align, the
-// grouped GEMMs, reduce): lets the next kernel's CTAs launch (they wait in turn), then waits for
-// the predecessor grid to complete with its writes visible. Nothing is read or written before
-// the wait, so the order of memory accesses is the stream order's. No-ops below sm_90 or when
-// launched without the attribute.
-__device__ __forceinline__ void moe_pdl_enter() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}

@@ -10,7 +10,7 @@ extern "C" __global__ void moe_reduce(
         const unsigned short* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ wts,
         const int* __restrict__ inv, unsigned short* __restrict__ out, float* __restrict__ out32,
         int tokens, int hidden, int top_k, int num_experts) {
-    moe_pdl_enter();
+    pdl_enter();
     const int vpr = hidden >> 3;
     const long long n = (long long)tokens * vpr;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {

@@ -49,7 +49,7 @@ __device__ __forceinline__ void ms_route(float* residual, const float* __restric
     __shared__ int s_last;
     float* xs = ms_route_smem;                  // [RT][hidden]
     float* probs = ms_route_smem + RT * hidden;  // [RT][num_experts]
-    gv_launch_dependents();
+    pdl_launch_dependents();
     const int tile = blockIdx.x / groups, g = blockIdx.x - tile * groups;
     const int t0 = tile * RT, rows = min(RT, tokens - t0);
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -63,7 +63,7 @@ __device__ __forceinline__ void ms_route(float* residual, const float* __restric
         const int c = lane + 32 * u;
         if (live && c < chunks) wv[u] = wr[c];
     }
-    gv_wait();
+    pdl_wait();
     // The norm of each row: `fused_add_rmsnorm_f32res` (the same per-thread partial sums and
     // the same block reduction, here for the tile's rows at once).
     float ss[RT];
@@ -232,10 +232,10 @@ __device__ __forceinline__ void ms_gate_up(const unsigned short* __restrict__ x,
         int num_experts, int col_blocks) {
     __shared__ int s_members[MS_MAX_PAIRS];
     __shared__ int s_n;
-    gv_wait();
+    pdl_wait();
     // Triggered after the wait: when the down kernel launches, the routing this grid waited for
     // is complete, so the down kernel may read it before its own wait.
-    gv_launch_dependents();
+    pdl_launch_dependents();
     const int p = blockIdx.x / col_blocks, cb = blockIdx.x - p * col_blocks;
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x < 32) {
@@ -333,7 +333,7 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
     __shared__ int s_own[MS_MAX_PAIRS];
     __shared__ int s_wcount[MS_MAX_PAIRS / 32];
     __shared__ float s_y[MS_DOWN_ROWS][MS_MAX_PAIRS];
-    gv_launch_dependents();
+    pdl_launch_dependents();
     // The routing (moe_small_route's) is complete before this grid launches: the gate_up
     // kernel between them triggers it only after its own wait. Read past L1 all the same.
     const int pairs = tokens * top_k;
@@ -375,7 +375,7 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
         }                                                                                    \
     }
     MS_DOWN_LOAD(0)
-    gv_wait();
+    pdl_wait();
     // With stage_act the pairs' act rows (pairs * inter bf16, the dynamic shared memory) are
     // copied in once by the whole block: every warp reads every row, and from shared memory
     // the dot products of one warp's experts do not wait on L2 one after another.

@@ -16,9 +16,7 @@
 //! device data, so they can all be captured in a CUDA graph.
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys};
-use cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
 use super::kernels::{BF16_HELPERS, kernel_file};
@@ -157,43 +155,33 @@ impl CudaContext {
         if rows == 0 || dim == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (narrow::<u32>("rows", rows)?, 1, 1),
-            block_dim: (block_threads(dim.div_ceil(4), 1024), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let o32 = match out32 {
+        let (grid, threads) = (
+            narrow::<u32>("rows", rows)?,
+            block_threads(dim.div_ceil(4), 1024),
+        );
+        let mut o32 = match out32 {
             Some(o) => {
                 at_least("cuda rms_norm out32", o.len(), n)?;
                 o.device_ptr_mut(s).0
             }
             None => 0u64,
         };
-        let dim_i = narrow::<i32>("dim", dim)?;
+        let mut dim_i = narrow::<i32>("dim", dim)?;
         let f = self.function(layers_source, FUSED_ADD_RMSNORM_FN)?;
-        let (x, _gx) = residual.device_ptr_mut(s);
-        let (w, _gw) = weight.device_ptr(s);
-        let (y, _gy) = out.device_ptr_mut(s);
-        let mut launch = s.launch_builder(&f);
-        launch
-            .arg(&x)
-            .arg(&init)
-            .arg(&delta)
-            .arg(&mode)
-            .arg(&w)
-            .arg(&y)
-            .arg(&o32)
-            .arg(&dim_i)
-            .arg(&eps);
+        let (mut x, _gx) = residual.device_ptr_mut(s);
+        let (mut w, _gw) = weight.device_ptr(s);
+        let (mut y, _gy) = out.device_ptr_mut(s);
+        let (mut init, mut delta, mut mode, mut eps) = (init, delta, mode, eps);
+        let mut args = kernel_args!(x, init, delta, mode, w, y, o32, dim_i, eps);
         // SAFETY: the arguments match `fused_add_rmsnorm_f32res(float*, const u16*, const
         // float*, int, const u16*, u16*, float*, int, float)`; residual, out, out32 (or null)
-        // and the buffer of the mode
-        // (the others are null and unread) hold at least rows * dim elements and weight dim
-        // (checked above); one block per row, block size a multiple of 32 and at most 1024 as
-        // `block_sum` requires. float4 accesses are only taken when dim is a multiple of 4, so
-        // rows start 16-byte aligned in the (256-byte aligned) f32 allocations.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        // and the buffer of the mode (the others are null and unread) hold at least rows * dim
+        // elements and weight dim (checked above); one block per row, block size a multiple of
+        // 32 and at most 1024 as `block_sum` requires. float4 accesses are only taken when dim
+        // is a multiple of 4, so rows start 16-byte aligned in the (256-byte aligned) f32
+        // allocations. The kernel's first statement is `pdl_enter` (nothing touched before its
+        // wait), as a programmatic launch requires.
+        unsafe { self.launch_programmatic(&f, (grid, threads, 0), &mut args) }
     }
 
     /// `x[r, :] += bias` on f32 rows (`bias` bf16, `[cols]`).
@@ -307,59 +295,38 @@ impl CudaContext {
         if warps == 0 {
             return Ok(());
         }
-        let cfg = LaunchConfig {
-            grid_dim: (
-                narrow::<u32>("tokens * heads / 4", warps.div_ceil(QKV_ROPE_WARPS))?,
-                1,
-                1,
-            ),
-            block_dim: (32 * QKV_ROPE_WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let tokens_i = narrow::<i32>("tokens", tokens)?;
-        let (lq, lkv, hd) = (
+        let grid = narrow::<u32>("tokens * heads / 4", warps.div_ceil(QKV_ROPE_WARPS))?;
+        let mut tokens_i = narrow::<i32>("tokens", tokens)?;
+        let (mut lq, mut lkv, mut hd) = (
             narrow::<i32>("q_heads", q_heads)?,
             narrow::<i32>("kv_heads", kv_heads)?,
             narrow::<i32>("head_dim", head_dim)?,
         );
         let f = self.function(layers_source, QKV_ROPE_CACHE_FN)?;
         let s = &self.stream;
-        let (qkv, _g1) = bufs.qkv.device_ptr(s);
-        let (q, _g2) = bufs.q_out.device_ptr_mut(s);
-        let (kc, _g3) = bufs.k_cache.device_ptr_mut(s);
-        let (vc, _g4) = bufs.v_cache.device_ptr_mut(s);
-        let (pos, _g5) = bufs.positions.device_ptr(s);
-        let (slots, _g6) = bufs.slot_mapping.device_ptr(s);
-        let (freq, _g7) = bufs.inv_freq.device_ptr(s);
-        let (qn, kn) = match &bufs.qk_norm {
+        let (mut qkv, _g1) = bufs.qkv.device_ptr(s);
+        let (mut q, _g2) = bufs.q_out.device_ptr_mut(s);
+        let (mut kc, _g3) = bufs.k_cache.device_ptr_mut(s);
+        let (mut vc, _g4) = bufs.v_cache.device_ptr_mut(s);
+        let (mut pos, _g5) = bufs.positions.device_ptr(s);
+        let (mut slots, _g6) = bufs.slot_mapping.device_ptr(s);
+        let (mut freq, _g7) = bufs.inv_freq.device_ptr(s);
+        let (mut qn, mut kn) = match &bufs.qk_norm {
             Some((qn, kn)) => (qn.device_ptr(s).0, kn.device_ptr(s).0),
             None => (0u64, 0u64),
         };
-        let (axes, stride) = match &bufs.mrope {
+        let (mut axes, mut stride) = match &bufs.mrope {
             Some(m) => (
                 m.axes.device_ptr(s).0,
                 narrow::<i64>("M-RoPE row stride", m.row_stride)?,
             ),
             None => (0u64, 0i64),
         };
-        let mut launch = s.launch_builder(&f);
-        launch
-            .arg(&qkv)
-            .arg(&q)
-            .arg(&kc)
-            .arg(&vc)
-            .arg(&pos)
-            .arg(&slots)
-            .arg(&freq)
-            .arg(&qn)
-            .arg(&kn)
-            .arg(&axes)
-            .arg(&stride)
-            .arg(&tokens_i)
-            .arg(&lq)
-            .arg(&lkv)
-            .arg(&hd)
-            .arg(&eps);
+        let mut eps = eps;
+        let block = 32 * QKV_ROPE_WARPS as u32;
+        let mut args = kernel_args!(
+            qkv, q, kc, vc, pos, slots, freq, qn, kn, axes, stride, tokens_i, lq, lkv, hd, eps
+        );
         // SAFETY: the arguments match `qkv_rope_cache_bf16`'s parameter list; qkv, q_out,
         // positions and slot_mapping hold at least `tokens` rows (checked above); inv_freq holds
         // head_dim / 2 and the norms head_dim entries (or are null, which the kernel tests);
@@ -369,8 +336,8 @@ impl CudaContext {
         // the block manager from block ids validated against the cache size). One warp per
         // (token, head), QKV_ROPE_WARPS per block as the kernel's QKR_WARPS (warps past
         // tokens * heads return), head_dim <= 256 (checked above; QKR_MAX_PAIRS pairs a lane).
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        // The kernel's first statement is `pdl_enter`, as a programmatic launch requires.
+        unsafe { self.launch_programmatic(&f, (grid, block, 0), &mut args) }
     }
 
     /// Gathers embedding rows for device-resident `ids` (`[tokens]` i32, each `< vocab`: the

@@ -30,17 +30,22 @@ use super::{CudaContext, CudaError, CudaResult};
 /// The GEMV helpers shared with the small-batch MoE kernels.
 pub(super) const GEMV_COMMON: &str = kernel_file!("gemv_common.cuh");
 const GEMV: &str = kernel_file!("gemv.cu");
-/// The GEMV's entries by (SiLU-and-mul pair, blocks of up to 1024 threads); blocks of at most
-/// 512 threads take the first pair (twice the registers per thread).
-const GEMV_FNS: [[&str; 2]; 2] = [
-    ["gemv_fused_bf16", "gemv_fused_bf16_1024"],
-    ["gemv_fused_silu_bf16", "gemv_fused_silu_bf16_1024"],
+/// The GEMV's entries by (SiLU-and-mul pair, the rows' bound R: 1, 2, 4, 8); a step of `rows`
+/// rows takes the smallest R >= rows (fewer accumulators: more resident warps).
+const GEMV_FNS: [[&str; 4]; 2] = [
+    ["gemv_r1", "gemv_r2", "gemv_r4", "gemv_r8"],
+    [
+        "gemv_silu_r1",
+        "gemv_silu_r2",
+        "gemv_silu_r4",
+        "gemv_silu_r8",
+    ],
 ];
 const NORM_ROWS_FN: &str = "rms_norm_rows_f32res";
 
 /// The most rows [`CudaContext::gemv_nt_bf16`] takes.
 pub const GEMV_MAX_ROWS: usize = 8;
-/// Warps per block of the plain GEMV (one output column each).
+/// Warps per block of the GEMV (one output column each; the kernel's `GV_WARPS`).
 const PLAIN_WARPS: usize = 8;
 /// Shared memory a normalising GEMV may use for its rows (the default limit, no opt-in).
 const NORM_SMEM_MAX: usize = 48 * 1024 - 256;
@@ -119,15 +124,13 @@ struct GemvLaunch {
     smem: u32,
 }
 
-/// The block of a GEMV with `rows` rows of width `k` read as `input`: a normalising one uses
-/// the threads `fused_add_rmsnorm_f32res` would (the same reduction, so the same bits) and
-/// holds the normalised rows in shared memory. Returns (threads, shared bytes).
+/// The block of a GEMV with `rows` rows of width `k` read as `input`: [`PLAIN_WARPS`] warps;
+/// a normalising one holds the normalised rows in shared memory (its block sum plays the
+/// threads `fused_add_rmsnorm_f32res` would run with, so the bits are the same). Returns
+/// (threads, shared bytes).
 pub fn gemv_block(rows: usize, k: usize, normalises: bool) -> (u32, usize) {
-    if normalises {
-        (block_threads(k.div_ceil(4), 1024), rows * k * 2)
-    } else {
-        ((PLAIN_WARPS * 32) as u32, 0)
-    }
+    let smem = if normalises { rows * k * 2 } else { 0 };
+    ((PLAIN_WARPS * 32) as u32, smem)
 }
 
 /// The output columns warp `warp` of block `block` computes for `n` outputs with `warps` warps
@@ -432,7 +435,9 @@ impl CudaContext {
     }
 
     fn launch_gemv(&self, l: GemvLaunch) -> CudaResult<()> {
-        let entry = GEMV_FNS[usize::from(l.out_mode == OUT_SILU)][usize::from(l.threads > 512)];
+        // rows is 1..=8 (checked by the callers): R = 1, 2, 4, 8 at index 0..=3.
+        let bound = (l.rows.max(1) as u32).next_power_of_two().trailing_zeros() as usize;
+        let entry = GEMV_FNS[usize::from(l.out_mode == OUT_SILU)][bound.min(3)];
         let f = self.function(gemv_source, entry)?;
         let GemvLaunch {
             mut x,
@@ -454,17 +459,17 @@ impl CudaContext {
         let mut args = kernel_args!(
             x, residual, norm_w, w, y, rows, k, n, in_mode, out_mode, set, eps
         );
-        // SAFETY: the arguments match each `gemv_fused_*` entry's `(const u16*, float*, const
+        // SAFETY: the arguments match each `gemv_*` entry's `(const u16*, float*, const
         // u16*, const u16*, void*, int, int, int, int, int, int, float)` in order and type,
-        // and the entry's launch bound holds the block (512 or 1024 threads, chosen above). The callers
+        // and the entry's launch bound holds the block (256 threads) and its R >= rows
+        // (chosen above). The callers
         // checked every buffer against rows, k and n: x (or init) holds rows * k bf16, the
         // residual rows * k (normalised input) or rows * n (added output) f32, the weight n *
         // k (2n * k for SiLU-and-mul) bf16, y rows * n of the output's type; k is a multiple
-        // of 8 and the vector-loaded pointers are 16-byte aligned; rows <= 8 (the kernel's
-        // accumulators). A normalised input has `block_threads(k / 4)` threads (a multiple of
-        // 32) and rows * k * 2 bytes of dynamic shared memory (<= 48 KiB - 256, the default
-        // limit with the kernel's static 128 bytes); the last block's idle warps exit after
-        // the prologue's barriers.
+        // of 8 and the vector-loaded pointers are 16-byte aligned. A normalised input has
+        // rows * k * 2 bytes of dynamic shared memory (<= 48 KiB - 256, the default limit
+        // with the kernel's static 128 bytes); the last block's idle warps exit after the
+        // prologue's barriers.
         unsafe { self.launch_programmatic(&f, (blocks, threads, smem), &mut args) }
     }
 

@@ -47,10 +47,89 @@ fn gemv_indexing_covers_each_column_and_chunk_once() {
         assert!(seen.iter().all(|&c| c == 1), "k {k}");
     }
     assert_eq!(gemv_block(8, 1024, true), (256, 16384));
-    assert_eq!(gemv_block(1, 64, true), (32, 128));
+    assert_eq!(gemv_block(1, 64, true), (256, 128));
     assert_eq!(gemv_block(8, 3072, false), (256, 0));
     assert!(CudaContext::gemv_norm_fits(8, 2048));
     assert!(!CudaContext::gemv_norm_fits(8, 3072));
+}
+
+/// The warp's xor-shuffle sum (`for o = 16..1: v += shfl_xor(v, o)`), lane by lane.
+fn xor_tree(mut v: [f32; 32]) -> [f32; 32] {
+    for o in [16usize, 8, 4, 2, 1] {
+        let prev = v;
+        for (l, x) in v.iter_mut().enumerate() {
+            *x = prev[l] + prev[l ^ o];
+        }
+    }
+    v
+}
+
+/// The per-thread partial sum of squares of `fused_add_rmsnorm_f32res` for thread `t` of `vt`.
+fn norm_partial(x: &[f32], t: usize, vt: usize) -> f32 {
+    let mut ss = 0f32;
+    let mut i = t * 4;
+    while i < x.len() {
+        let e = &x[i..i + 4];
+        ss += e[0] * e[0] + e[1] * e[1] + e[2] * e[2] + e[3] * e[3];
+        i += vt * 4;
+    }
+    ss
+}
+
+/// `block_sum` of layers.cu over `vt` threads: warp sums, then warp 0 over them.
+fn unfused_block_sum(x: &[f32], vt: usize) -> f32 {
+    let mut sh = [0f32; 32];
+    for (w, s) in sh.iter_mut().enumerate().take(vt / 32) {
+        *s = xor_tree(std::array::from_fn(|l| norm_partial(x, w * 32 + l, vt)))[0];
+    }
+    xor_tree(std::array::from_fn(
+        |l| if l < vt / 32 { sh[l] } else { 0.0 },
+    ))[0]
+}
+
+/// `gv_virtual_block_sum` as the kernel indexes it: a block of `threads` plays the `vt`
+/// threads in rounds of `threads`, each real warp reducing the virtual warp it plays.
+fn virtual_block_sum(x: &[f32], vt: usize, threads: usize) -> f32 {
+    let mut sh = [0f32; 32];
+    for v0 in (0..vt).step_by(threads) {
+        for wid in 0..threads / 32 {
+            let v = v0 + wid * 32;
+            if v < vt {
+                sh[v >> 5] = xor_tree(std::array::from_fn(|l| norm_partial(x, v + l, vt)))[0];
+            }
+        }
+    }
+    xor_tree(std::array::from_fn(
+        |l| if l < vt / 32 { sh[l] } else { 0.0 },
+    ))[0]
+}
+
+/// The GEMV's norm prologue (256 threads) reduces in the order of the unfused norm's own
+/// thread count at every width (the same bits), including widths with fewer virtual threads
+/// than the block and several rounds of them.
+#[test]
+fn virtual_block_sum_is_the_unfused_norms_order() {
+    let mut order_shows = 0;
+    for dim in [64usize, 512, 1024, 2048, 3584, 4096, 5120, 8192, 12288] {
+        // Full f32 mantissas (the residual stream is f32), so sums in another order round.
+        let x: Vec<f32> = (0..dim)
+            .map(|i| (i as f32 * 0.377).sin() * (1.0 + (i % 7) as f32 * 0.131) + 1e-3 * (i % 5) as f32)
+            .collect();
+        let vt = super::super::launch::block_threads(dim.div_ceil(4), 1024) as usize;
+        let want = unfused_block_sum(&x, vt);
+        for threads in [32usize, 256, 1024] {
+            let got = virtual_block_sum(&x, vt, threads);
+            assert_eq!(got.to_bits(), want.to_bits(), "dim {dim} threads {threads}");
+        }
+        // Another thread count's order rounds differently at some widths: the check can fail.
+        let sequential: f32 = x.iter().map(|v| v * v).sum();
+        if sequential.to_bits() != want.to_bits()
+            || (vt >= 64 && unfused_block_sum(&x, vt / 2).to_bits() != want.to_bits())
+        {
+            order_shows += 1;
+        }
+    }
+    assert!(order_shows > 0, "no width told two reduction orders apart");
 }
 
 /// A host emulation of the fused GEMV (chunks per lane in kernel order, the lane sums

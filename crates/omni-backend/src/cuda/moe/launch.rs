@@ -426,7 +426,7 @@ impl CudaContext {
         let mut y_p = ws_p + lay.y as u64;
 
         // Launched with programmatic dependent launch: each kernel's first statement lets the
-        // next one launch and then waits for its predecessor (`moe_pdl_enter`), so the launch
+        // next one launch and then waits for its predecessor (`pdl_enter`), so the launch
         // gaps of the four kernels overlap their predecessors' tails.
 
         // 1. Alignment by expert.
