@@ -152,19 +152,22 @@ __device__ __forceinline__ void attn_fused_tail(
                                 max_parts, np);
 }
 
-// The metadata step of a decode CTA (`attn_decode`, `attn_decode_tc`): false when the CTA
-// has nothing to do (its sequence has not exactly one query token, or the partition starting
-// at `start` lies past the context); else it waits for the predecessor grid and sets the query
-// row `qs`, the partition's tokens `n` and the sequence's partitions with work `np` (the same
-// in every CTA of the sequence). Launched with programmatic dependent launch, the CTA may have
-// started while its predecessor (the kernel writing q and this step's K/V rows) drains: the
-// metadata and block tables are written only by host copies before the step's first kernel,
-// so they are safe to read before the wait; q, the caches, ws, out and the counters only after
-// it.
+// The metadata step of a decode CTA (`attn_decode`, `attn_decode_tc`): first it lets the next
+// kernel launch; false when the CTA has nothing to do (its sequence has not exactly one query
+// token, or the partition starting at `start` lies past the context); else it waits for the
+// predecessor grid and sets the query row `qs`, the partition's tokens `n` and the sequence's
+// partitions with work `np` (the same in every CTA of the sequence). Launched with
+// programmatic dependent launch, the CTA may have started while its predecessor (the kernel
+// writing q and this step's K/V rows) drains: the metadata and block tables are written only
+// by host copies before the step's first kernel, so they are safe to read before the wait; q,
+// the caches, ws, out and the counters only after it.
 __device__ __forceinline__ bool attn_decode_begin(const int* __restrict__ qsl,
     const int* __restrict__ seq_lens, int s, int start, int num_tokens, int part_size,
     int max_parts, int& qs, int& n, int& np)
 {
+    // The next kernel may launch at once: every programmatic successor waits for this grid
+    // before it touches what it writes (and the reduce kernel is launched without the attribute).
+    pdl_launch_dependents();
     qs = qsl[s];
     const int qe = qsl[s + 1];
     const int seq_len = seq_lens[s];
