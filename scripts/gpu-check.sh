@@ -35,8 +35,8 @@
 #           a 30 s clip)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
-#   ab-gemv the GEMV and MoE kernel tests and timings, the fused-path and reference model tests,
-#           then bench latency (batch 1/2/4/8, GEMV_BATCHES) of both shapes with
+#   ab-gemv the GEMV and MoE kernel tests and timings, ncu on two one-row GEMVs, the fused-path
+#           and reference model tests, then bench latency (batch 1/2/4/8, GEMV_BATCHES) of both shapes with
 #           OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
 #   ab-attn decode attention before/after: backend-tests cuda::attention (checks and timing
 #           lines), eager per-kernel profiles and bench latency at batch 1 and 64 of both shapes,
@@ -216,6 +216,14 @@ fi
 if want ab-gemv; then
   step gemv-kernels "$BIN/backend-tests" cuda::gemv cuda::moe::small --test-threads=1 --nocapture
   step moe-kernels "$BIN/backend-tests" cuda::moe::tests --test-threads=1
+  # Nsight Compute on one-row GEMVs of the timing test (launch 61 of gemv_r1: the 30B qkv with
+  # its norm, 201: the 30B o_proj; each (shape, rows) launches it 141 times).
+  if [ -n "$NCU" ]; then
+    for at in 60 200; do
+      step "ncu-gemv-$at" "$NCU" --kernel-name gemv_r1 --launch-skip $at --launch-count 1 \
+        "${NCU_SECTIONS[@]}" "$BIN/backend-tests" gemv_real_shape_timing --test-threads=1
+    done
+  fi
   [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1 --nocapture
   [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
   for m in qwen3-30b-a3b qwen3-8b; do
