@@ -3,14 +3,15 @@
 // 64 * WGS-row block against BN weight rows: warpgroup wg issues `wgmma.mma_async` m64nBNk16 on
 // rows 64 wg .. 64 wg + 63 against the one weight tile they share (both operands read from
 // shared memory through matrix descriptors), fed by a STAGES-deep `cp.async` pipeline of
-// 64-wide K stages that all the CTA's threads fill. Two warpgroups halve the weight traffic per
+// BK-wide K stages (one or two 64-wide sub-tiles) that all the CTA's threads fill. Two warpgroups halve the weight traffic per
 // row (the weight tile is read once for 128 rows); a warpgroup whose rows are all padding skips
 // its MMAs. Its `extern "C"` entry points are instantiated by the Rust side
 // (src/cuda/moe/source.rs), which also prepends bf16.cuh, moe/ptx.cuh, moe/common.cuh and the
 // generated `wgmma_m64n<BN>k16` wrappers.
 //
-// Shared memory (dynamic, rounded up to a 1024-byte boundary): STAGES A tiles [64 WGS][64]
-// bf16, STAGES B tiles [BN][64] bf16, then 64 WGS ints. Every tile row is 128 bytes, stored with
+// Shared memory (dynamic, rounded up to a 1024-byte boundary): STAGES A tiles of BK / 64
+// sub-tiles [64 WGS][64] bf16, STAGES B tiles of BK / 64 sub-tiles [BN][64] bf16, then 64 WGS
+// ints. Every tile row is 128 bytes, stored with
 // the 128-byte swizzle the descriptors name: 16-byte chunk c of row r sits at chunk c ^ (r % 8),
 // so an 8-row group is one 1024-byte swizzle atom (the descriptor's stride byte offset), the K
 // step ks of 16 elements starts 32 * ks bytes into the tile, and warpgroup wg's rows start
@@ -76,17 +77,20 @@ __device__ __forceinline__ void moe_wg_store(
     }
 }
 
-template <int BN, int STAGES, int WGS, bool GATE_UP>
+template <int BN, int BK, int STAGES, int WGS, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_wg(
         const unsigned short* __restrict__ a_src, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
         unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {
-    constexpr int BM = 64 * WGS, BK = 64, NT = 128 * WGS;
+    constexpr int BM = 64 * WGS, NT = 128 * WGS;
+    constexpr int KS = BK / 64;    // 64-wide swizzled sub-tiles per stage
     constexpr int RSTEP = NT / 8;  // rows per pass: 8 chunks of 16 bytes per 128-byte row
     constexpr int A_IT = BM / RSTEP;
     constexpr int B_IT = BN / RSTEP;
-    constexpr int A_BYTES = BM * BK * 2;
-    constexpr int B_BYTES = BN * BK * 2;
+    constexpr int SUB_A = BM * 128, SUB_B = BN * 128;  // whole swizzle atoms
+    constexpr int A_BYTES = KS * SUB_A;
+    constexpr int B_BYTES = KS * SUB_B;
+    static_assert(BK == 64 || BK == 128, "one or two 64-wide sub-tiles per stage");
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "wgmma N: a multiple of 16 up to 256");
     static_assert((BN / 2) % RSTEP == 0, "gate and up halves load whole passes");
     static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
@@ -119,19 +123,24 @@ __device__ __forceinline__ void moe_gemm_wg(
                                                     inter, top_k, a_ptr, a_ok, b_ptr, b_ok);
 
     const int KT = (K + BK - 1) / BK;
+    // Sub-tile j of stage kt holds K columns kt * BK + 64 j .. + 63.
     auto load_stage = [&](int slot, int kt) {
-        const bool kin = kt * BK + chunk * 8 < K;
-        unsigned char* da = sA + slot * A_BYTES + row0 * 128 + swz;
 #pragma unroll
-        for (int i = 0; i < A_IT; ++i) {
-            const bool ok = a_ok[i] && kin;
-            cp_async16(da + i * RSTEP * 128, ok ? (const void*)(a_ptr[i] + kt * BK) : (const void*)a_src, ok);
-        }
-        unsigned char* db = sB + slot * B_BYTES + row0 * 128 + swz;
+        for (int j = 0; j < KS; ++j) {
+            const int k0 = kt * BK + j * 64;
+            const bool kin = k0 + chunk * 8 < K;
+            unsigned char* da = sA + slot * A_BYTES + j * SUB_A + row0 * 128 + swz;
 #pragma unroll
-        for (int i = 0; i < B_IT; ++i) {
-            const bool ok = b_ok[i] && kin;
-            cp_async16(db + i * RSTEP * 128, ok ? (const void*)(b_ptr[i] + kt * BK) : (const void*)w, ok);
+            for (int i = 0; i < A_IT; ++i) {
+                const bool ok = a_ok[i] && kin;
+                cp_async16(da + i * RSTEP * 128, ok ? (const void*)(a_ptr[i] + k0) : (const void*)a_src, ok);
+            }
+            unsigned char* db = sB + slot * B_BYTES + j * SUB_B + row0 * 128 + swz;
+#pragma unroll
+            for (int i = 0; i < B_IT; ++i) {
+                const bool ok = b_ok[i] && kin;
+                cp_async16(db + i * RSTEP * 128, ok ? (const void*)(b_ptr[i] + k0) : (const void*)w, ok);
+            }
         }
     };
 
@@ -172,8 +181,11 @@ __device__ __forceinline__ void moe_gemm_wg(
             const unsigned b_addr = base + STAGES * A_BYTES + (kt % STAGES) * B_BYTES;
             wg_fence();
 #pragma unroll
-            for (int ks = 0; ks < BK / 16; ++ks)
-                wgmma_bf16<BN>(acc, wg_desc(a_addr + ks * 32), wg_desc(b_addr + ks * 32));
+            for (int j = 0; j < KS; ++j)
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks)
+                    wgmma_bf16<BN>(acc, wg_desc(a_addr + j * SUB_A + ks * 32),
+                                   wg_desc(b_addr + j * SUB_B + ks * 32));
             wg_commit();
             wg_wait<0>();  // this warpgroup's MMAs of stage kt are done
         }

@@ -113,7 +113,9 @@ fn virtual_block_sum_is_the_unfused_norms_order() {
     for dim in [64usize, 512, 1024, 2048, 3584, 4096, 5120, 8192, 12288] {
         // Full f32 mantissas (the residual stream is f32), so sums in another order round.
         let x: Vec<f32> = (0..dim)
-            .map(|i| (i as f32 * 0.377).sin() * (1.0 + (i % 7) as f32 * 0.131) + 1e-3 * (i % 5) as f32)
+            .map(|i| {
+                (i as f32 * 0.377).sin() * (1.0 + (i % 7) as f32 * 0.131) + 1e-3 * (i % 5) as f32
+            })
             .collect();
         let vt = super::super::launch::block_threads(dim.div_ceil(4), 1024) as usize;
         let want = unfused_block_sum(&x, vt);

@@ -57,7 +57,7 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
     let (template, args) = if producer_warps > 0 {
         ("moe_gemm_ws", format!("{bn}, {stages}, {producer_warps}"))
     } else if cfg.wgmma {
-        ("moe_gemm_wg", format!("{bn}, {stages}, {}", bm / 64))
+        ("moe_gemm_wg", format!("{bn}, {bk}, {stages}, {}", bm / 64))
     } else {
         (
             "moe_gemm",

@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
 use super::launch::{MoeGemm, MoeOut};
-use super::tiles::{LARGE_WG, LARGE_WG2, WS_CANDIDATES, Wgmma};
+use super::tiles::{LARGE_WG, LARGE_WG2, TileCfg, WG_CANDIDATES, WS_CANDIDATES, Wgmma};
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, bf16};
@@ -344,11 +344,70 @@ fn gemms(cx: &CudaContext) -> Vec<(&'static str, Option<MoeGemm>)> {
     if cx.info().compute_capability == (9, 0) {
         v.push(("wgmma", Some(MoeGemm::Tiles(LARGE_WG))));
         v.push(("wgmma2", Some(MoeGemm::Tiles(LARGE_WG2))));
-        for ws in WS_CANDIDATES {
-            v.push((ws.down_fn, Some(MoeGemm::Tiles(ws))));
+        for t in WG_CANDIDATES.into_iter().chain(WS_CANDIDATES) {
+            v.push((t.down_fn, Some(MoeGemm::Tiles(t))));
         }
     }
     v
+}
+
+/// The byte a 128-byte-swizzled shared-memory layout puts at `linear` (an offset from a
+/// 1024-aligned base): 16-byte chunk bits 4-6 XOR row-in-atom bits 7-9, as wgmma reads it.
+fn swizzle128(linear: usize) -> usize {
+    linear ^ (((linear >> 7) & 7) << 4)
+}
+
+/// `moe_gemm_wg`'s stage layout on the host, for each warpgroup-MMA tile: the (row, k) every
+/// thread's copies put at each byte of an A and a B stage (`load_stage`: sub-tile j of a
+/// `bk`-wide stage at j * rows * 128 bytes, chunk `tid % 8` of rows `tid / 8 + i * NT / 8`,
+/// XOR-swizzled), against the (row, k) each MMA reads through its descriptor (warpgroup wg's
+/// rows at 8192 wg bytes, sub-tile j, K step ks at 32 ks bytes; 8-row atoms 1024 bytes apart).
+#[test]
+fn wg_stage_layout_is_what_the_descriptors_read() {
+    let tiles: Vec<TileCfg> = [LARGE_WG, LARGE_WG2]
+        .into_iter()
+        .chain(WG_CANDIDATES)
+        .collect();
+    for t in tiles {
+        let (nt, ks_n) = (t.threads(), t.bk / 64);
+        let rstep = nt / 8;
+        // A: each warpgroup's 64 rows; B: every weight row from the tile's start.
+        for (rows, groups) in [(t.bm, t.bm / 64), (t.bn, 1)] {
+            let sub = rows * 128;
+            let mut at = vec![None; ks_n * sub];
+            for tid in 0..nt {
+                let (chunk, row0) = (tid % 8, tid / 8);
+                let swz = (chunk ^ (row0 & 7)) * 16;
+                for j in 0..ks_n {
+                    for i in 0..rows / rstep {
+                        let dst = j * sub + row0 * 128 + swz + i * rstep * 128;
+                        for b in 0..16 {
+                            assert!(at[dst + b].is_none(), "{t:?}: byte {} twice", dst + b);
+                            at[dst + b] = Some((row0 + i * rstep, j * 64 + chunk * 8 + b / 2));
+                        }
+                    }
+                }
+            }
+            assert!(
+                at.iter().all(Option::is_some),
+                "{t:?}: bytes no copy writes"
+            );
+            for wg in 0..groups {
+                for j in 0..ks_n {
+                    for ks in 0..4 {
+                        let start = wg * 64 * 128 + j * sub + ks * 32;
+                        for r in 0..rows / groups {
+                            for kk in 0..16 {
+                                let linear = start + (r / 8) * 1024 + (r % 8) * 128 + kk * 2;
+                                let want = (wg * 64 + r, j * 64 + ks * 16 + kk);
+                                assert_eq!(at[swizzle128(linear)], Some(want), "{t:?}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The cuBLAS path with its default buckets.

@@ -63,7 +63,7 @@ pub(super) struct TileCfg {
     pub(super) stages: usize,
     /// `__launch_bounds__` minimum CTAs per SM.
     pub(super) min_ctas: usize,
-    /// Hopper's warpgroup MMA (`moe_gemm_wg`, sm_90a only; `bk` 64, `bm` / 64 warpgroups, so
+    /// Hopper's warpgroup MMA (`moe_gemm_wg`, sm_90a only; `bk` 64 or 128, `bm` / 64 warpgroups, so
     /// `warps_m` = 4 `bm` / 64 and `warps_n` = 1) rather than `mma.sync` (`moe_gemm`).
     pub(super) wgmma: bool,
     /// Warp-specialized warpgroup-MMA tile (`moe_gemm_ws`, `bm` 128): this many producer warps
@@ -150,9 +150,31 @@ pub(super) const LARGE_WG2: TileCfg = TileCfg {
     producer_warps: 0,
 };
 
-/// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only).
+/// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only). The
+/// 128-wide K stages halve the CTA barriers per K (the top stall of [`LARGE_WG2`]'s gate_up on
+/// an H200); not yet run on a GPU.
 #[cfg(test)]
-pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
+pub(super) const WG_CANDIDATES: [TileCfg; 7] = [
+    // LARGE_WG2 with 128-wide K stages: 3 stages, one CTA per SM (~193 KiB).
+    wg_tile(
+        "moe_gate_up_wg2k128s3",
+        "moe_down_wg2k128s3",
+        128,
+        128,
+        3,
+        1,
+    ),
+    // LARGE_WG2 with 128-wide K stages: 2 stages, one CTA per SM (~129 KiB).
+    wg_tile(
+        "moe_gate_up_wg2k128s2",
+        "moe_down_wg2k128s2",
+        128,
+        128,
+        2,
+        1,
+    ),
+    // LARGE_WG with 128-wide K stages: 2 stages, two CTAs per SM (~97 KiB).
+    wg_tile("moe_gate_up_wgk128s2", "moe_down_wgk128s2", 64, 128, 2, 2),
     // 192 weight rows (96 gate + 96 up), 3 stages, 2 CTAs per SM.
     TileCfg {
         gate_up_fn: "moe_gate_up_wg192s3",
@@ -210,6 +232,32 @@ pub(super) const WG_CANDIDATES: [TileCfg; 4] = [
         producer_warps: 0,
     },
 ];
+
+/// A warpgroup-MMA tile of `bm` rows (64 per warpgroup) against 128 weight rows with `bk`-wide
+/// K stages.
+#[cfg(test)]
+const fn wg_tile(
+    gate_up_fn: &'static str,
+    down_fn: &'static str,
+    bm: usize,
+    bk: usize,
+    stages: usize,
+    min_ctas: usize,
+) -> TileCfg {
+    TileCfg {
+        gate_up_fn,
+        down_fn,
+        bm,
+        bn: 128,
+        bk,
+        warps_m: bm / 16,
+        warps_n: 1,
+        stages,
+        min_ctas,
+        wgmma: true,
+        producer_warps: 0,
+    }
+}
 
 /// Warp-specialized forms of [`LARGE_WG2`] (`moe_gemm_ws`, test builds only): producer warps
 /// fill the stages through mbarriers while two consumer warpgroups only compute. On an H200 one
