@@ -105,7 +105,7 @@ const OUT_F32: i32 = 1;
 const OUT_ADD: i32 = 2;
 const OUT_SILU: i32 = 3;
 
-/// One resolved launch of `gemv_fused_bf16`.
+/// One resolved launch of a `gemv_r*` / `gemv_silu_r*` entry.
 struct GemvLaunch {
     x: u64,
     residual: u64,

@@ -280,17 +280,8 @@ const fn ws_tile(
     min_ctas: usize,
 ) -> TileCfg {
     TileCfg {
-        gate_up_fn,
-        down_fn,
-        bm: 128,
-        bn: 128,
-        bk: 64,
-        warps_m: 8,
-        warps_n: 1,
-        stages,
-        min_ctas,
-        wgmma: true,
         producer_warps,
+        ..wg_tile(gate_up_fn, down_fn, 128, 64, stages, min_ctas)
     }
 }
 
