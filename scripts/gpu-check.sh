@@ -35,9 +35,9 @@
 #           a 30 s clip)
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
-#   ab-gemv the GEMV and MoE kernel tests and timings, ncu on two one-row GEMVs, the fused-path
-#           and reference model tests, then bench latency (batch 1/2/4/8, GEMV_BATCHES) of both shapes with
-#           OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
+#   ab-gemv the GEMV and MoE kernel tests and timings, ncu on two one-row GEMVs (NO_NCU=1: none),
+#           the fused-path and reference model tests, then bench latency (batch 1/2/4/8,
+#           GEMV_BATCHES) of both shapes (GEMV_MODELS) with OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
 #   ab-attn decode attention before/after: backend-tests cuda::attention (checks and timing
 #           lines), eager per-kernel profiles and bench latency at batch 1 and 64 of both shapes,
 #           for this tree's binaries and, when staged, base-omni-engine / base-backend-tests
@@ -69,6 +69,9 @@
 #           (NCU_TILES, default large wg) and attention, model tests, bench latency prefills
 #           (PREFILL_LENS, default 512 2048) with OMNI_CUDA_MOE_WGMMA in WG_MODES (default 0 1;
 #           64 / 128 one tile), interleaved
+#   ab-tma  the TMA expert GEMM tile (OMNI_CUDA_MOE_WGMMA=tma): MoE timings (TMA_TOKENS) and
+#           checks, bench latency prefills (PREFILL_LENS, default 2048 4000) with WG_MODES
+#           (default 1 tma), interleaved
 #   ab-attn-wg the warpgroup-MMA prefill attention: its checks, every attention check with
 #           OMNI_CUDA_ATTN_WGMMA=1, prefill tiling timings, ncu on the default tiling, model
 #           tests with it on, bench latency prefills (PREFILL_LENS, default 512 2048 4000) with it 0 and ATTN_WG_TILES
@@ -218,7 +221,7 @@ if want ab-gemv; then
   step moe-kernels "$BIN/backend-tests" cuda::moe::tests --test-threads=1
   # Nsight Compute on one-row GEMVs of the timing test (launch 61 of gemv_r1: the 30B qkv with
   # its norm, 201: the 30B o_proj; each (shape, rows) launches it 141 times).
-  if [ -n "$NCU" ]; then
+  if [ -n "$NCU" ] && [ -z "${NO_NCU:-}" ]; then
     for at in 60 200; do
       step "ncu-gemv-$at" "$NCU" --kernel-name gemv_r1 --launch-skip $at --launch-count 1 \
         "${NCU_SECTIONS[@]}" "$BIN/backend-tests" gemv_real_shape_timing --test-threads=1
@@ -226,7 +229,7 @@ if want ab-gemv; then
   fi
   [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1 --nocapture
   [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
-  for m in qwen3-30b-a3b qwen3-8b; do
+  for m in ${GEMV_MODELS:-qwen3-30b-a3b qwen3-8b}; do
     for g in 0 1; do
       OMNI_CUDA_SMALL_BATCH_GEMV=$g step "gemv$g-$m" "$BIN/omni-engine" bench latency \
         --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
@@ -372,6 +375,23 @@ if want ab-prefill; then
   done
 fi
 
+if want ab-tma; then
+  # The TMA expert GEMM tile against the default tiles: the timing test at TMA_TOKENS (its
+  # correctness part first runs every tile at 4 and 512 tokens against the CPU), every MoE check
+  # (each tile on every routing case), then bench latency prefills of PREFILL_LENS tokens
+  # (Qwen3-30B-A3B shape) with OMNI_CUDA_MOE_WGMMA in WG_MODES (default: 1 = the default
+  # tiles, tma), interleaved, WGMMA_ROUNDS times.
+  step tma-timing env OMNI_MOE_TIMING_TOKENS=${TMA_TOKENS:-512,1024,2048,4096} \
+    "$BIN/backend-tests" fused_moe_real_shape_and_timing --test-threads=1 --nocapture
+  step tma-moe "$BIN/backend-tests" cuda::moe::tests --test-threads=1
+  for r in $(seq 1 "${WGMMA_ROUNDS:-1}"); do
+    for n in ${PREFILL_LENS:-2048 4000}; do
+      for v in ${WG_MODES:-1 tma}; do
+        prefill_latency "prefill$n-wg$v-r$r-latency" "$n" env OMNI_CUDA_MOE_WGMMA=$v "$BIN/omni-engine"
+      done
+    done
+  done
+fi
 if want ab-wgmma; then
   # The warpgroup-MMA expert GEMMs: every MoE check and timing, Nsight Compute on the prefill
   # tiles NCU_TILES (default large wg) and the attention prefill at 2048 tokens, the model and

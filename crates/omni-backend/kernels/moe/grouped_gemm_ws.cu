@@ -1,15 +1,22 @@
 // The grouped expert GEMM on warpgroup MMA, warp-specialized (sm_90a): the problem, arguments,
-// 128-row blocks and epilogue of `moe_gemm_wg<BN, STAGES, 2, GATE_UP>` (grouped_gemm_wg.cu,
+// 128-row blocks and epilogue of `moe_gemm_wg<BN, 64, STAGES, 2, GATE_UP>` (grouped_gemm_wg.cu,
 // whose descriptor and wgmma helpers precede this file in the module), but the CTA's roles are
-// split: PW producer warps issue every `cp.async` of a stage and never compute; two consumer
-// warpgroups (rows 0-63 and 64-127 of the block) only wait for stages and issue MMAs, keeping
-// one stage's MMAs in flight while they wait for the next. Stages are handed over with
+// split: PW producer warps fill the stages and never compute; two consumer warpgroups (rows
+// 0-63 and 64-127 of the block) only wait for stages and issue MMAs, keeping one stage's MMAs
+// in flight while they wait for the next. The producers copy the A rows (gathered tokens, or
+// the sorted act rows) with `cp.async`; the weight tile too, or, with TMA, producer thread 0
+// has the Tensor Memory Accelerator bring it in as BN / 64 boxes of 64 rows x 64 columns
+// (`wmap`: the expert weights as one 2-D tensor [rows, K] with the 128-byte swizzle, the
+// layout the descriptors read; elements past the tensor are zero-filled, rows past N within
+// it are other weight rows, whose outputs the epilogue drops). Stages are handed over with
 // mbarriers, not CTA-wide barriers:
 //
-// * full[s] (count 32 PW): each producer thread's `cp.async.mbarrier.arrive.noinc` arrives once its
-//   copies of the stage in slot s have landed, so the phase completes when all of them have.
-//   A consumer waits for it (acquire), then `fence.proxy.async` makes those generic-proxy writes
-//   visible to its wgmma reads (async proxy).
+// * full[s] (count 32 PW, + 1 with TMA): each producer thread's `cp.async.mbarrier.arrive.noinc`
+//   arrives once its copies of the stage in slot s have landed; with TMA, thread 0 also arrives
+//   announcing the weight tile's bytes (`expect_tx`), which the tensor copies complete. The
+//   phase completes when all of them have. A consumer waits for it (acquire), then
+//   `fence.proxy.async` makes the cp.async (generic-proxy) writes visible to its wgmma reads
+//   (async proxy).
 // * empty[s] (count 8, one lane per consumer warp): a consumer warp arrives once its MMAs on
 //   the stage in slot s have completed (`wgmma.wait_group 1` after committing the next stage's
 //   group); the producer waits for it before refilling slot s.
@@ -20,41 +27,22 @@
 //
 // Shared memory (dynamic, rounded up to 1024 bytes): STAGES A tiles [128][64] bf16, STAGES B
 // tiles [BN][64] bf16 (the 128-byte swizzle of grouped_gemm_wg.cu), then 128 A-row offsets
-// (long long, -1 for padding), 128 sorted pair ids, 2 * STAGES mbarriers.
+// (long long, -1 for padding), 128 sorted pair ids, 2 * STAGES mbarriers. The mbarrier helpers are
+// moe/mbarrier.cuh's.
 
-__device__ __forceinline__ void mbar_init(unsigned addr, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(unsigned addr, unsigned parity) {
-    unsigned done;
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
-    return done != 0;
-}
-__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
-    while (!mbar_try_wait(addr, parity)) {
-    }
-}
-__device__ __forceinline__ void mbar_arrive(unsigned addr) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(addr) : "memory");
-}
-// Arrives on the mbarrier once every cp.async this thread issued before has completed (the
-// arrival was counted in the barrier's expected count: .noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive(unsigned addr) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(addr) : "memory");
-}
-
-template <int BN, int STAGES, int PW, bool GATE_UP>
+template <int BN, int STAGES, int PW, bool TMA, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_ws(
         const unsigned short* __restrict__ a_src, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-        unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {
+        unsigned short* __restrict__ dst, int hidden, int inter, int top_k,
+        const MoeTensorMap* wmap) {
     constexpr int BM = 128, BK = 64, NC = 256, NP = 32 * PW, NT = NC + NP;
     constexpr int RS = NP / 8;  // rows per producer pass: 8 threads per 128-byte row
     constexpr int A_BYTES = BM * BK * 2;
     constexpr int B_BYTES = BN * BK * 2;
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "wgmma N: a multiple of 16 up to 256");
     static_assert(BM % RS == 0 && BN % RS == 0 && (BN / 2) % RS == 0, "producer rows per pass");
+    static_assert(!TMA || BN % 128 == 0, "TMA: whole 64-row boxes of gate and of up rows");
 
     pdl_enter();
     const int expert = block_expert[blockIdx.y];
@@ -78,9 +66,10 @@ __device__ __forceinline__ void moe_gemm_ws(
     }
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, NP);
+            mbar_init(full0 + 8 * s, NP + (TMA ? 1 : 0));
             mbar_init(empty0 + 8 * s, NC / 32);
         }
+        mbar_init_fence();
     }
     __syncthreads();  // row tables and initialized barriers; the last CTA-wide barrier
     const int KT = (K + BK - 1) / BK;
@@ -104,12 +93,29 @@ __device__ __forceinline__ void moe_gemm_ws(
                 cp_async16(da + r * 128 + ((chunk ^ (r & 7)) * 16), ok ? (const void*)(a_src + off + kcol) : (const void*)a_src, ok);
             }
             unsigned char* db = sB + s * B_BYTES;
+            if (TMA) {
+                if (pt == 0) {
+                    // Box j holds tile rows 64 j .. 64 j + 63: gate_up's first BN / 128 boxes
+                    // are gate rows, the rest the matching up rows.
+                    mbar_arrive_expect_tx(full0 + 8 * s, B_BYTES);
+#pragma unroll
+                    for (int j = 0; j < BN / 64; ++j) {
+                        const int row = GATE_UP
+                            ? expert * 2 * inter + (64 * j < BN / 2 ? 0 : inter - BN / 2)
+                                  + blockIdx.x * (BN / 2) + 64 * j
+                            : expert * hidden + blockIdx.x * BN + 64 * j;
+                        tma_load_2d(wg_smem_u32(db + j * 64 * 128), wmap, kt * BK, row,
+                                    full0 + 8 * s);
+                    }
+                }
+            } else {
 #pragma unroll 8
-            for (int i = 0; i < BN / RS; ++i) {
-                const int r = rsub + RS * i;
-                const int grow = moe_weight_row<BN, GATE_UP>(r, hidden, inter);
-                const bool ok = grow >= 0 && kin;
-                cp_async16(db + r * 128 + ((chunk ^ (r & 7)) * 16), ok ? (const void*)(w_e + (size_t)grow * K + kcol) : (const void*)w, ok);
+                for (int i = 0; i < BN / RS; ++i) {
+                    const int r = rsub + RS * i;
+                    const int grow = moe_weight_row<BN, GATE_UP>(r, hidden, inter);
+                    const bool ok = grow >= 0 && kin;
+                    cp_async16(db + r * 128 + ((chunk ^ (r & 7)) * 16), ok ? (const void*)(w_e + (size_t)grow * K + kcol) : (const void*)w, ok);
+                }
             }
             cp_async_mbar_arrive(full0 + 8 * s);
         }

@@ -9,6 +9,7 @@ use super::cublas::{DEFAULT_QUANTUM, cublas_enabled};
 use super::fused_moe_workspace_bytes;
 use super::source::{ALIGN_FN, REDUCE_FN, TOPK_FN, WGMMA_ARCH, moe_source, moe_wgmma_source};
 use super::tiles::{TileCfg, Wgmma, wgmma_env};
+use super::tma;
 use super::{Layout, MOE_MAX_EXPERTS, MoeShape};
 #[cfg(doc)]
 use crate::cuda::CudaError;
@@ -456,16 +457,38 @@ impl CudaContext {
             blocks_y,
             1,
         );
-        let mut args = kernel_args![x_p, w13_p, sorted_p, bexp_p, act_p, h_i, i_i, k_i];
-        // SAFETY: `args` points at the arguments of the gate_up entry `(const u16*, const u16*,
-        // const int*, const int*, u16*, int, int, int)` in order; x holds tokens * hidden and
-        // w13 E * 2I * H elements (checked above) and every row the kernel reads is a token id
-        // p / k < tokens (p < pairs comes from the alignment) or an expert e < E; rows or
-        // columns past the shapes are zero-filled, not read; act (max_blocks * bm rows of
-        // inter) lies in the workspace; the grid's y is max_blocks, blocks the alignment left
-        // unused (-1) exit; the block size and dynamic shared memory match the template
-        // instance (attribute set above). Memory is touched only after griddepcontrol.wait.
-        unsafe { self.launch_ex(&f_gu, gu_grid, (threads, smem as u32), true, &mut args) }?;
+        // TMA tiles read the weights through tensor maps (the entries' last parameter).
+        let (mut map13, mut map2) = if tile.tma {
+            (
+                tma::weight_map(w13_p, num_experts * 2 * inter, hidden)?,
+                tma::weight_map(w2_p, num_experts * hidden, inter)?,
+            )
+        } else {
+            // SAFETY: plain data; never passed to a kernel (the non-TMA entries have no such
+            // parameter).
+            unsafe { std::mem::zeroed() }
+        };
+        let nargs = if tile.tma { 9 } else { 8 };
+        let mut args = kernel_args![x_p, w13_p, sorted_p, bexp_p, act_p, h_i, i_i, k_i, map13];
+        // SAFETY: `args[..nargs]` points at the arguments of the gate_up entry `(const u16*,
+        // const u16*, const int*, const int*, u16*, int, int, int)`, TMA entries followed by
+        // the `MoeTensorMap` of w13 (128 bytes, by value), in order; x holds tokens * hidden
+        // and w13 E * 2I * H elements (checked above; the map spans exactly them) and every
+        // row the kernel reads is a token id p / k < tokens (p < pairs comes from the
+        // alignment) or an expert e < E; rows or columns past the shapes are zero-filled, not
+        // read; act (max_blocks * bm rows of inter) lies in the workspace; the grid's y is
+        // max_blocks, blocks the alignment left unused (-1) exit; the block size and dynamic
+        // shared memory match the template instance (attribute set above). Memory is touched
+        // only after griddepcontrol.wait.
+        unsafe {
+            self.launch_ex(
+                &f_gu,
+                gu_grid,
+                (threads, smem as u32),
+                true,
+                &mut args[..nargs],
+            )
+        }?;
 
         // 3. down GEMM into y (pair order).
         let down_grid = (
@@ -473,12 +496,21 @@ impl CudaContext {
             blocks_y,
             1,
         );
-        let mut args = kernel_args![act_p, w2_p, sorted_p, bexp_p, y_p, h_i, i_i, k_i];
-        // SAFETY: `args` points at the arguments of the down entry (same signature as gate_up)
-        // in order; act rows read are the sorted positions of used blocks, all written by step
-        // 2; w2 holds E * H * I elements; y (pairs * hidden, in the workspace) is written at row
+        let mut args = kernel_args![act_p, w2_p, sorted_p, bexp_p, y_p, h_i, i_i, k_i, map2];
+        // SAFETY: `args[..nargs]` points at the arguments of the down entry (same signature as
+        // gate_up; TMA entries with the map of w2) in order; act rows read are the sorted
+        // positions of used blocks, all written by step 2; w2 holds E * H * I elements (the
+        // map spans exactly them); y (pairs * hidden, in the workspace) is written at row
         // p < pairs only; block size and shared memory as for step 2.
-        unsafe { self.launch_ex(&f_down, down_grid, (threads, smem as u32), true, &mut args) }?;
+        unsafe {
+            self.launch_ex(
+                &f_down,
+                down_grid,
+                (threads, smem as u32),
+                true,
+                &mut args[..nargs],
+            )
+        }?;
 
         // 4. Weighted reduction into out.
         // SAFETY: y (pairs * hidden bf16, in the workspace) is in pair order (inv 0) with the

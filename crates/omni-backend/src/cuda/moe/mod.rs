@@ -29,7 +29,8 @@
 //! memory; `kernels/moe/grouped_gemm_wg.cu`, its own module compiled for `sm_90a`): the same
 //! 64-row blocks with one warpgroup per CTA, and from 64 pairs per expert 128-row blocks with two
 //! warpgroups sharing each weight tile. `OMNI_CUDA_MOE_WGMMA` (`0` off, `64` / `128` one tile
-//! only) chooses.
+//! only, `tma` the 128-row blocks on the warp-specialized tile whose weight tiles the Tensor
+//! Memory Accelerator copies, `kernels/moe/grouped_gemm_ws.cu`, tensor maps in `tma.rs`) chooses.
 //!
 //! Elsewhere (or with it off), prefill steps of 64+ pairs per expert outside a CUDA graph
 //! capture run the two GEMMs on cuBLAS's grouped GEMM (`cublas.rs`): the counts go to the host
@@ -55,6 +56,7 @@ mod tests;
 mod tiles;
 #[cfg(test)]
 mod timing_tests;
+mod tma;
 
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;

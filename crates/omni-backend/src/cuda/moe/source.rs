@@ -1,9 +1,9 @@
 //! The MoE kernels' source: `kernels/moe/*.cu(h)` after the bf16 helpers, with one `extern "C"`
 //! entry point per tile configuration and GEMM instantiating the `moe_gemm` template; and the
-//! Hopper module (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`), with its generated
-//! `wgmma` wrappers.
+//! Hopper module (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`, and the warp-specialized
+//! `moe_gemm_ws` with cp.async or TMA weight copies), with its generated `wgmma` wrappers.
 
-use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, SMALL, TileCfg};
+use super::tiles::{LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, SMALL, TileCfg};
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 
 /// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
@@ -22,8 +22,9 @@ const GROUPED_GEMM: &str = kernel_file!("moe/grouped_gemm.cu");
 const REDUCE: &str = kernel_file!("moe/reduce.cu");
 /// The grouped GEMM template on warpgroup MMA (`moe_gemm_wg`, sm_90a).
 const GROUPED_GEMM_WG: &str = kernel_file!("moe/grouped_gemm_wg.cu");
-/// Its warp-specialized form (`moe_gemm_ws`; only test builds instantiate it).
-#[cfg(test)]
+/// Shared-memory mbarriers and the TMA tensor copy (the warp-specialized GEMMs').
+const MBARRIER: &str = kernel_file!("moe/mbarrier.cuh");
+/// Its warp-specialized form (`moe_gemm_ws`: cp.async or TMA weight copies).
 const GROUPED_GEMM_WS: &str = kernel_file!("moe/grouped_gemm_ws.cu");
 /// The cuBLAS prefill path's counts and gather.
 const GATHER: &str = kernel_file!("moe/gather.cu");
@@ -55,7 +56,11 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
     } = *cfg;
     let threads = cfg.threads();
     let (template, args) = if producer_warps > 0 {
-        ("moe_gemm_ws", format!("{bn}, {stages}, {producer_warps}"))
+        let tma = cfg.tma;
+        (
+            "moe_gemm_ws",
+            format!("{bn}, {stages}, {producer_warps}, {tma}"),
+        )
     } else if cfg.wgmma {
         ("moe_gemm_wg", format!("{bn}, {bk}, {stages}, {}", bm / 64))
     } else {
@@ -64,13 +69,20 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
             format!("{bm}, {bn}, {bk}, {warps_m}, {warps_n}, {stages}"),
         )
     };
+    // The warp-specialized template takes the weights' tensor map (TMA tiles: one more
+    // parameter, by value) or null.
+    let (map_param, map_arg) = match (producer_warps > 0, cfg.tma) {
+        (true, true) => (", const __grid_constant__ MoeTensorMap wmap", ", &wmap"),
+        (true, false) => ("", ", nullptr"),
+        _ => ("", ""),
+    };
     format!(
         r#"
 extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
         const unsigned short* __restrict__ a, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
-        unsigned short* __restrict__ dst, int hidden, int inter, int top_k) {{
-    {template}<{args}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k);
+        unsigned short* __restrict__ dst, int hidden, int inter, int top_k{map_param}) {{
+    {template}<{args}, {gate_up}>(a, w, sorted_ids, block_expert, dst, hidden, inter, top_k{map_arg});
 }}
 "#
     )
@@ -105,15 +117,17 @@ fn wgmma_wrapper(n: usize) -> String {
     )
 }
 
-/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], and in test builds
-/// the timing test's candidates (the warp-specialized ones among them).
+/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], [`LARGE_TMA`], and
+/// in test builds the timing test's candidates (the warp-specialized ones among them).
 fn wg_tiles() -> Vec<TileCfg> {
     #[allow(unused_mut)]
-    let mut v = vec![LARGE_WG, LARGE_WG2];
+    let mut v = vec![LARGE_WG, LARGE_WG2, LARGE_TMA];
     #[cfg(test)]
     v.extend(super::tiles::WG_CANDIDATES);
     #[cfg(test)]
     v.extend(super::tiles::WS_CANDIDATES);
+    #[cfg(test)]
+    v.extend(super::tiles::TMA_CANDIDATES);
     v
 }
 
@@ -131,7 +145,7 @@ pub(crate) fn moe_wgmma_source() -> String {
         s.push_str(&wgmma_wrapper(n));
     }
     s.push_str(GROUPED_GEMM_WG);
-    #[cfg(test)]
+    s.push_str(MBARRIER);
     s.push_str(GROUPED_GEMM_WS);
     for cfg in tiles {
         s.push_str(&gemm_entry(&cfg, true));

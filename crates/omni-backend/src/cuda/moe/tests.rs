@@ -6,7 +6,9 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 
 use super::launch::{MoeGemm, MoeOut};
-use super::tiles::{LARGE_WG, LARGE_WG2, TileCfg, WG_CANDIDATES, WS_CANDIDATES, Wgmma};
+use super::tiles::{
+    LARGE_TMA, LARGE_WG, LARGE_WG2, TMA_CANDIDATES, TileCfg, WG_CANDIDATES, WS_CANDIDATES, Wgmma,
+};
 use super::*;
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, bf16};
@@ -75,7 +77,11 @@ fn moe_workspace_bound_and_tiles() {
         "two 2-warpgroup CTAs per SM"
     );
     assert_eq!((LARGE_WG2.bm, LARGE_WG2.threads()), (128, 256));
-    for ws in WS_CANDIDATES {
+    for ws in WS_CANDIDATES
+        .into_iter()
+        .chain([LARGE_TMA])
+        .chain(TMA_CANDIDATES)
+    {
         // The warp-specialized tiles run on LARGE_WG2's alignment and workspace.
         assert_eq!((ws.bm, ws.threads()), (128, 256 + 32 * ws.producer_warps));
         assert!(
@@ -344,7 +350,8 @@ fn gemms(cx: &CudaContext) -> Vec<(&'static str, Option<MoeGemm>)> {
     if cx.info().compute_capability == (9, 0) {
         v.push(("wgmma", Some(MoeGemm::Tiles(LARGE_WG))));
         v.push(("wgmma2", Some(MoeGemm::Tiles(LARGE_WG2))));
-        for t in WG_CANDIDATES.into_iter().chain(WS_CANDIDATES) {
+        let tma = [LARGE_TMA].into_iter().chain(TMA_CANDIDATES);
+        for t in tma.chain(WG_CANDIDATES).chain(WS_CANDIDATES) {
             v.push((t.down_fn, Some(MoeGemm::Tiles(t))));
         }
     }

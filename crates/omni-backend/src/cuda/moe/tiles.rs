@@ -6,7 +6,8 @@ use super::MoeShape;
 /// `OMNI_CUDA_MOE_WGMMA` picks the warpgroup-MMA tiles of sm_90 devices ([`Wgmma`]): `0` keeps
 /// them off (prefill steps then run [`LARGE`] and the cuBLAS path, as other GPUs do), `64` runs
 /// only the one-warpgroup tile [`LARGE_WG`], `128` the two-warpgroup tile [`LARGE_WG2`] wherever
-/// a warpgroup-MMA tile runs; unset or any other value: the default ([`Wgmma::Auto`]).
+/// a warpgroup-MMA tile runs, `tma` the default's choice with [`LARGE_TMA`] for [`LARGE_WG2`];
+/// unset or any other value: the default ([`Wgmma::Auto`]).
 pub const MOE_WGMMA_ENV: &str = "OMNI_CUDA_MOE_WGMMA";
 
 /// Which warpgroup-MMA tiles an sm_90 device's MoE prefill steps run.
@@ -20,17 +21,26 @@ pub(super) enum Wgmma {
     Rows128,
     /// [`LARGE_WG`], and [`LARGE_WG2`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
     Auto,
+    /// [`LARGE_WG`], and [`LARGE_TMA`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
+    Tma,
 }
 
 impl Wgmma {
     #[cfg(test)]
-    pub(super) const ALL: [Wgmma; 4] = [Wgmma::Off, Wgmma::Rows64, Wgmma::Rows128, Wgmma::Auto];
+    pub(super) const ALL: [Wgmma; 5] = [
+        Wgmma::Off,
+        Wgmma::Rows64,
+        Wgmma::Rows128,
+        Wgmma::Auto,
+        Wgmma::Tma,
+    ];
 
     fn parse(v: Option<&str>) -> Self {
         match v.map(str::trim) {
             Some("0") => Wgmma::Off,
             Some("64") => Wgmma::Rows64,
             Some("128") => Wgmma::Rows128,
+            Some("tma") => Wgmma::Tma,
             _ => Wgmma::Auto,
         }
     }
@@ -70,6 +80,9 @@ pub(super) struct TileCfg {
     /// issue the copies while the `warps_m` x `warps_n` consumer warps only compute; 0 for
     /// the other tiles.
     pub(super) producer_warps: usize,
+    /// A warp-specialized tile whose weight tiles the Tensor Memory Accelerator brings in
+    /// (one producer thread issues them; the producers still copy the A rows).
+    pub(super) tma: bool,
 }
 
 /// Decode tile: 16 sorted rows x 32 weight rows, 2 warps, 128-wide K stages (8 KiB of weights
@@ -86,6 +99,7 @@ pub(super) const SMALL: TileCfg = TileCfg {
     min_ctas: 4,
     wgmma: false,
     producer_warps: 0,
+    tma: false,
 };
 
 /// Prefill tile: 64 sorted rows x 128 weight rows, 4 warps of 32 x 64, 64-wide K stages (each
@@ -105,6 +119,7 @@ pub(super) const LARGE: TileCfg = TileCfg {
     min_ctas: 2,
     wgmma: false,
     producer_warps: 0,
+    tma: false,
 };
 
 /// Prefill tile on Hopper (sm_90): the 64-row blocks of [`LARGE`] (the same alignment and
@@ -126,6 +141,7 @@ pub(super) const LARGE_WG: TileCfg = TileCfg {
     min_ctas: 2,
     wgmma: true,
     producer_warps: 0,
+    tma: false,
 };
 
 /// [`LARGE_WG`] on 128-row blocks: two warpgroups, each issuing m64n128k16 on its 64 rows
@@ -148,7 +164,48 @@ pub(super) const LARGE_WG2: TileCfg = TileCfg {
     min_ctas: 2,
     wgmma: true,
     producer_warps: 0,
+    tma: false,
 };
+
+/// [`LARGE_WG2`]'s 128-row blocks, warp-specialized, with the weight tiles brought in by the
+/// Tensor Memory Accelerator (`moe_gemm_ws` with TMA): a producer warpgroup (one thread issues
+/// each stage's tensor copies of the weights, all 128 copy the gathered A rows) fills 4 stages
+/// handed over by mbarriers while the two consumer warpgroups only issue MMAs, one stage's in
+/// flight; ~131 KiB of shared memory, one CTA per SM (`OMNI_CUDA_MOE_WGMMA=tma`). Not yet run
+/// on a GPU.
+pub(super) const LARGE_TMA: TileCfg = tma_tile("moe_gate_up_tma", "moe_down_tma", 4, 1);
+
+/// A 128 x 128 warp-specialized tile with TMA weight copies, `stages` stages.
+const fn tma_tile(
+    gate_up_fn: &'static str,
+    down_fn: &'static str,
+    stages: usize,
+    min_ctas: usize,
+) -> TileCfg {
+    TileCfg {
+        gate_up_fn,
+        down_fn,
+        bm: 128,
+        bn: 128,
+        bk: 64,
+        warps_m: 8,
+        warps_n: 1,
+        stages,
+        min_ctas,
+        wgmma: true,
+        producer_warps: 4,
+        tma: true,
+    }
+}
+
+/// Other depths of [`LARGE_TMA`] the timing test measures (test builds only), one CTA per SM:
+/// 6 stages (~195 KiB), 3 stages (~99 KiB). (Two CTAs per SM leave 80 registers a thread, too
+/// few for ptxas to compile the consumers' MMAs.)
+#[cfg(test)]
+pub(super) const TMA_CANDIDATES: [TileCfg; 2] = [
+    tma_tile("moe_gate_up_tmas6", "moe_down_tmas6", 6, 1),
+    tma_tile("moe_gate_up_tmas3", "moe_down_tmas3", 3, 1),
+];
 
 /// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only). The
 /// 128-wide K stages halve the CTA barriers per K (the top stall of [`LARGE_WG2`]'s gate_up on
@@ -188,6 +245,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 7] = [
         min_ctas: 2,
         wgmma: true,
         producer_warps: 0,
+        tma: false,
     },
     // 256 weight rows, 2 stages, 2 CTAs per SM.
     TileCfg {
@@ -202,6 +260,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 7] = [
         min_ctas: 2,
         wgmma: true,
         producer_warps: 0,
+        tma: false,
     },
     // LARGE_WG with 4 stages (2 CTAs per SM).
     TileCfg {
@@ -216,6 +275,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 7] = [
         min_ctas: 2,
         wgmma: true,
         producer_warps: 0,
+        tma: false,
     },
     // 256 weight rows, 3 stages, one CTA per SM.
     TileCfg {
@@ -230,6 +290,7 @@ pub(super) const WG_CANDIDATES: [TileCfg; 7] = [
         min_ctas: 1,
         wgmma: true,
         producer_warps: 0,
+        tma: false,
     },
 ];
 
@@ -256,6 +317,7 @@ const fn wg_tile(
         min_ctas,
         wgmma: true,
         producer_warps: 0,
+        tma: false,
     }
 }
 
@@ -302,6 +364,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         min_ctas: 3,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
     TileCfg {
         gate_up_fn: "moe_gate_up_c32x128s6",
@@ -315,6 +378,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         min_ctas: 2,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
     TileCfg {
         gate_up_fn: "moe_gate_up_c16x128s4",
@@ -328,6 +392,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         min_ctas: 6,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
     TileCfg {
         gate_up_fn: "moe_gate_up_c64x128s4",
@@ -341,6 +406,7 @@ pub(super) const CANDIDATES: [TileCfg; 4] = [
         min_ctas: 2,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
 ];
 
@@ -361,6 +427,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         min_ctas: 2,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
     // LARGE with 4 stages.
     TileCfg {
@@ -375,6 +442,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         min_ctas: 2,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
     // LARGE with warps of 64 x 32.
     TileCfg {
@@ -389,6 +457,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         min_ctas: 2,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
     // LARGE with 32-wide K stages, 4 of them, 3 CTAs per SM.
     TileCfg {
@@ -403,6 +472,7 @@ pub(super) const LARGE_CANDIDATES: [TileCfg; 4] = [
         min_ctas: 3,
         wgmma: false,
         producer_warps: 0,
+        tma: false,
     },
 ];
 
@@ -422,6 +492,8 @@ impl TileCfg {
             Wgmma::Rows128 => return LARGE_WG2,
             Wgmma::Auto if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_WG2,
             Wgmma::Auto => return LARGE_WG,
+            Wgmma::Tma if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_TMA,
+            Wgmma::Tma => return LARGE_WG,
         }
         if pairs <= per_expert(8) { SMALL } else { LARGE }
     }

@@ -6,7 +6,10 @@
 
 use super::launch::MoeGemm;
 use super::tests::{CUBLAS, bf16_out, cpu_moe_rows, rand_bf16_scaled, run_topk};
-use super::tiles::{LARGE, LARGE_WG, LARGE_WG2, SMALL, TileCfg, WG_CANDIDATES, WS_CANDIDATES};
+use super::tiles::{
+    LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, SMALL, TMA_CANDIDATES, TileCfg, WG_CANDIDATES,
+    WS_CANDIDATES,
+};
 use super::{MoeShape, fused_moe_workspace_bytes};
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, bf16};
@@ -90,8 +93,9 @@ fn fused_moe_real_shape_and_timing() {
         let candidates = super::tiles::CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
         let large = super::tiles::LARGE_CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
         let wg: Vec<_> = if hopper {
-            [LARGE_WG, LARGE_WG2]
+            [LARGE_WG, LARGE_WG2, LARGE_TMA]
                 .into_iter()
+                .chain(TMA_CANDIDATES)
                 .chain(WG_CANDIDATES)
                 .chain(WS_CANDIDATES)
                 .map(|c| (c.down_fn, MoeGemm::Tiles(c)))
@@ -265,15 +269,18 @@ fn fused_moe_real_shape_and_timing() {
             }
         }
         if t >= 128 && hopper {
-            for cand in WG_CANDIDATES.into_iter().chain(WS_CANDIDATES) {
+            let tma = [LARGE_TMA].into_iter().chain(TMA_CANDIDATES);
+            for cand in tma.chain(WG_CANDIDATES).chain(WS_CANDIDATES) {
                 let us_c = run(cand);
                 println!(
-                    "moe wgmma T={t} {} (bm {} bn {} stages {} producer warps {}): {us_c:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma, {:.2}x wgmma2, {:.2}x large, {:.2}x cublas)",
+                    "moe wgmma T={t} {} (bm {} bn {} bk {} stages {} producer warps {} tma {}): {us_c:.1} µs ({:.0} TFLOP/s, {:.2}x wgmma, {:.2}x wgmma2, {:.2}x large, {:.2}x cublas)",
                     cand.down_fn,
                     cand.bm,
                     cand.bn,
+                    cand.bk,
                     cand.stages,
                     cand.producer_warps,
+                    cand.tma,
                     tf(us_c),
                     us_c / us_wg,
                     us_c / us_wg2,
