@@ -183,18 +183,9 @@ const fn tma_tile(
     min_ctas: usize,
 ) -> TileCfg {
     TileCfg {
-        gate_up_fn,
-        down_fn,
-        bm: 128,
-        bn: 128,
-        bk: 64,
-        warps_m: 8,
-        warps_n: 1,
-        stages,
-        min_ctas,
-        wgmma: true,
         producer_warps: 4,
         tma: true,
+        ..wg_tile(gate_up_fn, down_fn, 128, 64, stages, min_ctas)
     }
 }
 
@@ -296,7 +287,6 @@ pub(super) const WG_CANDIDATES: [TileCfg; 7] = [
 
 /// A warpgroup-MMA tile of `bm` rows (64 per warpgroup) against 128 weight rows with `bk`-wide
 /// K stages.
-#[cfg(test)]
 const fn wg_tile(
     gate_up_fn: &'static str,
     down_fn: &'static str,
