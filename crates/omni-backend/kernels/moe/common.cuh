@@ -9,16 +9,16 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 }
 
 // The row, in expert weights of `GATE_UP` (w13: 2 inter rows, gate then up) or down (w2: hidden
-// rows), of row r (0 <= r < BN) of the weight tile for N tile blockIdx.x: gate_up tiles hold
-// BN / 2 gate rows, then the matching BN / 2 up rows. -1 past N (inter or hidden).
+// rows), of row r (0 <= r < BN) of the weight tile for N tile nt: gate_up tiles hold BN / 2
+// gate rows, then the matching BN / 2 up rows. -1 past N (inter or hidden).
 template <int BN, bool GATE_UP>
-__device__ __forceinline__ int moe_weight_row(int r, int hidden, int inter) {
+__device__ __forceinline__ int moe_weight_row(int r, int nt, int hidden, int inter) {
     if (GATE_UP) {
         const int up = r >= BN / 2 ? 1 : 0;
-        const int j = blockIdx.x * (BN / 2) + r - up * (BN / 2);
+        const int j = nt * (BN / 2) + r - up * (BN / 2);
         return j < inter ? up * inter + j : -1;
     }
-    const int j = blockIdx.x * BN + r;
+    const int j = nt * BN + r;
     return j < hidden ? j : -1;
 }
 
@@ -48,7 +48,7 @@ __device__ __forceinline__ void moe_tile_sources(
     const unsigned short* w_e = w + (size_t)expert * (size_t)(GATE_UP ? 2 * inter : hidden) * (size_t)K;
 #pragma unroll
     for (int i = 0; i < B_IT; ++i) {
-        const int grow = moe_weight_row<BN, GATE_UP>(row0 + i * RSTEP, hidden, inter);
+        const int grow = moe_weight_row<BN, GATE_UP>(row0 + i * RSTEP, blockIdx.x, hidden, inter);
         b_ok[i] = grow >= 0;
         b_ptr[i] = w_e + (size_t)(b_ok[i] ? grow : 0) * K + chunk * 8;
     }

@@ -40,12 +40,13 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // The epilogue of the warpgroup-MMA GEMMs: warp `warp` (lane `lane`) of the warpgroup owning
 // block rows r_base .. r_base + 63 writes its accumulators (the m16n8 layout moe_gemm_wg
-// describes) for the rows that hold a pair: gate_up applies SiLU(gate) * up into act row
-// m0 + r, down writes y row p.
+// describes) for the rows that hold a pair (`s_pair`: the block's sorted pair ids, in shared or
+// global memory) into N tile nt: gate_up applies SiLU(gate) * up into act row m0 + r, down
+// writes y row p.
 template <int BN, bool GATE_UP>
 __device__ __forceinline__ void moe_wg_store(
         const float (&acc)[BN / 2], const int* s_pair, unsigned short* __restrict__ dst,
-        long long m0, int r_base, int warp, int lane, int hidden, int inter) {
+        long long m0, int nt, int r_base, int warp, int lane, int hidden, int inter) {
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -56,7 +57,7 @@ __device__ __forceinline__ void moe_wg_store(
             unsigned short* orow = dst + (size_t)(m0 + r) * inter;
 #pragma unroll
             for (int nb = 0; nb < BN / 16; ++nb) {
-                const int j = blockIdx.x * (BN / 2) + nb * 8 + 2 * t4;
+                const int j = nt * (BN / 2) + nb * 8 + 2 * t4;
                 if (j < inter) {
                     const float g0 = acc[4 * nb + 2 * h], g1 = acc[4 * nb + 2 * h + 1];
                     const int u = 4 * (nb + BN / 16) + 2 * h;
@@ -69,7 +70,7 @@ __device__ __forceinline__ void moe_wg_store(
             unsigned short* orow = dst + (size_t)p * hidden;
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
-                const int n = blockIdx.x * BN + nb * 8 + 2 * t4;
+                const int n = nt * BN + nb * 8 + 2 * t4;
                 if (n < hidden)
                     *reinterpret_cast<unsigned*>(orow + n) = pack_bf16x2(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
             }
@@ -193,5 +194,6 @@ __device__ __forceinline__ void moe_gemm_wg(
     cp_async_wait<0>();
 
     if (!wg_rows) return;
-    moe_wg_store<BN, GATE_UP>(acc, s_pair, dst, m0, wg * 64, (tid >> 5) & 3, tid & 31, hidden, inter);
+    moe_wg_store<BN, GATE_UP>(acc, s_pair, dst, m0, blockIdx.x, wg * 64, (tid >> 5) & 3, tid & 31,
+                              hidden, inter);
 }

@@ -79,6 +79,8 @@ pub struct DeviceInfo {
     pub total_mem: usize,
     /// Driver API version (e.g. 13000 for CUDA 13.0).
     pub driver_version: i32,
+    /// Streaming multiprocessors (132 on an H100 or H200).
+    pub sm_count: usize,
 }
 
 impl DeviceInfo {
@@ -223,6 +225,12 @@ fn info_of(
         compute_capability: ctx.compute_capability().map_err(e)?,
         total_mem: ctx.total_mem().map_err(e)?,
         driver_version,
+        sm_count: ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(e)?
+            .max(1) as usize,
     })
 }
 

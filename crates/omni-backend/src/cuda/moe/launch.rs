@@ -452,11 +452,17 @@ impl CudaContext {
 
         // 2. gate_up GEMM + SiLU-and-mul into act.
         let threads = tile.threads() as u32;
-        let gu_grid = (
-            narrow::<u32>("moe inter tiles", inter.div_ceil(tile.bn / 2))?,
-            blocks_y,
-            1,
-        );
+        // The warp-specialized tiles are persistent: one grid row of CTAs (at most what the
+        // SMs hold at once) loops over the n tiles x row blocks.
+        let grid_of = |n_tiles: usize| -> CudaResult<(u32, u32, u32)> {
+            if tile.producer_warps > 0 {
+                let ctas = (n_tiles * lay.max_blocks).min(self.info.sm_count * tile.min_ctas);
+                Ok((narrow::<u32>("moe persistent CTAs", ctas.max(1))?, 1, 1))
+            } else {
+                Ok((narrow::<u32>("moe N tiles", n_tiles)?, blocks_y, 1))
+            }
+        };
+        let gu_grid = grid_of(inter.div_ceil(tile.bn / 2))?;
         // TMA tiles read the weights through tensor maps (the entries' last parameter).
         let (mut map13, mut map2) = if tile.tma {
             (
@@ -468,11 +474,15 @@ impl CudaContext {
             // parameter).
             unsafe { std::mem::zeroed() }
         };
-        let nargs = if tile.tma { 9 } else { 8 };
-        let mut args = kernel_args![x_p, w13_p, sorted_p, bexp_p, act_p, h_i, i_i, k_i, map13];
+        let nargs = 8 + usize::from(tile.producer_warps > 0) + usize::from(tile.tma);
+        let mut args = kernel_args![
+            x_p, w13_p, sorted_p, bexp_p, act_p, h_i, i_i, k_i, mb_i, map13
+        ];
         // SAFETY: `args[..nargs]` points at the arguments of the gate_up entry `(const u16*,
-        // const u16*, const int*, const int*, u16*, int, int, int)`, TMA entries followed by
-        // the `MoeTensorMap` of w13 (128 bytes, by value), in order; x holds tokens * hidden
+        // const u16*, const int*, const int*, u16*, int, int, int)`, warp-specialized entries
+        // followed by `int max_blocks` (the row blocks the alignment laid out, sorted_ids'
+        // rows / bm) and, TMA ones, the `MoeTensorMap` of w13 (128 bytes, by value), in order;
+        // a persistent grid's CTAs visit each (N tile, row block) once; x holds tokens * hidden
         // and w13 E * 2I * H elements (checked above; the map spans exactly them) and every
         // row the kernel reads is a token id p / k < tokens (p < pairs comes from the
         // alignment) or an expert e < E; rows or columns past the shapes are zero-filled, not
@@ -491,14 +501,13 @@ impl CudaContext {
         }?;
 
         // 3. down GEMM into y (pair order).
-        let down_grid = (
-            narrow::<u32>("moe hidden tiles", hidden.div_ceil(tile.bn))?,
-            blocks_y,
-            1,
-        );
-        let mut args = kernel_args![act_p, w2_p, sorted_p, bexp_p, y_p, h_i, i_i, k_i, map2];
+        let down_grid = grid_of(hidden.div_ceil(tile.bn))?;
+        let mut args = kernel_args![
+            act_p, w2_p, sorted_p, bexp_p, y_p, h_i, i_i, k_i, mb_i, map2
+        ];
         // SAFETY: `args[..nargs]` points at the arguments of the down entry (same signature as
-        // gate_up; TMA entries with the map of w2) in order; act rows read are the sorted
+        // gate_up; warp-specialized entries with max_blocks, TMA ones with the map of w2) in
+        // order; act rows read are the sorted
         // positions of used blocks, all written by step 2; w2 holds E * H * I elements (the
         // map spans exactly them); y (pairs * hidden, in the workspace) is written at row
         // p < pairs only; block size and shared memory as for step 2.

@@ -69,11 +69,14 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
             format!("{bm}, {bn}, {bk}, {warps_m}, {warps_n}, {stages}"),
         )
     };
-    // The warp-specialized template takes the weights' tensor map (TMA tiles: one more
-    // parameter, by value) or null.
+    // The persistent warp-specialized template also takes the number of row blocks, and the
+    // weights' tensor map (TMA tiles: one more parameter, by value) or null.
     let (map_param, map_arg) = match (producer_warps > 0, cfg.tma) {
-        (true, true) => (", const __grid_constant__ MoeTensorMap wmap", ", &wmap"),
-        (true, false) => ("", ", nullptr"),
+        (true, true) => (
+            ", int max_blocks, const __grid_constant__ MoeTensorMap wmap",
+            ", max_blocks, &wmap",
+        ),
+        (true, false) => (", int max_blocks", ", max_blocks, nullptr"),
         _ => ("", ""),
     };
     format!(
@@ -109,12 +112,18 @@ pub(crate) fn moe_source() -> String {
 }
 
 /// `wgmma_bf16<n>(d, desc_a, desc_b)`: one `wgmma.mma_async` m64n{n}k16, bf16 in, f32
-/// accumulated into the `n / 2` floats of `d` (scale-d 1, no negation, both operands K-major).
+/// accumulated into the `n / 2` floats of `d` (scale-d 1, no negation, both operands K-major);
+/// `wgmma_bf16_first<n>` the same overwriting `d` (scale-d 0: a tile's first MMA, with no
+/// register writes before it that ptxas would have to order against the MMAs).
 fn wgmma_wrapper(n: usize) -> String {
-    let asm = crate::cuda::wgmma::ss_asm(n, false);
-    format!(
-        "\ntemplate <> __device__ __forceinline__ void wgmma_bf16<{n}>(float* d, unsigned long long da, unsigned long long db) {{\n    {asm}\n}}\n"
-    )
+    let mut s = String::new();
+    for (name, overwrite) in [("wgmma_bf16", false), ("wgmma_bf16_first", true)] {
+        let asm = crate::cuda::wgmma::ss_asm(n, overwrite);
+        s.push_str(&format!(
+            "\ntemplate <> __device__ __forceinline__ void {name}<{n}>(float* d, unsigned long long da, unsigned long long db) {{\n    {asm}\n}}\n"
+        ));
+    }
+    s
 }
 
 /// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], [`LARGE_TMA`], and
@@ -135,7 +144,7 @@ fn wg_tiles() -> Vec<TileCfg> {
 /// grouped GEMMs of every tile in [`wg_tiles`].
 pub(crate) fn moe_wgmma_source() -> String {
     let mut s = format!(
-        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}\ntemplate <int N> __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long da, unsigned long long db);\n"
+        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}\ntemplate <int N> __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long da, unsigned long long db);\ntemplate <int N> __device__ __forceinline__ void wgmma_bf16_first(float* d, unsigned long long da, unsigned long long db);\n"
     );
     let tiles = wg_tiles();
     let mut widths: Vec<usize> = tiles.iter().map(|t| t.bn).collect();

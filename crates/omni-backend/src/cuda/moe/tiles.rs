@@ -494,8 +494,8 @@ impl TileCfg {
 
     pub(super) fn smem_bytes(&self) -> usize {
         if self.producer_warps > 0 {
-            // As below, plus the A-row offsets (i64) and two mbarriers per stage.
-            self.stages * (self.bm + self.bn) * self.bk * 2 + self.bm * 12 + self.stages * 16 + 1024
+            // As below, with two mbarriers per stage instead of the row table.
+            self.stages * (self.bm + self.bn) * self.bk * 2 + self.stages * 16 + 1024
         } else if self.wgmma {
             // Unpadded swizzled rows, and up to 1024 bytes to align the first tile.
             self.stages * (self.bm + self.bn) * self.bk * 2 + self.bm * 4 + 1024
