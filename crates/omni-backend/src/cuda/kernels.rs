@@ -174,7 +174,7 @@ mod tests {
     /// The architecture a module of [`every_module`] is checked for: `sm_90`, or `sm_90a` for
     /// the Hopper-only MoE and attention modules.
     fn module_arch(what: &str) -> &'static str {
-        if what == "moe wgmma" || what == "attention wgmma" {
+        if what == "moe wgmma" || what == "moe ws" || what == "attention wgmma" {
             moe::source::WGMMA_ARCH
         } else {
             "sm_90"
@@ -198,6 +198,7 @@ mod tests {
             ),
             ("moe".to_string(), moe::source::moe_source()),
             ("moe wgmma".to_string(), moe::source::moe_wgmma_source()),
+            ("moe ws".to_string(), moe::source::moe_ws_source()),
             (
                 "attention wgmma".to_string(),
                 attention::source::attn_wgmma_source(),

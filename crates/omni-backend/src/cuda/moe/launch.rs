@@ -7,7 +7,9 @@ use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKe
 use super::cublas::{DEFAULT_QUANTUM, cublas_enabled};
 #[cfg(doc)]
 use super::fused_moe_workspace_bytes;
-use super::source::{ALIGN_FN, REDUCE_FN, TOPK_FN, WGMMA_ARCH, moe_source, moe_wgmma_source};
+use super::source::{
+    ALIGN_FN, REDUCE_FN, TOPK_FN, WGMMA_ARCH, moe_source, moe_wgmma_source, moe_ws_source,
+};
 use super::tiles::{TileCfg, Wgmma, wgmma_env};
 use super::tma;
 use super::{Layout, MOE_MAX_EXPERTS, MoeShape};
@@ -397,9 +399,14 @@ impl CudaContext {
                     (major * 10 + minor).max(0) as usize,
                 ));
             }
+            let source = if tile.producer_warps > 0 {
+                moe_ws_source
+            } else {
+                moe_wgmma_source
+            };
             (
-                self.function_for(moe_wgmma_source, tile.gate_up_fn, WGMMA_ARCH)?,
-                self.function_for(moe_wgmma_source, tile.down_fn, WGMMA_ARCH)?,
+                self.function_for(source, tile.gate_up_fn, WGMMA_ARCH)?,
+                self.function_for(source, tile.down_fn, WGMMA_ARCH)?,
             )
         } else {
             (

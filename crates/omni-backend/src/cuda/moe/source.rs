@@ -1,7 +1,8 @@
 //! The MoE kernels' source: `kernels/moe/*.cu(h)` after the bf16 helpers, with one `extern "C"`
 //! entry point per tile configuration and GEMM instantiating the `moe_gemm` template; and the
-//! Hopper module (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`, and the warp-specialized
-//! `moe_gemm_ws` with cp.async or TMA weight copies), with its generated `wgmma` wrappers.
+//! Hopper modules (sm_90a) of the warpgroup-MMA GEMMs (`moe_gemm_wg`; the persistent
+//! warp-specialized `moe_gemm_ws` with cp.async or TMA weight copies in a module of its own),
+//! with their generated `wgmma` wrappers.
 
 use super::tiles::{LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, SMALL, TileCfg};
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
@@ -126,27 +127,35 @@ fn wgmma_wrapper(n: usize) -> String {
     s
 }
 
-/// The warpgroup-MMA tiles this build compiles: [`LARGE_WG`], [`LARGE_WG2`], [`LARGE_TMA`], and
-/// in test builds the timing test's candidates (the warp-specialized ones among them).
+/// The warpgroup-MMA tiles of the `moe_gemm_wg` module: [`LARGE_WG`], [`LARGE_WG2`], and in
+/// test builds the timing test's candidates.
 fn wg_tiles() -> Vec<TileCfg> {
     #[allow(unused_mut)]
-    let mut v = vec![LARGE_WG, LARGE_WG2, LARGE_TMA];
+    let mut v = vec![LARGE_WG, LARGE_WG2];
     #[cfg(test)]
     v.extend(super::tiles::WG_CANDIDATES);
-    #[cfg(test)]
-    v.extend(super::tiles::WS_CANDIDATES);
-    #[cfg(test)]
-    v.extend(super::tiles::TMA_CANDIDATES);
     v
 }
 
-/// Full source of the Hopper MoE module (compiled for [`WGMMA_ARCH`]): the warpgroup-MMA
-/// grouped GEMMs of every tile in [`wg_tiles`].
-pub(crate) fn moe_wgmma_source() -> String {
+/// The warp-specialized tiles of the `moe_gemm_ws` module: [`LARGE_TMA`], and in test builds
+/// the timing test's other TMA depths and cp.async-producer candidates.
+fn ws_tiles() -> Vec<TileCfg> {
+    #[allow(unused_mut)]
+    let mut v = vec![LARGE_TMA];
+    #[cfg(test)]
+    v.extend(super::tiles::TMA_CANDIDATES);
+    #[cfg(test)]
+    v.extend(super::tiles::WS_CANDIDATES);
+    v
+}
+
+/// A Hopper MoE module (compiled for [`WGMMA_ARCH`]): the helpers, the `wgmma` wrappers of the
+/// tiles' widths, `moe_gemm_wg` (whose descriptor, copy and epilogue helpers every tile uses),
+/// `extra` kernel sources, and the entries of `tiles`.
+fn hopper_module(tiles: &[TileCfg], extra: &[&str]) -> String {
     let mut s = format!(
         "{BF16_HELPERS}{PTX_HELPERS}{COMMON}\ntemplate <int N> __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long da, unsigned long long db);\ntemplate <int N> __device__ __forceinline__ void wgmma_bf16_first(float* d, unsigned long long da, unsigned long long db);\n"
     );
-    let tiles = wg_tiles();
     let mut widths: Vec<usize> = tiles.iter().map(|t| t.bn).collect();
     widths.sort_unstable();
     widths.dedup();
@@ -154,11 +163,24 @@ pub(crate) fn moe_wgmma_source() -> String {
         s.push_str(&wgmma_wrapper(n));
     }
     s.push_str(GROUPED_GEMM_WG);
-    s.push_str(MBARRIER);
-    s.push_str(GROUPED_GEMM_WS);
+    for e in extra {
+        s.push_str(e);
+    }
     for cfg in tiles {
-        s.push_str(&gemm_entry(&cfg, true));
-        s.push_str(&gemm_entry(&cfg, false));
+        s.push_str(&gemm_entry(cfg, true));
+        s.push_str(&gemm_entry(cfg, false));
     }
     s
+}
+
+/// The warpgroup-MMA grouped GEMMs of every tile in [`wg_tiles`] (the default prefill tiles).
+pub(crate) fn moe_wgmma_source() -> String {
+    hopper_module(&wg_tiles(), &[])
+}
+
+/// The warp-specialized grouped GEMMs of every tile in [`ws_tiles`], a module of their own so
+/// that the default tiles' module (compiled at every worker's start-up) does not grow with
+/// them.
+pub(crate) fn moe_ws_source() -> String {
+    hopper_module(&ws_tiles(), &[MBARRIER, GROUPED_GEMM_WS])
 }
