@@ -189,13 +189,22 @@ const fn tma_tile(
     }
 }
 
-/// Other depths of [`LARGE_TMA`] the timing test measures (test builds only), one CTA per SM:
-/// 6 stages (~195 KiB), 3 stages (~99 KiB). (Two CTAs per SM leave 80 registers a thread, too
-/// few for ptxas to compile the consumers' MMAs.)
+/// Other forms of [`LARGE_TMA`] the timing test measures (test builds only), one CTA per SM:
+/// 6 stages (~195 KiB), 3 stages (~99 KiB), and 256 weight rows per tile (each A stage feeds
+/// twice the MMAs; 4 stages ~193 KiB, 3 ~145 KiB). (Two CTAs per SM leave 80 registers a
+/// thread, too few for ptxas to compile the consumers' MMAs.)
 #[cfg(test)]
-pub(super) const TMA_CANDIDATES: [TileCfg; 2] = [
+pub(super) const TMA_CANDIDATES: [TileCfg; 4] = [
     tma_tile("moe_gate_up_tmas6", "moe_down_tmas6", 6, 1),
     tma_tile("moe_gate_up_tmas3", "moe_down_tmas3", 3, 1),
+    TileCfg {
+        bn: 256,
+        ..tma_tile("moe_gate_up_tman256", "moe_down_tman256", 4, 1)
+    },
+    TileCfg {
+        bn: 256,
+        ..tma_tile("moe_gate_up_tman256s3", "moe_down_tman256s3", 3, 1)
+    },
 ];
 
 /// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only). The
