@@ -19,7 +19,8 @@ pub(super) enum Wgmma {
     Rows64,
     /// [`LARGE_WG2`] only.
     Rows128,
-    /// [`LARGE_WG`], and [`LARGE_WG2`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
+    /// [`LARGE_WG`], [`LARGE_WG2`] from [`WG2_MIN_PAIRS_PER_EXPERT`], [`LARGE_TMA`] from
+    /// [`TMA_MIN_PAIRS_PER_EXPERT`].
     Auto,
     /// [`LARGE_WG`], and [`LARGE_TMA`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
     Tma,
@@ -167,13 +168,24 @@ pub(super) const LARGE_WG2: TileCfg = TileCfg {
     tma: false,
 };
 
-/// [`LARGE_WG2`]'s 128-row blocks, warp-specialized, with the weight tiles brought in by the
-/// Tensor Memory Accelerator (`moe_gemm_ws` with TMA): a producer warpgroup (one thread issues
-/// each stage's tensor copies of the weights, all 128 copy the gathered A rows) fills 4 stages
-/// handed over by mbarriers while the two consumer warpgroups only issue MMAs, one stage's in
-/// flight; ~131 KiB of shared memory, one CTA per SM (`OMNI_CUDA_MOE_WGMMA=tma`). Not yet run
-/// on a GPU.
-pub(super) const LARGE_TMA: TileCfg = tma_tile("moe_gate_up_tma", "moe_down_tma", 4, 1);
+/// [`LARGE_WG2`]'s 128-row blocks against 256 weight rows, warp-specialized and persistent, with
+/// the weight tiles brought in by the Tensor Memory Accelerator (`moe_gemm_ws` with TMA): a
+/// producer warpgroup (one thread issues each stage's tensor copies of the weights, all 128
+/// copy the gathered A rows) fills 4 stages handed over by mbarriers while the two consumer
+/// warpgroups only issue MMAs, one stage's in flight; one CTA per SM (~193 KiB, 156
+/// registers) loops over the tiles. On an H100 (Qwen3-30B-A3B layer, the timing test's
+/// routing) 976.5 against [`LARGE_WG2`]'s 1034.1 µs at 4096 tokens, 656.4 against 628.7 at 2048
+/// (`bench/results/gpu-tma-h100-2026-12-06.md`); [`Wgmma::Auto`] runs it from
+/// [`TMA_MIN_PAIRS_PER_EXPERT`], `OMNI_CUDA_MOE_WGMMA=tma` wherever [`LARGE_WG2`] would run.
+pub(super) const LARGE_TMA: TileCfg = TileCfg {
+    bn: 256,
+    ..tma_tile("moe_gate_up_tma", "moe_down_tma", 4, 1)
+};
+
+/// Average pairs per expert from which [`Wgmma::Auto`] runs [`LARGE_TMA`] (3072 tokens of
+/// Qwen3-30B-A3B: between the 2048 tokens where it is 1.04x [`LARGE_WG2`]'s time and the 4096
+/// where it is 0.94x).
+pub(super) const TMA_MIN_PAIRS_PER_EXPERT: usize = 192;
 
 /// A 128 x 128 warp-specialized tile with TMA weight copies, `stages` stages.
 const fn tma_tile(
@@ -190,17 +202,15 @@ const fn tma_tile(
 }
 
 /// Other forms of [`LARGE_TMA`] the timing test measures (test builds only), one CTA per SM:
-/// 6 stages (~195 KiB), 3 stages (~99 KiB), and 256 weight rows per tile (each A stage feeds
-/// twice the MMAs; 4 stages ~193 KiB, 3 ~145 KiB). (Two CTAs per SM leave 80 registers a
-/// thread, too few for ptxas to compile the consumers' MMAs.)
+/// 128 weight rows per tile with 4 stages (~131 KiB; 1.04-1.08x [`LARGE_WG2`]'s time at 2048
+/// and 4096 tokens on an H100), 6 (~195 KiB) and 3 (~99 KiB), and 256 rows with 3 stages (~145
+/// KiB). (Two CTAs per SM leave 80 registers a thread, too few for ptxas to compile the
+/// consumers' MMAs.)
 #[cfg(test)]
 pub(super) const TMA_CANDIDATES: [TileCfg; 4] = [
+    tma_tile("moe_gate_up_tmab128", "moe_down_tmab128", 4, 1),
     tma_tile("moe_gate_up_tmas6", "moe_down_tmas6", 6, 1),
     tma_tile("moe_gate_up_tmas3", "moe_down_tmas3", 3, 1),
-    TileCfg {
-        bn: 256,
-        ..tma_tile("moe_gate_up_tman256", "moe_down_tman256", 4, 1)
-    },
     TileCfg {
         bn: 256,
         ..tma_tile("moe_gate_up_tman256s3", "moe_down_tman256s3", 3, 1)
@@ -479,8 +489,8 @@ impl TileCfg {
     /// The tile the public entry point uses: the decode tile while the average expert gets at
     /// most 8 pairs, the prefill tile above (on an H200 at 16 pairs per expert, 256 tokens of
     /// Qwen3-30B-A3B: 353 against 464 µs; at 8 the decode tile took 336). On sm_90 with the
-    /// warpgroup-MMA tiles on, from 8 pairs per expert [`LARGE_WG`] (310 µs there) or
-    /// [`LARGE_WG2`] as `wgmma` says.
+    /// warpgroup-MMA tiles on, from 8 pairs per expert [`LARGE_WG`] (310 µs there),
+    /// [`LARGE_WG2`] or [`LARGE_TMA`] as `wgmma` says.
     pub(super) fn select(shape: &MoeShape, wgmma: Wgmma) -> Self {
         let per_expert = |n: usize| n * shape.num_experts;
         let pairs = shape.pairs();
@@ -489,6 +499,7 @@ impl TileCfg {
             _ if pairs < per_expert(8) => {}
             Wgmma::Rows64 => return LARGE_WG,
             Wgmma::Rows128 => return LARGE_WG2,
+            Wgmma::Auto if pairs >= per_expert(TMA_MIN_PAIRS_PER_EXPERT) => return LARGE_TMA,
             Wgmma::Auto if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_WG2,
             Wgmma::Auto => return LARGE_WG,
             Wgmma::Tma if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_TMA,

@@ -199,6 +199,7 @@ fn fused_moe_real_shape_and_timing() {
             MoeGemm::Tiles(t) if t == SMALL => us_small,
             MoeGemm::Tiles(t) if t == LARGE_WG => us_wg,
             MoeGemm::Tiles(t) if t == LARGE_WG2 => us_wg2,
+            MoeGemm::Tiles(t) if t == LARGE_TMA => run(LARGE_TMA),
             MoeGemm::Tiles(_) => us_large,
             MoeGemm::Cublas { .. } => us_cublas,
         };
