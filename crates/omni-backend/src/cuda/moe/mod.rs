@@ -28,9 +28,11 @@
 //! instead (`wgmma.mma_async` m64n128k16 reading both operands from 128-byte-swizzled shared
 //! memory; `kernels/moe/grouped_gemm_wg.cu`, its own module compiled for `sm_90a`): the same
 //! 64-row blocks with one warpgroup per CTA, and from 64 pairs per expert 128-row blocks with two
-//! warpgroups sharing each weight tile. `OMNI_CUDA_MOE_WGMMA` (`0` off, `64` / `128` one tile
-//! only, `tma` the 128-row blocks on the warp-specialized tile whose weight tiles the Tensor
-//! Memory Accelerator copies, `kernels/moe/grouped_gemm_ws.cu`, tensor maps in `tma.rs`) chooses.
+//! warpgroups sharing each weight tile, from 192 pairs per expert a persistent warp-specialized
+//! tile of 128 rows x 256 weight rows whose weight tiles the Tensor Memory Accelerator copies
+//! (`kernels/moe/grouped_gemm_ws.cu`, its own module; tensor maps in `tma.rs`).
+//! `OMNI_CUDA_MOE_WGMMA` (`0` off, `64` / `128` one tile only, `tma` the TMA tile from 64 pairs
+//! per expert) chooses.
 //!
 //! Elsewhere (or with it off), prefill steps of 64+ pairs per expert outside a CUDA graph
 //! capture run the two GEMMs on cuBLAS's grouped GEMM (`cublas.rs`): the counts go to the host
