@@ -1,10 +1,10 @@
 // The grouped expert GEMM on warpgroup MMA, warp-specialized and persistent (sm_90a): the
-// problem, arguments, 128-row blocks and epilogue of `moe_gemm_wg<BN, 64, STAGES, 2, GATE_UP>`
-// (grouped_gemm_wg.cu, whose descriptor and wgmma helpers precede this file in the module), but
+// problem, arguments, 64 WGS-row blocks and epilogue of `moe_gemm_wg<BN, 64, STAGES, WGS,
+// GATE_UP>` (grouped_gemm_wg.cu, whose descriptor and wgmma helpers precede this file), but
 // each CTA loops over tiles (tile t = M block t / n_tiles, N tile t % n_tiles, for t =
 // blockIdx.x, + gridDim.x, ...; blocks the alignment left unused are skipped by every role
-// alike) and its roles are split: PW producer warps fill the stages and never compute; two
-// consumer warpgroups (rows 0-63 and 64-127 of the block) only wait for stages and issue MMAs,
+// alike) and its roles are split: PW producer warps fill the stages and never compute; WGS
+// consumer warpgroups (rows 0-63, and 64-127 with two) only wait for stages and issue MMAs,
 // keeping one stage's MMAs in flight while they wait for the next. The producers run ahead
 // across tile boundaries, so the next tile's first stages load while the consumers finish and
 // store the current one. They copy the A rows (gathered tokens, or the sorted act rows) with
@@ -20,7 +20,7 @@
 //   phase completes when all of them have. A consumer waits for it (acquire), then
 //   `fence.proxy.async` makes the cp.async (generic-proxy) writes visible to its wgmma reads
 //   (async proxy).
-// * empty[s] (count 8, one lane per consumer warp): a consumer warp arrives once its MMAs on
+// * empty[s] (count 4 WGS, one lane per consumer warp): a consumer warp arrives once its MMAs on
 //   the stage in slot s have completed (`wgmma.wait_group 1` after committing the next stage's
 //   group, `wait_group 0` after a tile's last); the producer waits for it before refilling.
 //
@@ -30,17 +30,17 @@
 // with stage g + STAGES waits for (parity (g / STAGES - 1) & 1). Row tables come from global
 // memory (sorted_ids, L2-resident), so no role waits for another outside the mbarriers.
 //
-// Shared memory (dynamic, rounded up to 1024 bytes): STAGES A tiles [128][64] bf16, STAGES B
+// Shared memory (dynamic, rounded up to 1024 bytes): STAGES A tiles [BM][64] bf16, STAGES B
 // tiles [BN][64] bf16 (the 128-byte swizzle of grouped_gemm_wg.cu), then 2 * STAGES mbarriers
 // (moe/mbarrier.cuh).
 
-template <int BN, int STAGES, int PW, bool TMA, bool GATE_UP>
+template <int BN, int STAGES, int PW, int WGS, bool TMA, bool GATE_UP>
 __device__ __forceinline__ void moe_gemm_ws(
         const unsigned short* __restrict__ a_src, const unsigned short* __restrict__ w,
         const int* __restrict__ sorted_ids, const int* __restrict__ block_expert,
         unsigned short* __restrict__ dst, int hidden, int inter, int top_k, int max_blocks,
         const MoeTensorMap* wmap) {
-    constexpr int BM = 128, BK = 64, NC = 256, NP = 32 * PW;
+    constexpr int BM = 64 * WGS, BK = 64, NC = 128 * WGS, NP = 32 * PW;
     constexpr int RS = NP / 8;  // rows per producer pass: 8 threads per 128-byte row
     constexpr int A_IT = BM / RS;
     constexpr int A_BYTES = BM * BK * 2;
@@ -48,6 +48,7 @@ __device__ __forceinline__ void moe_gemm_ws(
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "wgmma N: a multiple of 16 up to 256");
     static_assert(BM % RS == 0 && BN % RS == 0 && (BN / 2) % RS == 0, "producer rows per pass");
     static_assert(!TMA || BN % 128 == 0, "TMA: whole 64-row boxes of gate and of up rows");
+    static_assert(WGS == 1 || WGS == 2, "one or two consumer warpgroups");
 
     pdl_enter();
     const int K = GATE_UP ? hidden : inter;

@@ -57,10 +57,10 @@ fn gemm_entry(cfg: &TileCfg, gate_up: bool) -> String {
     } = *cfg;
     let threads = cfg.threads();
     let (template, args) = if producer_warps > 0 {
-        let tma = cfg.tma;
+        let (tma, wgs) = (cfg.tma, bm / 64);
         (
             "moe_gemm_ws",
-            format!("{bn}, {stages}, {producer_warps}, {tma}"),
+            format!("{bn}, {stages}, {producer_warps}, {wgs}, {tma}"),
         )
     } else if cfg.wgmma {
         ("moe_gemm_wg", format!("{bn}, {bk}, {stages}, {}", bm / 64))
