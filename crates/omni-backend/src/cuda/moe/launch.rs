@@ -418,9 +418,9 @@ impl CudaContext {
         set_smem(&f_gu, smem)?;
         set_smem(&f_down, smem)?;
 
-        let (mut x_p, _gx) = x.device_ptr(&self.stream);
-        let (mut w13_p, _g13) = w13.device_ptr(&self.stream);
-        let (mut w2_p, _g2) = w2.device_ptr(&self.stream);
+        let (x_p, _gx) = x.device_ptr(&self.stream);
+        let (w13_p, _g13) = w13.device_ptr(&self.stream);
+        let (w2_p, _g2) = w2.device_ptr(&self.stream);
         let (mut ids_p, _gi) = topk_ids.device_ptr(&self.stream);
         let (tw_p, _gw) = topk_weights.device_ptr(&self.stream);
         let (ws_p, _gws) = workspace.device_ptr_mut(&self.stream);
@@ -430,8 +430,8 @@ impl CudaContext {
         aligned16("fused moe workspace", ws_p)?;
         let mut sorted_p = ws_p + lay.sorted as u64;
         let mut bexp_p = ws_p + lay.block_expert as u64;
-        let mut act_p = ws_p + lay.act as u64;
-        let mut y_p = ws_p + lay.y as u64;
+        let act_p = ws_p + lay.act as u64;
+        let y_p = ws_p + lay.y as u64;
 
         // Launched with programmatic dependent launch: each kernel's first statement lets the
         // next one launch and then waits for its predecessor (`pdl_enter`), so the launch
@@ -457,7 +457,7 @@ impl CudaContext {
             )
         }?;
 
-        // 2. gate_up GEMM + SiLU-and-mul into act.
+        // 2. gate_up GEMM + SiLU-and-mul into act, then 3. down GEMM into y (pair order).
         let threads = tile.threads() as u32;
         // The warp-specialized tiles are persistent: one grid row of CTAs (at most what the
         // SMs hold at once) loops over the n tiles x row blocks.
@@ -469,9 +469,8 @@ impl CudaContext {
                 Ok((narrow::<u32>("moe N tiles", n_tiles)?, blocks_y, 1))
             }
         };
-        let gu_grid = grid_of(inter.div_ceil(tile.bn / 2))?;
         // TMA tiles read the weights through tensor maps (the entries' last parameter).
-        let (mut map13, mut map2) = if tile.tma {
+        let (map13, map2) = if tile.tma {
             (
                 tma::weight_map(w13_p, num_experts * 2 * inter, hidden)?,
                 tma::weight_map(w2_p, num_experts * hidden, inter)?,
@@ -482,51 +481,40 @@ impl CudaContext {
             unsafe { std::mem::zeroed() }
         };
         let nargs = 8 + usize::from(tile.producer_warps > 0) + usize::from(tile.tma);
-        let mut args = kernel_args![
-            x_p, w13_p, sorted_p, bexp_p, act_p, h_i, i_i, k_i, mb_i, map13
+        let gemms = [
+            (&f_gu, inter.div_ceil(tile.bn / 2), x_p, w13_p, act_p, map13),
+            (&f_down, hidden.div_ceil(tile.bn), act_p, w2_p, y_p, map2),
         ];
-        // SAFETY: `args[..nargs]` points at the arguments of the gate_up entry `(const u16*,
-        // const u16*, const int*, const int*, u16*, int, int, int)`, warp-specialized entries
-        // followed by `int max_blocks` (the row blocks the alignment laid out, sorted_ids'
-        // rows / bm) and, TMA ones, the `MoeTensorMap` of w13 (128 bytes, by value), in order;
-        // a persistent grid's CTAs visit each (N tile, row block) once; x holds tokens * hidden
-        // and w13 E * 2I * H elements (checked above; the map spans exactly them) and every
-        // row the kernel reads is a token id p / k < tokens (p < pairs comes from the
-        // alignment) or an expert e < E; rows or columns past the shapes are zero-filled, not
-        // read; act (max_blocks * bm rows of inter) lies in the workspace; the grid's y is
-        // max_blocks, blocks the alignment left unused (-1) exit; the block size and dynamic
-        // shared memory match the template instance (attribute set above). Memory is touched
-        // only after griddepcontrol.wait.
-        unsafe {
-            self.launch_ex(
-                &f_gu,
-                gu_grid,
-                (threads, smem as u32),
-                true,
-                &mut args[..nargs],
-            )
-        }?;
-
-        // 3. down GEMM into y (pair order).
-        let down_grid = grid_of(hidden.div_ceil(tile.bn))?;
-        let mut args = kernel_args![
-            act_p, w2_p, sorted_p, bexp_p, y_p, h_i, i_i, k_i, mb_i, map2
-        ];
-        // SAFETY: `args[..nargs]` points at the arguments of the down entry (same signature as
-        // gate_up; warp-specialized entries with max_blocks, TMA ones with the map of w2) in
-        // order; act rows read are the sorted
-        // positions of used blocks, all written by step 2; w2 holds E * H * I elements (the
-        // map spans exactly them); y (pairs * hidden, in the workspace) is written at row
-        // p < pairs only; block size and shared memory as for step 2.
-        unsafe {
-            self.launch_ex(
-                &f_down,
-                down_grid,
-                (threads, smem as u32),
-                true,
-                &mut args[..nargs],
-            )
-        }?;
+        for (f, n_tiles, a_p, w_p, dst_p, map) in gemms {
+            let (mut a_p, mut w_p, mut dst_p, mut map) = (a_p, w_p, dst_p, map);
+            let mut args =
+                kernel_args![a_p, w_p, sorted_p, bexp_p, dst_p, h_i, i_i, k_i, mb_i, map];
+            // SAFETY: `args[..nargs]` points at the arguments of the gate_up / down entry
+            // `(const u16* a, const u16* w, const int*, const int*, u16* dst, int, int, int)`,
+            // warp-specialized entries followed by `int max_blocks` (the row blocks the
+            // alignment laid out, sorted_ids' rows / bm) and, TMA ones, the `MoeTensorMap` of w
+            // (128 bytes, by value), in order. gate_up: x holds tokens * hidden and w13
+            // E * 2I * H elements (checked above; its map spans exactly them) and every row read
+            // is a token id p / k < tokens (p < pairs comes from the alignment) or an expert
+            // e < E; act (max_blocks * bm rows of inter) lies in the workspace. down: the act
+            // rows read are the sorted positions of used blocks, all written by the gate_up
+            // launch before it on this stream; w2 holds E * H * I elements (its map spans
+            // exactly them); y (pairs * hidden, in the workspace) is written at row p < pairs
+            // only. Rows or columns past the shapes are zero-filled, not read; the grid's y is
+            // max_blocks (blocks the alignment left unused, -1, exit), or a persistent grid's
+            // CTAs visit each (N tile, row block) once; the block size and dynamic shared
+            // memory match the template instance (attribute set above). Memory is touched only
+            // after griddepcontrol.wait.
+            unsafe {
+                self.launch_ex(
+                    f,
+                    grid_of(n_tiles)?,
+                    (threads, smem as u32),
+                    true,
+                    &mut args[..nargs],
+                )
+            }?;
+        }
 
         // 4. Weighted reduction into out.
         // SAFETY: y (pairs * hidden bf16, in the workspace) is in pair order (inv 0) with the

@@ -226,7 +226,8 @@ pub(super) const TMA_CANDIDATES: [TileCfg; 5] = [
 
 /// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only). The
 /// 128-wide K stages halve the CTA barriers per K (the top stall of [`LARGE_WG2`]'s gate_up on
-/// an H200); not yet run on a GPU.
+/// an H200), but took 1.00-1.07x [`LARGE_WG2`]'s time on an H100
+/// (`bench/results/gpu-tma-h100-2026-12-06.md`).
 #[cfg(test)]
 pub(super) const WG_CANDIDATES: [TileCfg; 7] = [
     // LARGE_WG2 with 128-wide K stages: 3 stages, one CTA per SM (~193 KiB).
