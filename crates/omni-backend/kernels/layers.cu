@@ -18,13 +18,16 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 
 // The residual stream is f32. mode 1: residual = bf16 `init` (the embedding); 2: residual +=
 // f32 `delta`; 0: as it is. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
-// Launched with programmatic dependent launch (`pdl_enter` first).
+// Launched with programmatic dependent launch: lets dependents launch, issues the L2 prefetch of
+// a later kernel's weights (`l2_prefetch`, before the wait: weights only), then waits.
 extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
         const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
         const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
-        float* __restrict__ out32, int dim, float eps) {
+        float* __restrict__ out32, int dim, float eps, L2_PREFETCH_ARGS) {
     __shared__ float sh[32];
-    pdl_enter();
+    pdl_launch_dependents();
+    l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes);
+    pdl_wait();
     const size_t base = (size_t)blockIdx.x * dim;
     float* x = residual + base;
     unsigned short* y = out + base;
@@ -68,7 +71,8 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned sh
 
 // One warp per (token, head) over q heads then kv heads of this rank, QKR_WARPS heads per
 // block. Lane l owns the rotary pairs (i, i + hd/2) for i = l, l + 32, ... < hd/2 (hd <= 256).
-// qkv row = [q heads | k heads | v heads] * hd. Launched with programmatic dependent launch.
+// qkv row = [q heads | k heads | v heads] * hd. Launched with programmatic dependent launch; the
+// L2 prefetch of a later kernel's weights is issued before the wait, as in the norm above.
 #define QKR_WARPS 4
 #define QKR_MAX_PAIRS 4
 extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16(
@@ -77,8 +81,10 @@ extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16
         const int* __restrict__ positions, const long long* __restrict__ slot_mapping,
         const float* __restrict__ inv_freq, const unsigned short* __restrict__ q_norm,
         const unsigned short* __restrict__ k_norm, const unsigned char* __restrict__ mrope_axes,
-        long long pos_stride, int tokens, int lq, int lkv, int hd, float eps) {
-    pdl_enter();
+        long long pos_stride, int tokens, int lq, int lkv, int hd, float eps, L2_PREFETCH_ARGS) {
+    pdl_launch_dependents();
+    l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes);
+    pdl_wait();
     const int heads = lq + lkv;
     const long long w = (long long)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);
     if (w >= (long long)tokens * heads) return;  // whole warps

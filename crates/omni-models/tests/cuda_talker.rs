@@ -804,7 +804,9 @@ impl omni_models::WeightSource for Scaled<'_> {
 #[ignore]
 fn code_predictor_kernel_times_at_real_shapes() {
     use omni_backend::cuda::cudarc::driver::sys as dsys;
-    use omni_backend::cuda::{AttnShape, GemvIn, GemvOut, QkvBuffers, QkvShape, ResidualUpdate};
+    use omni_backend::cuda::{
+        AttnShape, GemvIn, GemvOut, L2Prefetch, QkvBuffers, QkvShape, ResidualUpdate,
+    };
     let Some(cx) = gpu_or_skip("code_predictor_kernel_times_at_real_shapes") else {
         return;
     };
@@ -991,6 +993,7 @@ fn code_predictor_kernel_times_at_real_shapes() {
                 inv_freq: &inv_freq,
                 qk_norm: Some((&head_norm, &head_norm)),
                 mrope: None,
+                prefetch: L2Prefetch::NONE,
             },
         )
         .unwrap()

@@ -160,6 +160,12 @@ pub fn load_cuda_model(
     {
         model.set_small_moe_tokens(n);
     }
+    if let Some(n) = std::env::var(L2_PREFETCH_TOKENS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        model.set_l2_prefetch_tokens(n);
+    }
     Ok(CudaStepModel {
         model,
         mm,
@@ -306,6 +312,11 @@ fn small_batch_gemv_from_env() -> bool {
 /// the unfused path ([`CudaDecoderModel::set_small_moe_tokens`]; default
 /// [`omni_models::cuda_decoder::DEFAULT_SMALL_MOE_TOKENS`], `0` turns it off).
 pub const SMALL_MOE_TOKENS_ENV: &str = "OMNI_CUDA_MOE_SMALL_TOKENS";
+
+/// The most tokens a step may have to issue L2 prefetch hints of its weights
+/// ([`CudaDecoderModel::set_l2_prefetch_tokens`]; default
+/// [`omni_models::cuda_decoder::DEFAULT_L2_PREFETCH_TOKENS`], `0` turns them off).
+pub const L2_PREFETCH_TOKENS_ENV: &str = "OMNI_CUDA_L2_PREFETCH_TOKENS";
 
 /// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:
 /// `scripts/bench-cold-start.sh`).

@@ -21,7 +21,7 @@ use half::bf16;
 
 use super::kernels::{BF16_HELPERS, kernel_file};
 use super::launch::{at_least, block_threads, elementwise_cfg, narrow, shape_err};
-use super::{CudaContext, CudaResult};
+use super::{CudaContext, CudaResult, L2Prefetch};
 
 /// The fused per-layer kernels (`kernels/layers.cu`).
 const LAYERS: &str = kernel_file!("layers.cu");
@@ -91,6 +91,8 @@ where
     /// M-RoPE: `positions` holds three rows and frequency `i` turns by row `axes[i]`; `None`:
     /// one row.
     pub mrope: Option<MropeAxes<'a>>,
+    /// A later kernel's weights to prefetch into L2 ([`L2Prefetch::NONE`]: none).
+    pub prefetch: L2Prefetch,
 }
 
 /// The M-RoPE side of a [`QkvBuffers`]: which position row turns each frequency.
@@ -136,6 +138,30 @@ impl CudaContext {
         dim: usize,
         eps: f32,
     ) -> CudaResult<()> {
+        self.fused_add_rms_norm_prefetch(
+            residual,
+            update,
+            weight,
+            out,
+            out32,
+            (rows, dim, eps),
+            L2Prefetch::NONE,
+        )
+    }
+
+    /// [`CudaContext::fused_add_rms_norm_f32_out`] (`shape`: rows, dim, eps) that also issues
+    /// `prefetch` (a later kernel's weights) into L2 before it waits for its predecessor.
+    #[allow(clippy::too_many_arguments)]
+    pub fn fused_add_rms_norm_prefetch(
+        &self,
+        residual: &mut impl DevicePtrMut<f32>,
+        update: ResidualUpdate<'_>,
+        weight: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        out32: Option<&mut CudaViewMut<'_, f32>>,
+        (rows, dim, eps): (usize, usize, f32),
+        prefetch: L2Prefetch,
+    ) -> CudaResult<()> {
         crate::check_len("cuda rms_norm weight", weight.len(), dim)?;
         let n = rows * dim;
         at_least("cuda rms_norm residual", residual.len(), n)?;
@@ -172,15 +198,20 @@ impl CudaContext {
         let (mut w, _gw) = weight.device_ptr(s);
         let (mut y, _gy) = out.device_ptr_mut(s);
         let (mut init, mut delta, mut mode, mut eps) = (init, delta, mode, eps);
-        let mut args = kernel_args!(x, init, delta, mode, w, y, o32, dim_i, eps);
+        let [(mut pf0, mut pf0_bytes), (mut pf1, mut pf1_bytes)] = prefetch.args();
+        let mut args = kernel_args!(
+            x, init, delta, mode, w, y, o32, dim_i, eps, pf0, pf0_bytes, pf1, pf1_bytes
+        );
         // SAFETY: the arguments match `fused_add_rmsnorm_f32res(float*, const u16*, const
-        // float*, int, const u16*, u16*, float*, int, float)`; residual, out, out32 (or null)
+        // float*, int, const u16*, u16*, float*, int, float, L2_PREFETCH_ARGS)` (the prefetch
+        // regions: `L2Prefetch`'s aligned read-only device ranges, or null / 0, only
+        // prefetched, never dereferenced); residual, out, out32 (or null)
         // and the buffer of the mode (the others are null and unread) hold at least rows * dim
         // elements and weight dim (checked above); one block per row, block size a multiple of
         // 32 and at most 1024 as `block_sum` requires. float4 accesses are only taken when dim
         // is a multiple of 4, so rows start 16-byte aligned in the (256-byte aligned) f32
-        // allocations. The kernel's first statement is `pdl_enter` (nothing touched before its
-        // wait), as a programmatic launch requires.
+        // allocations. The kernel touches nothing before its wait but the prefetch regions,
+        // which no kernel writes, as a programmatic launch requires.
         unsafe { self.launch_programmatic(&f, (grid, threads, 0), &mut args) }
     }
 
@@ -324,10 +355,13 @@ impl CudaContext {
         };
         let mut eps = eps;
         let block = 32 * QKV_ROPE_WARPS as u32;
+        let [(mut pf0, mut pf0_bytes), (mut pf1, mut pf1_bytes)] = bufs.prefetch.args();
         let mut args = kernel_args!(
-            qkv, q, kc, vc, pos, slots, freq, qn, kn, axes, stride, tokens_i, lq, lkv, hd, eps
+            qkv, q, kc, vc, pos, slots, freq, qn, kn, axes, stride, tokens_i, lq, lkv, hd, eps,
+            pf0, pf0_bytes, pf1, pf1_bytes
         );
-        // SAFETY: the arguments match `qkv_rope_cache_bf16`'s parameter list; qkv, q_out,
+        // SAFETY: the arguments match `qkv_rope_cache_bf16`'s parameter list (its prefetch
+        // regions as in `fused_add_rms_norm_prefetch`); qkv, q_out,
         // positions and slot_mapping hold at least `tokens` rows (checked above); inv_freq holds
         // head_dim / 2 and the norms head_dim entries (or are null, which the kernel tests);
         // with M-RoPE the axes hold head_dim / 2 values in 0..3 (from `MropeLayout`) and the
@@ -336,7 +370,8 @@ impl CudaContext {
         // the block manager from block ids validated against the cache size). One warp per
         // (token, head), QKV_ROPE_WARPS per block as the kernel's QKR_WARPS (warps past
         // tokens * heads return), head_dim <= 256 (checked above; QKR_MAX_PAIRS pairs a lane).
-        // The kernel's first statement is `pdl_enter`, as a programmatic launch requires.
+        // Before its wait the kernel touches only the prefetch regions (no kernel writes them),
+        // as a programmatic launch requires.
         unsafe { self.launch_programmatic(&f, (grid, block, 0), &mut args) }
     }
 

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use omni_backend::cuda::cudarc::driver::{CudaSlice, DevicePtr};
+use omni_backend::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use omni_backend::cuda::{
-    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, MoeShape, MropeAxes,
-    QkvBuffers, QkvShape, ResidualUpdate, bf16,
+    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch, MoeShape,
+    MropeAxes, QkvBuffers, QkvShape, ResidualUpdate, bf16,
 };
 
 use super::buffers::{Activations, StepInputs};
@@ -27,11 +27,13 @@ struct AttnCore<'a> {
 }
 
 impl AttnCore<'_> {
+    /// `prefetch`: weights of the kernels after attention to stream into L2 meanwhile.
     fn run(
         &self,
         a: &mut Activations,
         l: &DLayer,
         kv: &mut (CudaSlice<bf16>, CudaSlice<bf16>),
+        prefetch: L2Prefetch,
     ) -> Result<(), ModelError> {
         let sh = self.shape;
         let (kc, vc) = kv;
@@ -53,6 +55,7 @@ impl AttnCore<'_> {
                 inv_freq: self.inv_freq,
                 qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q, k)),
                 mrope: self.mrope,
+                prefetch,
             },
         )?;
         Ok(())
@@ -75,6 +78,36 @@ impl AttnCore<'_> {
             self.shape,
         )?;
         Ok(())
+    }
+}
+
+/// Bytes one kernel's L2 prefetch hint may name: half the L2 of an H100 / H200 (50 MB), so the
+/// kernels it overlaps keep the other half.
+const L2_PREFETCH_BUDGET: usize = 24 << 20;
+
+/// The L2 prefetch hints of one layer's decode step ([`CudaDecoderModel::set_l2_prefetch_tokens`]):
+/// the input norm prefetches the QKV weights, the q/k norm + RoPE kernel those of o_proj and
+/// the MoE router, which then stream in during RoPE and attention (latency-bound kernels that
+/// leave the memory bus idle) instead of after them.
+struct LayerPrefetch {
+    qkv: L2Prefetch,
+    attn: L2Prefetch,
+}
+
+impl LayerPrefetch {
+    fn of(l: &DLayer, on: bool, stream: &CudaStream) -> Self {
+        if !on {
+            return Self {
+                qkv: L2Prefetch::NONE,
+                attn: L2Prefetch::NONE,
+            };
+        }
+        let qkv = L2Prefetch::with_budget(L2_PREFETCH_BUDGET).and(&l.qkv.w, stream);
+        let mut attn = L2Prefetch::with_budget(L2_PREFETCH_BUDGET).and(&l.o.w, stream);
+        if let DMlp::Moe { router, .. } = &l.mlp {
+            attn = attn.and(router, stream);
+        }
+        Self { qkv, attn }
     }
 }
 
@@ -212,6 +245,7 @@ impl CudaDecoderModel {
         // themselves (one rank: nothing to all-reduce; no deepstack rows to add).
         let small_moe =
             t <= self.small_moe_tokens && self.one_rank() && self.residual_adds.is_none();
+        let prefetch = t <= self.l2_prefetch_tokens;
         // Whether x already holds the previous sub-block's output.
         let mut kept = false;
         for li in 0..self.layers.len() {
@@ -226,7 +260,16 @@ impl CudaDecoderModel {
             } else {
                 ResidualUpdate::Add(a.proj.slice(..t * h))
             };
-            cx.fused_add_rms_norm(&mut a.x, update, &l.input_norm, &mut a.h, t, h, eps)?;
+            let pf = LayerPrefetch::of(l, prefetch, &stream);
+            cx.fused_add_rms_norm_prefetch(
+                &mut a.x,
+                update,
+                &l.input_norm,
+                &mut a.h,
+                None,
+                (t, h, eps),
+                pf.qkv,
+            )?;
             mark!("rms_norm");
             // `x` now holds the residual stream after `li` layers.
             if let Some((n, buf)) = self.capture.as_mut()
@@ -253,7 +296,7 @@ impl CudaDecoderModel {
                 shape: &attn_shape,
                 eps,
             };
-            core.run(a, l, &mut self.kv[li])?;
+            core.run(a, l, &mut self.kv[li], pf.attn)?;
             mark!("qk_norm_rope_cache");
             core.attend(a, &self.kv[li])?;
             mark!("attention");
@@ -545,7 +588,7 @@ impl CudaDecoderModel {
                 shape: &attn_shape,
                 eps,
             };
-            core.run(a, l, &mut self.kv[li])?;
+            core.run(a, l, &mut self.kv[li], L2Prefetch::NONE)?;
             mark!("qk_norm_rope_cache");
             core.attend(a, &self.kv[li])?;
             mark!("attention");

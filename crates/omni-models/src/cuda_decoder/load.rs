@@ -183,6 +183,7 @@ impl CudaDecoderModel {
             small_batch_gemv: false,
             fused_small_batch: true,
             small_moe_tokens: super::DEFAULT_SMALL_MOE_TOKENS,
+            l2_prefetch_tokens: super::DEFAULT_L2_PREFETCH_TOKENS,
         })
     }
 }

@@ -179,11 +179,18 @@ pub struct CudaDecoderModel {
     /// Unfused steps of at most this many tokens run MoE layers' experts on the small-batch
     /// kernels ([`CudaDecoderModel::set_small_moe_tokens`]).
     small_moe_tokens: usize,
+    /// Unfused steps of at most this many tokens issue L2 prefetch hints
+    /// ([`CudaDecoderModel::set_l2_prefetch_tokens`]).
+    l2_prefetch_tokens: usize,
 }
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
 /// where the small-batch experts beat the grouped GEMM on an H200 (`bench/results/`).
 pub const DEFAULT_SMALL_MOE_TOKENS: usize = 1;
+
+/// [`CudaDecoderModel::set_l2_prefetch_tokens`]'s default: steps whose GEMMs stream their
+/// weights (decode up to batch 64).
+pub const DEFAULT_L2_PREFETCH_TOKENS: usize = 64;
 
 impl CudaDecoderModel {
     /// Whether [`CudaDecoderModel::init_cache`] ran.
@@ -247,6 +254,16 @@ impl CudaDecoderModel {
     /// [`moe_small_down`]: CudaContext::moe_small_down
     pub fn set_small_moe_tokens(&mut self, tokens: usize) {
         self.small_moe_tokens = tokens.min(MOE_SMALL_MAX_TOKENS);
+    }
+
+    /// Unfused steps of at most `tokens` tokens (0: none; default
+    /// [`DEFAULT_L2_PREFETCH_TOKENS`]) prefetch weights into L2 ahead of the GEMMs that read
+    /// them: each layer's input norm the QKV weights, its q/k norm + RoPE kernel those of
+    /// o_proj and the MoE router (at most 24 MiB a kernel), so they stream in while the norm,
+    /// RoPE and attention run instead of after. Hints: the same values either way. Recapture
+    /// graphs after changing it.
+    pub fn set_l2_prefetch_tokens(&mut self, tokens: usize) {
+        self.l2_prefetch_tokens = tokens;
     }
 
     /// The spec this model was built from.
