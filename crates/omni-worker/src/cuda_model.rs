@@ -166,6 +166,9 @@ pub fn load_cuda_model(
     {
         model.set_l2_prefetch_tokens(n);
     }
+    model.set_l2_prefetch_qkv_early(
+        std::env::var(L2_PREFETCH_QKV_EARLY_ENV).is_ok_and(|v| v == "1"),
+    );
     Ok(CudaStepModel {
         model,
         mm,
@@ -317,6 +320,10 @@ pub const SMALL_MOE_TOKENS_ENV: &str = "OMNI_CUDA_MOE_SMALL_TOKENS";
 /// ([`CudaDecoderModel::set_l2_prefetch_tokens`]; default
 /// [`omni_models::cuda_decoder::DEFAULT_L2_PREFETCH_TOKENS`], `0` turns them off).
 pub const L2_PREFETCH_TOKENS_ENV: &str = "OMNI_CUDA_L2_PREFETCH_TOKENS";
+
+/// Set to `1`, MoE layers on the small-batch expert kernels prefetch the next layer's QKV
+/// weights from their down kernel ([`CudaDecoderModel::set_l2_prefetch_qkv_early`]).
+pub const L2_PREFETCH_QKV_EARLY_ENV: &str = "OMNI_CUDA_L2_PREFETCH_QKV_EARLY";
 
 /// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:
 /// `scripts/bench-cold-start.sh`).

@@ -21,7 +21,8 @@
 //                      y[pair] = bf16(act[pair] . w2 row) for the pairs routed to it, then
 //                      residual[t, n] += bf16(sum over the token's slots in order of w * y) (the
 //                      rounding of `moe_reduce`); one entry per V = ceil(inter / 256), the
-//                      chunks of a w2 row a lane holds.
+//                      chunks of a w2 row a lane holds. It may name a later kernel's weights
+//                      (`L2_PREFETCH_ARGS`) to prefetch into L2 before its wait.
 //
 // Dot products accumulate in f32 in the order of the plain loop `for (c = lane; c < chunks;
 // c += 32)` over 8-wide chunks, then the xor-shuffle warp reduction (as gemv.cu).
@@ -326,7 +327,7 @@ template <int V>
 __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
         const unsigned short* __restrict__ w2, const int* __restrict__ ids,
         const float* __restrict__ wts, float* __restrict__ residual, int tokens, int top_k,
-        int hidden, int inter, int num_experts, int stage_act) {
+        int hidden, int inter, int num_experts, int stage_act, L2_PREFETCH_ARGS) {
     constexpr int G = MS_DOWN_SLOTS / V;
     extern __shared__ __align__(16) uint4 ms_down_act[];
     __shared__ int s_ids[MS_MAX_PAIRS];
@@ -375,6 +376,8 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
         }                                                                                    \
     }
     MS_DOWN_LOAD(0)
+    // A later kernel's weights (the next layer's QKV) into L2 while this grid waits and streams.
+    l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes);
     pdl_wait();
     // With stage_act the pairs' act rows (pairs * inter bf16, the dynamic shared memory) are
     // copied in once by the whole block: every warp reads every row, and from shared memory
@@ -428,9 +431,9 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
 #define MS_DOWN_ARGS const unsigned short* __restrict__ act, \
         const unsigned short* __restrict__ w2, const int* __restrict__ ids, \
         const float* __restrict__ wts, float* __restrict__ residual, int tokens, int top_k, \
-        int hidden, int inter, int num_experts, int stage_act
+        int hidden, int inter, int num_experts, int stage_act, L2_PREFETCH_ARGS
 #define MS_DOWN_PASS act, w2, ids, wts, residual, tokens, top_k, hidden, inter, num_experts, \
-        stage_act
+        stage_act, pf0, pf0_bytes, pf1, pf1_bytes
 #define MS_DOWN_ENTRY(name, v) \
     extern "C" __global__ void __launch_bounds__(256) name(MS_DOWN_ARGS) { \
         ms_down<v>(MS_DOWN_PASS); \

@@ -95,19 +95,30 @@ struct LayerPrefetch {
 }
 
 impl LayerPrefetch {
-    fn of(l: &DLayer, on: bool, stream: &CudaStream) -> Self {
+    /// `qkv_done`: the previous layer's MoE down kernel already prefetched this layer's QKV
+    /// weights ([`LayerPrefetch::qkv_of`]).
+    fn of(l: &DLayer, on: bool, qkv_done: bool, stream: &CudaStream) -> Self {
         if !on {
             return Self {
                 qkv: L2Prefetch::NONE,
                 attn: L2Prefetch::NONE,
             };
         }
-        let qkv = L2Prefetch::with_budget(L2_PREFETCH_BUDGET).and(&l.qkv.w, stream);
+        let qkv = if qkv_done {
+            L2Prefetch::NONE
+        } else {
+            Self::qkv_of(l, stream)
+        };
         let mut attn = L2Prefetch::with_budget(L2_PREFETCH_BUDGET).and(&l.o.w, stream);
         if let DMlp::Moe { router, .. } = &l.mlp {
             attn = attn.and(router, stream);
         }
         Self { qkv, attn }
+    }
+
+    /// The hint naming layer `l`'s QKV weights.
+    fn qkv_of(l: &DLayer, stream: &CudaStream) -> L2Prefetch {
+        L2Prefetch::with_budget(L2_PREFETCH_BUDGET).and(&l.qkv.w, stream)
     }
 }
 
@@ -248,6 +259,8 @@ impl CudaDecoderModel {
         let prefetch = t <= self.l2_prefetch_tokens;
         // Whether x already holds the previous sub-block's output.
         let mut kept = false;
+        // Whether the previous layer's MoE down kernel prefetched this layer's QKV weights.
+        let mut qkv_prefetched = false;
         for li in 0..self.layers.len() {
             let a = &mut self.act;
             let l = &self.layers[li];
@@ -260,7 +273,7 @@ impl CudaDecoderModel {
             } else {
                 ResidualUpdate::Add(a.proj.slice(..t * h))
             };
-            let pf = LayerPrefetch::of(l, prefetch, &stream);
+            let pf = LayerPrefetch::of(l, prefetch, std::mem::take(&mut qkv_prefetched), &stream);
             cx.fused_add_rms_norm_prefetch(
                 &mut a.x,
                 update,
@@ -365,7 +378,15 @@ impl CudaDecoderModel {
                 } => {
                     let (e, k) = (*num_experts, *top_k);
                     if routed && small_moe && Self::small_moe_fits(&l.mlp, t, h) {
-                        Self::small_moe_experts(&cx, a, l, t, h)?;
+                        let next = self.layers.get(li + 1);
+                        let pf = match next {
+                            Some(n) if prefetch && self.l2_prefetch_qkv_early => {
+                                qkv_prefetched = true;
+                                LayerPrefetch::qkv_of(n, &stream)
+                            }
+                            _ => L2Prefetch::NONE,
+                        };
+                        Self::small_moe_experts(&cx, a, l, (t, h), pf)?;
                         mark!("moe_experts+residual");
                         kept = true;
                         continue;
@@ -610,7 +631,7 @@ impl CudaDecoderModel {
             else {
                 Self::small_moe_route(&cx, a, l, (t, h), eps, false)?;
                 mark!("rms_norm+moe_router+topk");
-                Self::small_moe_experts(&cx, a, l, t, h)?;
+                Self::small_moe_experts(&cx, a, l, (t, h), L2Prefetch::NONE)?;
                 mark!("moe_experts+residual");
                 continue;
             };

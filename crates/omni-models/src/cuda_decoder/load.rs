@@ -184,6 +184,7 @@ impl CudaDecoderModel {
             fused_small_batch: true,
             small_moe_tokens: super::DEFAULT_SMALL_MOE_TOKENS,
             l2_prefetch_tokens: super::DEFAULT_L2_PREFETCH_TOKENS,
+            l2_prefetch_qkv_early: false,
         })
     }
 }

@@ -182,6 +182,9 @@ pub struct CudaDecoderModel {
     /// Unfused steps of at most this many tokens issue L2 prefetch hints
     /// ([`CudaDecoderModel::set_l2_prefetch_tokens`]).
     l2_prefetch_tokens: usize,
+    /// Whether the small-batch MoE down kernel prefetches the next layer's QKV weights
+    /// ([`CudaDecoderModel::set_l2_prefetch_qkv_early`]).
+    l2_prefetch_qkv_early: bool,
 }
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
@@ -264,6 +267,15 @@ impl CudaDecoderModel {
     /// graphs after changing it.
     pub fn set_l2_prefetch_tokens(&mut self, tokens: usize) {
         self.l2_prefetch_tokens = tokens;
+    }
+
+    /// With prefetch hints on, a MoE layer whose experts run on the small-batch kernels
+    /// prefetches the next layer's QKV weights from its down kernel (which streams only its
+    /// experts' w2 rows, leaving the memory bus part idle) instead of from the next layer's
+    /// input norm, a few microseconds before the QKV GEMM. Default off. Recapture graphs
+    /// after changing it.
+    pub fn set_l2_prefetch_qkv_early(&mut self, on: bool) {
+        self.l2_prefetch_qkv_early = on;
     }
 
     /// The spec this model was built from.

@@ -10,7 +10,7 @@
 //! [`CudaContext::moe_route`] too, adding the attention output into the residual first: one
 //! launch instead of the norm, the router GEMM and the top-k.
 
-use omni_backend::cuda::{CudaContext, MoeRouteBuffers, MoeShape};
+use omni_backend::cuda::{CudaContext, L2Prefetch, MoeRouteBuffers, MoeShape};
 
 use super::CudaDecoderModel;
 use super::buffers::Activations;
@@ -101,13 +101,14 @@ impl CudaDecoderModel {
     }
 
     /// The routed experts of layer `l` on the routing [`Self::small_moe_route`] left, added
-    /// into the residual stream `a.x`.
+    /// into the residual stream `a.x`; the down kernel issues `prefetch` (a later kernel's
+    /// weights) into L2.
     pub(super) fn small_moe_experts(
         cx: &CudaContext,
         a: &mut Activations,
         l: &DLayer,
-        tokens: usize,
-        hidden: usize,
+        (tokens, hidden): (usize, usize),
+        prefetch: L2Prefetch,
     ) -> Result<(), ModelError> {
         let (shape, w13, w2) = match (&l.mlp, moe_shape(&l.mlp, tokens, hidden)) {
             (DMlp::Moe { w13, w2, .. }, Some(s)) => (s, w13, w2),
@@ -121,13 +122,16 @@ impl CudaDecoderModel {
             &a.topk_ids.slice(..pairs),
             &mut a.moe_act,
         )?;
-        cx.moe_small_down(
+        cx.moe_small_down_prefetch(
             shape,
-            &a.moe_act,
-            w2,
-            &a.topk_ids.slice(..pairs),
-            &a.topk_weights.slice(..pairs),
+            (
+                &a.moe_act,
+                w2,
+                &a.topk_ids.slice(..pairs),
+                &a.topk_weights.slice(..pairs),
+            ),
             &mut a.x,
+            prefetch,
         )?;
         Ok(())
     }

@@ -38,7 +38,7 @@ use super::source::TOPK_WARP;
 use crate::cuda::gemv::GEMV_COMMON;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 use crate::cuda::launch::{aligned16, at_least, block_threads, narrow, shape_err};
-use crate::cuda::{CudaContext, CudaResult, bf16};
+use crate::cuda::{CudaContext, CudaResult, L2Prefetch, bf16};
 
 /// The most tokens the small-batch MoE kernels take (the GEMV's rows).
 pub const MOE_SMALL_MAX_TOKENS: usize = crate::cuda::GEMV_MAX_ROWS;
@@ -403,7 +403,6 @@ impl CudaContext {
     /// Queue it right after the [`CudaContext::moe_small_gate_up`] that wrote `act` from the
     /// same `topk_ids`: the kernel reads the ids and starts streaming w2 before it waits for
     /// that launch, which lets it start only once everything queued before it is complete.
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_small_down(
         &self,
         shape: MoeShape,
@@ -412,6 +411,25 @@ impl CudaContext {
         topk_ids: &impl DevicePtr<i32>,
         topk_weights: &impl DevicePtr<f32>,
         residual: &mut CudaSlice<f32>,
+    ) -> CudaResult<()> {
+        let bufs = (act, w2, topk_ids, topk_weights);
+        self.moe_small_down_prefetch(shape, bufs, residual, L2Prefetch::NONE)
+    }
+
+    /// [`CudaContext::moe_small_down`] (`(act, w2, topk_ids, topk_weights)`) whose threads
+    /// also issue `prefetch` (a later kernel's weights, e.g. the next layer's QKV) into L2
+    /// before the kernel waits for the gate_up launch.
+    pub fn moe_small_down_prefetch(
+        &self,
+        shape: MoeShape,
+        (act, w2, topk_ids, topk_weights): (
+            &impl DevicePtr<bf16>,
+            &impl DevicePtr<bf16>,
+            &impl DevicePtr<i32>,
+            &impl DevicePtr<f32>,
+        ),
+        residual: &mut CudaSlice<f32>,
+        prefetch: L2Prefetch,
     ) -> CudaResult<()> {
         check_small(&shape)?;
         let MoeShape {
@@ -445,9 +463,14 @@ impl CudaContext {
             narrow::<i32>("num_experts", e)?,
             i32::from(smem > 0),
         );
-        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10);
+        let [(mut pf0, mut pf0_bytes), (mut pf1, mut pf1_bytes)] = prefetch.args();
+        let mut args = kernel_args!(
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, pf0, pf0_bytes, pf1, pf1_bytes
+        );
         // SAFETY: the arguments match `moe_small_down_v*(const u16*, const u16*, const int*,
-        // const float*, float*, int, int, int, int, int, int)` in order and type (staging act
+        // const float*, float*, int, int, int, int, int, int, L2_PREFETCH_ARGS)` in order and
+        // type (the prefetch regions: u64 device addresses and byte counts, only ever
+        // prefetched, never dereferenced; staging act
         // only with t * k * i * 2 bytes of dynamic shared memory, <= 32 KiB beside its 10 KiB
         // of static); act holds t * k *
         // i, w2 e * h * i, ids / weights t * k and residual t * h elements (checked above);
