@@ -33,30 +33,40 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
 }
 
-// L2 prefetch hint for read-only data (weights) a later kernel of the step reads: the grid's
-// threads split [p, p + bytes) into 32 KiB bulk prefetches (`cp.async.bulk.prefetch.L2`, sm_90;
-// nothing below it), thread i of n issuing chunks i, i + n, ... Fire and forget: nothing waits
-// for them, the CTA may exit with them in flight, and a line the reader asks for while its
-// prefetch is in flight merges with it in L2. A null `p` or zero `bytes` issues nothing. The
-// Rust side (`L2Prefetch`) passes 16-byte aligned regions whose length is a multiple of 16.
-// Only data no kernel of the step writes may be named: callers issue it before `pdl_wait`.
+// L2 prefetch hint for read-only data (weights) a later kernel of the step reads. The bulk L2
+// prefetch (`cp.async.bulk.prefetch.L2`, sm_90; nothing below it) goes through each SM's copy
+// engine, a few hundred GB/s per SM: a 20 MB region needs most of the GPU's SMs to arrive in
+// microseconds, so the region is split into 32 KiB chunks spread over every block of the grid
+// (chunk c to block c % gridDim.x, then across its threads), and a kernel that has only a few
+// blocks of work is launched with extra blocks (`pf_work_blocks` is the count of working ones)
+// that only prefetch and exit: `if (l2_prefetch(...)) return;` before `pdl_wait`. Fire and
+// forget: nothing waits for the prefetches, a CTA may exit with them in flight, and a line a
+// reader asks for while its prefetch is in flight merges with it in L2. A null pointer or zero
+// bytes issues nothing. The Rust side (`L2Prefetch`) passes 16-byte aligned regions whose
+// length is a multiple of 16. Only data no kernel of the step writes may be named: callers
+// issue it before `pdl_wait`. One-dimensional grids only.
 #define L2_PREFETCH_ARGS const void* __restrict__ pf0, unsigned long long pf0_bytes, \
-                         const void* __restrict__ pf1, unsigned long long pf1_bytes
+                         const void* __restrict__ pf1, unsigned long long pf1_bytes, \
+                         int pf_work_blocks
 __device__ __forceinline__ void l2_prefetch_region(const void* p, unsigned long long bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const unsigned long long CHUNK = 32768ull;
     if (p == nullptr || bytes == 0) return;
-    const unsigned long long nthreads = (unsigned long long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-    const unsigned long long tid =
-        ((unsigned long long)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    const unsigned long long chunks = (bytes + CHUNK - 1) / CHUNK;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
     const char* b = static_cast<const char*>(p);
-    for (unsigned long long off = tid * CHUNK; off < bytes; off += nthreads * CHUNK) {
+    for (unsigned long long c = blockIdx.x + (unsigned long long)gridDim.x * threadIdx.x; c < chunks;
+         c += step) {
+        const unsigned long long off = c * CHUNK;
         const unsigned int sz = (unsigned int)(bytes - off < CHUNK ? bytes - off : CHUNK);
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(b + off), "r"(sz) : "memory");
     }
 #endif
 }
-__device__ __forceinline__ void l2_prefetch(L2_PREFETCH_ARGS) {
+// Issues this block's share of both regions; true for a prefetch-only block (past the
+// `pf_work_blocks` working ones), which then returns.
+__device__ __forceinline__ bool l2_prefetch(L2_PREFETCH_ARGS) {
     l2_prefetch_region(pf0, pf0_bytes);
     l2_prefetch_region(pf1, pf1_bytes);
+    return (int)blockIdx.x >= pf_work_blocks;
 }

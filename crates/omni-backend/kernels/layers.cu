@@ -19,14 +19,15 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // The residual stream is f32. mode 1: residual = bf16 `init` (the embedding); 2: residual +=
 // f32 `delta`; 0: as it is. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
 // Launched with programmatic dependent launch: lets dependents launch, issues the L2 prefetch of
-// a later kernel's weights (`l2_prefetch`, before the wait: weights only), then waits.
+// a later kernel's weights (`l2_prefetch`, before the wait: weights only; blocks past the rows
+// only prefetch), then waits.
 extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
         const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
         const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
         float* __restrict__ out32, int dim, float eps, L2_PREFETCH_ARGS) {
     __shared__ float sh[32];
     pdl_launch_dependents();
-    l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes);
+    if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
     pdl_wait();
     const size_t base = (size_t)blockIdx.x * dim;
     float* x = residual + base;
@@ -83,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16
         const unsigned short* __restrict__ k_norm, const unsigned char* __restrict__ mrope_axes,
         long long pos_stride, int tokens, int lq, int lkv, int hd, float eps, L2_PREFETCH_ARGS) {
     pdl_launch_dependents();
-    l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes);
+    if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
     pdl_wait();
     const int heads = lq + lkv;
     const long long w = (long long)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);

@@ -377,7 +377,7 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
     }
     MS_DOWN_LOAD(0)
     // A later kernel's weights (the next layer's QKV) into L2 while this grid waits and streams.
-    l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes);
+    if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
     pdl_wait();
     // With stage_act the pairs' act rows (pairs * inter bf16, the dynamic shared memory) are
     // copied in once by the whole block: every warp reads every row, and from shared memory
@@ -433,7 +433,7 @@ __device__ __forceinline__ void ms_down(const unsigned short* __restrict__ act,
         const float* __restrict__ wts, float* __restrict__ residual, int tokens, int top_k, \
         int hidden, int inter, int num_experts, int stage_act, L2_PREFETCH_ARGS
 #define MS_DOWN_PASS act, w2, ids, wts, residual, tokens, top_k, hidden, inter, num_experts, \
-        stage_act, pf0, pf0_bytes, pf1, pf1_bytes
+        stage_act, pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks
 #define MS_DOWN_ENTRY(name, v) \
     extern "C" __global__ void __launch_bounds__(256) name(MS_DOWN_ARGS) { \
         ms_down<v>(MS_DOWN_PASS); \

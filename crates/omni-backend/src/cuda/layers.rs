@@ -198,16 +198,18 @@ impl CudaContext {
         let (mut w, _gw) = weight.device_ptr(s);
         let (mut y, _gy) = out.device_ptr_mut(s);
         let (mut init, mut delta, mut mode, mut eps) = (init, delta, mode, eps);
-        let [(mut pf0, mut pf0_bytes), (mut pf1, mut pf1_bytes)] = prefetch.args();
+        let (grid, (mut pf0, mut pf0_bytes, mut pf1, mut pf1_bytes, mut pf_work)) =
+            prefetch.launch(grid, self.info.sm_count);
         let mut args = kernel_args!(
-            x, init, delta, mode, w, y, o32, dim_i, eps, pf0, pf0_bytes, pf1, pf1_bytes
+            x, init, delta, mode, w, y, o32, dim_i, eps, pf0, pf0_bytes, pf1, pf1_bytes, pf_work
         );
         // SAFETY: the arguments match `fused_add_rmsnorm_f32res(float*, const u16*, const
         // float*, int, const u16*, u16*, float*, int, float, L2_PREFETCH_ARGS)` (the prefetch
         // regions: `L2Prefetch`'s aligned read-only device ranges, or null / 0, only
         // prefetched, never dereferenced); residual, out, out32 (or null)
         // and the buffer of the mode (the others are null and unread) hold at least rows * dim
-        // elements and weight dim (checked above); one block per row, block size a multiple of
+        // elements and weight dim (checked above); one block per row (blocks past `rows`, when
+        // there is a region to prefetch, only prefetch and exit), block size a multiple of
         // 32 and at most 1024 as `block_sum` requires. float4 accesses are only taken when dim
         // is a multiple of 4, so rows start 16-byte aligned in the (256-byte aligned) f32
         // allocations. The kernel touches nothing before its wait but the prefetch regions,
@@ -355,10 +357,11 @@ impl CudaContext {
         };
         let mut eps = eps;
         let block = 32 * QKV_ROPE_WARPS as u32;
-        let [(mut pf0, mut pf0_bytes), (mut pf1, mut pf1_bytes)] = bufs.prefetch.args();
+        let (grid, (mut pf0, mut pf0_bytes, mut pf1, mut pf1_bytes, mut pf_work)) =
+            bufs.prefetch.launch(grid, self.info.sm_count);
         let mut args = kernel_args!(
             qkv, q, kc, vc, pos, slots, freq, qn, kn, axes, stride, tokens_i, lq, lkv, hd, eps,
-            pf0, pf0_bytes, pf1, pf1_bytes
+            pf0, pf0_bytes, pf1, pf1_bytes, pf_work
         );
         // SAFETY: the arguments match `qkv_rope_cache_bf16`'s parameter list (its prefetch
         // regions as in `fused_add_rms_norm_prefetch`); qkv, q_out,
@@ -369,7 +372,7 @@ impl CudaContext {
         // caller guarantees every non-negative slot is inside the caches (they are produced by
         // the block manager from block ids validated against the cache size). One warp per
         // (token, head), QKV_ROPE_WARPS per block as the kernel's QKR_WARPS (warps past
-        // tokens * heads return), head_dim <= 256 (checked above; QKR_MAX_PAIRS pairs a lane).
+        // tokens * heads return; blocks past the working ones only prefetch), head_dim <= 256 (checked above; QKR_MAX_PAIRS pairs a lane).
         // Before its wait the kernel touches only the prefetch regions (no kernel writes them),
         // as a programmatic launch requires.
         unsafe { self.launch_programmatic(&f, (grid, block, 0), &mut args) }

@@ -12,6 +12,9 @@ use cudarc::driver::{CudaStream, DevicePtr};
 /// Alignment the bulk prefetch needs of a region's start and length.
 const ALIGN: u64 = 16;
 
+/// `L2_PREFETCH_ARGS` in order: region 0's pointer and bytes, region 1's, the working blocks.
+pub(super) type PrefetchArgs = (u64, u64, u64, u64, i32);
+
 /// Up to two regions for a kernel to prefetch into L2 (`NONE`: nothing). Each region is
 /// read-only device data no kernel of the step writes: the kernel issues the prefetch before it
 /// waits for its predecessor.
@@ -65,9 +68,26 @@ impl L2Prefetch {
         self.regions.iter().map(|r| r.1).sum()
     }
 
-    /// The kernel arguments `L2_PREFETCH_ARGS`: (pointer, bytes) of each slot, 0 when free.
-    pub(super) fn args(&self) -> [(u64, u64); 2] {
+    /// (pointer, bytes) of each slot, 0 when free.
+    #[cfg(test)]
+    fn args(&self) -> [(u64, u64); 2] {
         self.regions
+    }
+
+    /// The grid of a kernel with `work_blocks` blocks of work on a GPU of `sm_count` SMs:
+    /// with a region to prefetch, at least one block per SM (the extra ones only prefetch:
+    /// the bulk prefetch's rate is per SM), else `work_blocks`; and the kernel's
+    /// `L2_PREFETCH_ARGS` (pointer and bytes of each slot, then `work_blocks`).
+    pub(super) fn launch(&self, work_blocks: u32, sm_count: usize) -> (u32, PrefetchArgs) {
+        let grid = if self.bytes() > 0 {
+            work_blocks.max(u32::try_from(sm_count).unwrap_or(u32::MAX))
+        } else {
+            work_blocks
+        };
+        let [(p0, b0), (p1, b1)] = self.regions;
+        // A grid over i32::MAX blocks is refused by the launch itself; clamp the count.
+        let work = i32::try_from(work_blocks).unwrap_or(i32::MAX);
+        (grid, (p0, b0, p1, b1, work))
     }
 }
 
@@ -92,5 +112,10 @@ mod tests {
             .push(1024, 64);
         // Lengths round down to 16 bytes; no third slot.
         assert_eq!(h.args(), [(256, 32), (512, 48)]);
+        // One block per SM at least when there is something to prefetch; the working blocks
+        // are passed as they are.
+        assert_eq!(h.launch(1, 132), (132, (256, 32, 512, 48, 1)));
+        assert_eq!(h.launch(256, 132).0, 256);
+        assert_eq!(L2Prefetch::NONE.launch(1, 132), (1, (0, 0, 0, 0, 1)));
     }
 }

@@ -463,14 +463,17 @@ impl CudaContext {
             narrow::<i32>("num_experts", e)?,
             i32::from(smem > 0),
         );
-        let [(mut pf0, mut pf0_bytes), (mut pf1, mut pf1_bytes)] = prefetch.args();
+        let blocks = narrow("moe down blocks", h.div_ceil(DOWN_ROWS))?;
+        let (grid, (mut pf0, mut pf0_bytes, mut pf1, mut pf1_bytes, mut pf_work)) =
+            prefetch.launch(blocks, self.info.sm_count);
         let mut args = kernel_args!(
-            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, pf0, pf0_bytes, pf1, pf1_bytes
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, pf0, pf0_bytes, pf1, pf1_bytes, pf_work
         );
         // SAFETY: the arguments match `moe_small_down_v*(const u16*, const u16*, const int*,
         // const float*, float*, int, int, int, int, int, int, L2_PREFETCH_ARGS)` in order and
         // type (the prefetch regions: u64 device addresses and byte counts, only ever
-        // prefetched, never dereferenced; staging act
+        // prefetched, never dereferenced; blocks past the working ones only prefetch and
+        // exit; staging act
         // only with t * k * i * 2 bytes of dynamic shared memory, <= 32 KiB beside its 10 KiB
         // of static); act holds t * k *
         // i, w2 e * h * i, ids / weights t * k and residual t * h elements (checked above);
@@ -484,11 +487,7 @@ impl CudaContext {
         unsafe {
             self.launch_programmatic(
                 &f,
-                (
-                    narrow("moe down blocks", h.div_ceil(DOWN_ROWS))?,
-                    MOE_SMALL_MAX_PAIRS as u32,
-                    smem as u32,
-                ),
+                (grid, MOE_SMALL_MAX_PAIRS as u32, smem as u32),
                 &mut args,
             )
         }
