@@ -36,8 +36,10 @@
 #   serve   `omni-engine serve` + `omni-engine bench serve` at concurrency 1/16/32/64
 #           (random 1000 in / 256 out, ignore-eos) for both shapes on one GPU
 #   ab-l2   decode with and without L2 prefetch hints (OMNI_CUDA_L2_PREFETCH_TOKENS 0 / 64,
-#           64e: the next layer's QKV from the MoE down kernel, OMNI_CUDA_L2_PREFETCH_QKV_EARLY):
-#           bench latency at batch 1/16/64 (L2_MODELS, L2_MODES, L2_ROUNDS), eager profiles
+#           64e: the next layer's QKV from the MoE down kernel, OMNI_CUDA_L2_PREFETCH_QKV_EARLY;
+#           a `w` in a mode: the experts' w2 from the gate_up kernel, OMNI_CUDA_MOE_W2_PREFETCH):
+#           the small-batch MoE kernel and model tests, bench latency at batch 1/16/64
+#           (L2_MODELS, L2_MODES, L2_ROUNDS), eager profiles
 #   ab-gemv the GEMV and MoE kernel tests and timings, ncu on two one-row GEMVs (NO_NCU=1: none),
 #           the fused-path and reference model tests, then bench latency (batch 1/2/4/8,
 #           GEMV_BATCHES) of both shapes (GEMV_MODELS) with OMNI_CUDA_SMALL_BATCH_GEMV=0 and 1
@@ -397,15 +399,24 @@ if want ab-tma; then
 fi
 if want ab-l2; then
   # L2 prefetch hints of decode steps (OMNI_CUDA_L2_PREFETCH_TOKENS: 0 off, 64 the default;
-  # a mode with an `e` suffix also sets OMNI_CUDA_L2_PREFETCH_QKV_EARLY=1):
+  # an `e` in a mode also sets OMNI_CUDA_L2_PREFETCH_QKV_EARLY=1, a `w`
+  # OMNI_CUDA_MOE_W2_PREFETCH=1, e.g. 64e, 0w, 64ew):
   # bench latency at batch 1/16/64 of L2_MODELS (default the 30B-A3B shape) with each value of
   # L2_MODES, interleaved, L2_ROUNDS times; then an eager per-kernel profile at batch 1 with
-  # each (NO_PROFILE=1: none).
+  # each (NO_PROFILE=1: none). First the small-batch MoE kernel checks and timings and the
+  # model tests, where staged (NO_TESTS=1: none).
+  if [ -z "${NO_TESTS:-}" ]; then
+    [ -x "$BIN/backend-tests" ] && step moe-small-kernels "$BIN/backend-tests" cuda::moe::small --test-threads=1 --nocapture
+    [ -x "$BIN/model-tests" ] && step model "$BIN/model-tests" --test-threads=1
+    [ -x "$BIN/moe-small-tests" ] && step moe-small "$BIN/moe-small-tests" --test-threads=1
+  fi
   for r in $(seq 1 "${L2_ROUNDS:-2}"); do
     for m in ${L2_MODELS:-qwen3-30b-a3b}; do
       for v in ${L2_MODES:-0 64 64e}; do
-        early=0; [[ $v == *e ]] && early=1
-        OMNI_CUDA_L2_PREFETCH_TOKENS=${v%e} OMNI_CUDA_L2_PREFETCH_QKV_EARLY=$early \
+        early=0; [[ $v == *e* ]] && early=1
+        w2=0; [[ $v == *w* ]] && w2=1
+        OMNI_CUDA_L2_PREFETCH_TOKENS=${v//[a-z]/} OMNI_CUDA_L2_PREFETCH_QKV_EARLY=$early \
+          OMNI_CUDA_MOE_W2_PREFETCH=$w2 \
           step "l2pf$v-r$r-latency-$m" "$BIN/omni-engine" bench latency \
           --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
           --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes ${L2_BATCHES:-1,16,64} \
@@ -415,8 +426,10 @@ if want ab-l2; then
   done
   if [ -z "${NO_PROFILE:-}" ]; then
     for v in ${L2_MODES:-0 64 64e}; do
-      early=0; [[ $v == *e ]] && early=1
-      OMNI_CUDA_L2_PREFETCH_TOKENS=${v%e} OMNI_CUDA_L2_PREFETCH_QKV_EARLY=$early OMNI_CUDA_PROFILE=16 \
+      early=0; [[ $v == *e* ]] && early=1
+      w2=0; [[ $v == *w* ]] && w2=1
+      OMNI_CUDA_L2_PREFETCH_TOKENS=${v//[a-z]/} OMNI_CUDA_L2_PREFETCH_QKV_EARLY=$early \
+        OMNI_CUDA_MOE_W2_PREFETCH=$w2 OMNI_CUDA_PROFILE=16 \
         step "l2pf$v-profile" "$BIN/omni-engine" \
         bench latency --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda \
         --enforce-eager --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 \

@@ -169,6 +169,7 @@ pub fn load_cuda_model(
     model.set_l2_prefetch_qkv_early(
         std::env::var(L2_PREFETCH_QKV_EARLY_ENV).is_ok_and(|v| v == "1"),
     );
+    model.set_moe_w2_prefetch(std::env::var(MOE_W2_PREFETCH_ENV).is_ok_and(|v| v == "1"));
     Ok(CudaStepModel {
         model,
         mm,
@@ -324,6 +325,10 @@ pub const L2_PREFETCH_TOKENS_ENV: &str = "OMNI_CUDA_L2_PREFETCH_TOKENS";
 /// Set to `1`, MoE layers on the small-batch expert kernels prefetch the next layer's QKV
 /// weights from their down kernel ([`CudaDecoderModel::set_l2_prefetch_qkv_early`]).
 pub const L2_PREFETCH_QKV_EARLY_ENV: &str = "OMNI_CUDA_L2_PREFETCH_QKV_EARLY";
+
+/// Set to `1`, MoE layers on the small-batch expert kernels prefetch the routed experts' down
+/// weights into L2 from the gate_up kernel ([`CudaDecoderModel::set_moe_w2_prefetch`]).
+pub const MOE_W2_PREFETCH_ENV: &str = "OMNI_CUDA_MOE_W2_PREFETCH";
 
 /// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:
 /// `scripts/bench-cold-start.sh`).

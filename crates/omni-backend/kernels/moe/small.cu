@@ -14,7 +14,9 @@
 //                      routed to an expert streams that expert's gate and up rows once for every
 //                      pair routed to it (other pairs' blocks exit), one warp per column, and
 //                      writes act[pair] = bf16(silu(gate) * up) (the grouped GEMM's rounding);
-//                      one entry per bound R on the members (<= tokens) an expert can have;
+//                      one entry per bound R on the members (<= tokens) an expert can have,
+//                      and a `_pf` twin of each that prefetches the routed experts' w2 into
+//                      L2 for the down kernel (its w13 loads evict-first);
 //   moe_small_down:    one warp per output row n: for each distinct routed expert (pair order)
 //                      it streams that expert's w2 row n once, up to MS_DOWN_SLOTS 16-byte chunks
 //                      per lane in flight (the first group issued before the wait),
@@ -223,14 +225,32 @@ __device__ __forceinline__ int ms_members(const int* __restrict__ ids, int p, in
     return first ? n : 0;
 }
 
+// A w13 chunk: with PF the load is marked evict-first in L2 (`ld.global.cs`: the rows are read
+// once), so that the w2 rows prefetched meanwhile stay resident for the down kernel.
+template <bool PF>
+__device__ __forceinline__ uint4 ms_w13_load(const uint4* p) {
+    if constexpr (PF) return __ldcs(p);
+    else return *p;
+}
+// One bulk L2 prefetch of `bytes` (a multiple of 16) at the 16-byte aligned `p`.
+__device__ __forceinline__ void ms_prefetch_l2(const char* p, unsigned int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 // Grid: pairs * col_blocks blocks of 256 threads (8 warps); block b serves pair b / col_blocks
 // and columns (b % col_blocks) * 8 + warp. act is [pairs, inter] bf16 (rows of pairs whose id
 // is invalid are not written). R bounds the accumulators: members are taken R at a time.
-template <int R>
+// With PF, w2 (the down kernel's weights, [num_experts, hidden, inter]) is prefetched into L2
+// while the gate and up rows stream: the working block of column block cb of an expert issues
+// slice cb of that expert's w2 (col_blocks slices in all), so the down kernel reads its rows
+// from L2 instead of memory.
+template <int R, bool PF>
 __device__ __forceinline__ void ms_gate_up(const unsigned short* __restrict__ x,
         const unsigned short* __restrict__ w13, const int* __restrict__ ids,
         unsigned short* __restrict__ act, int pairs, int top_k, int hidden, int inter,
-        int num_experts, int col_blocks) {
+        int num_experts, int col_blocks, const unsigned short* __restrict__ w2) {
     __shared__ int s_members[MS_MAX_PAIRS];
     __shared__ int s_n;
     pdl_wait();
@@ -245,6 +265,18 @@ __device__ __forceinline__ void ms_gate_up(const unsigned short* __restrict__ x,
     }
     __syncthreads();
     const int n = s_n;
+    if constexpr (PF) {
+        // One slice of 16-byte multiples per column block, in 32 KiB prefetches over warp 0.
+        if (n > 0 && threadIdx.x < 32) {
+            const unsigned long long bytes = (unsigned long long)hidden * inter * 2ull;
+            const unsigned long long slice = ((bytes + col_blocks - 1) / col_blocks + 15ull) & ~15ull;
+            const unsigned long long lo = (unsigned long long)cb * slice;
+            const unsigned long long hi = lo + slice < bytes ? lo + slice : bytes;
+            const char* base = reinterpret_cast<const char*>(w2) + (size_t)ids[p] * bytes;
+            for (unsigned long long off = lo + 32768ull * lane; off < hi; off += 32768ull * 32ull)
+                ms_prefetch_l2(base + off, (unsigned int)(hi - off < 32768ull ? hi - off : 32768ull));
+        }
+    }
     const int o = cb * warps + (threadIdx.x >> 5);
     if (n == 0 || o >= inter) return;
     const int e = ids[p];
@@ -268,8 +300,8 @@ __device__ __forceinline__ void ms_gate_up(const unsigned short* __restrict__ x,
             for (int u = 0; u < GV_UNROLL; ++u) {
                 const int c = base + lane + 32 * u;
                 if (c < chunks) {
-                    wa[u] = w0[c];
-                    wb[u] = w1[c];
+                    wa[u] = ms_w13_load<PF>(w0 + c);
+                    wb[u] = ms_w13_load<PF>(w1 + c);
                 }
             }
 #pragma unroll
@@ -306,17 +338,22 @@ __device__ __forceinline__ void ms_gate_up(const unsigned short* __restrict__ x,
 #define MS_GATE_UP_ARGS const unsigned short* __restrict__ x, \
         const unsigned short* __restrict__ w13, const int* __restrict__ ids, \
         unsigned short* __restrict__ act, int pairs, int top_k, int hidden, int inter, \
-        int num_experts, int col_blocks
-#define MS_GATE_UP_PASS x, w13, ids, act, pairs, top_k, hidden, inter, num_experts, col_blocks
-// Single-member blocks fit three per SM (24 warps, 8 KiB of weights in flight each).
-#define MS_GATE_UP_ENTRY(name, r, min_blocks) \
+        int num_experts, int col_blocks, const unsigned short* __restrict__ w2
+#define MS_GATE_UP_PASS x, w13, ids, act, pairs, top_k, hidden, inter, num_experts, col_blocks, w2
+// Single-member blocks fit three per SM (24 warps, 8 KiB of weights in flight each). The
+// `_pf` entries prefetch w2 (`w2` is not read by the others).
+#define MS_GATE_UP_ENTRY(name, r, pf, min_blocks) \
     extern "C" __global__ void __launch_bounds__(256, min_blocks) name(MS_GATE_UP_ARGS) { \
-        ms_gate_up<r>(MS_GATE_UP_PASS); \
+        ms_gate_up<r, pf>(MS_GATE_UP_PASS); \
     }
-MS_GATE_UP_ENTRY(moe_small_gate_up_r1, 1, 3)
-MS_GATE_UP_ENTRY(moe_small_gate_up_r2, 2, 2)
-MS_GATE_UP_ENTRY(moe_small_gate_up_r4, 4, 2)
-MS_GATE_UP_ENTRY(moe_small_gate_up_r8, 8, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r1, 1, false, 3)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r2, 2, false, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r4, 4, false, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r8, 8, false, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r1_pf, 1, true, 3)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r2_pf, 2, true, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r4_pf, 4, true, 2)
+MS_GATE_UP_ENTRY(moe_small_gate_up_r8_pf, 8, true, 2)
 
 // Grid: ceil(hidden / MS_DOWN_ROWS) blocks of MS_MAX_PAIRS (256) threads: thread q first owns
 // pair q (its id, whether it is the first pair of its expert), then warp w owns output row

@@ -386,7 +386,7 @@ impl CudaDecoderModel {
                             }
                             _ => L2Prefetch::NONE,
                         };
-                        Self::small_moe_experts(&cx, a, l, (t, h), pf)?;
+                        Self::small_moe_experts(&cx, a, l, (t, h), pf, self.moe_w2_prefetch)?;
                         mark!("moe_experts+residual");
                         kept = true;
                         continue;
@@ -631,7 +631,7 @@ impl CudaDecoderModel {
             else {
                 Self::small_moe_route(&cx, a, l, (t, h), eps, false)?;
                 mark!("rms_norm+moe_router+topk");
-                Self::small_moe_experts(&cx, a, l, (t, h), L2Prefetch::NONE)?;
+                Self::small_moe_experts(&cx, a, l, (t, h), L2Prefetch::NONE, self.moe_w2_prefetch)?;
                 mark!("moe_experts+residual");
                 continue;
             };

@@ -185,6 +185,7 @@ impl CudaDecoderModel {
             small_moe_tokens: super::DEFAULT_SMALL_MOE_TOKENS,
             l2_prefetch_tokens: super::DEFAULT_L2_PREFETCH_TOKENS,
             l2_prefetch_qkv_early: false,
+            moe_w2_prefetch: false,
         })
     }
 }

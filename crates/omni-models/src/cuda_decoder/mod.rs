@@ -185,6 +185,9 @@ pub struct CudaDecoderModel {
     /// Whether the small-batch MoE down kernel prefetches the next layer's QKV weights
     /// ([`CudaDecoderModel::set_l2_prefetch_qkv_early`]).
     l2_prefetch_qkv_early: bool,
+    /// Whether the small-batch MoE gate_up kernel prefetches the down weights
+    /// ([`CudaDecoderModel::set_moe_w2_prefetch`]).
+    moe_w2_prefetch: bool,
 }
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
@@ -276,6 +279,14 @@ impl CudaDecoderModel {
     /// after changing it.
     pub fn set_l2_prefetch_qkv_early(&mut self, on: bool) {
         self.l2_prefetch_qkv_early = on;
+    }
+
+    /// MoE layers on the small-batch expert kernels prefetch the routed experts' down (w2)
+    /// weights into L2 from the gate_up kernel, which streams the gate and up rows
+    /// evict-first meanwhile, so that the down kernel reads them from L2. The same values.
+    /// Default off. Recapture graphs after changing it.
+    pub fn set_moe_w2_prefetch(&mut self, on: bool) {
+        self.moe_w2_prefetch = on;
     }
 
     /// The spec this model was built from.

@@ -102,26 +102,27 @@ impl CudaDecoderModel {
 
     /// The routed experts of layer `l` on the routing [`Self::small_moe_route`] left, added
     /// into the residual stream `a.x`; the down kernel issues `prefetch` (a later kernel's
-    /// weights) into L2.
+    /// weights) into L2, and with `w2_prefetch` the gate_up kernel the routed experts' down
+    /// weights ([`CudaDecoderModel::set_moe_w2_prefetch`]).
     pub(super) fn small_moe_experts(
         cx: &CudaContext,
         a: &mut Activations,
         l: &DLayer,
         (tokens, hidden): (usize, usize),
         prefetch: L2Prefetch,
+        w2_prefetch: bool,
     ) -> Result<(), ModelError> {
         let (shape, w13, w2) = match (&l.mlp, moe_shape(&l.mlp, tokens, hidden)) {
             (DMlp::Moe { w13, w2, .. }, Some(s)) => (s, w13, w2),
             _ => return Err(not_small_moe()),
         };
         let pairs = tokens * shape.top_k;
-        cx.moe_small_gate_up(
-            shape,
-            &a.h.slice(..tokens * hidden),
-            w13,
-            &a.topk_ids.slice(..pairs),
-            &mut a.moe_act,
-        )?;
+        let (h, ids) = (a.h.slice(..tokens * hidden), a.topk_ids.slice(..pairs));
+        if w2_prefetch {
+            cx.moe_small_gate_up_prefetch_w2(shape, &h, w13, w2, &ids, &mut a.moe_act)?;
+        } else {
+            cx.moe_small_gate_up(shape, &h, w13, &ids, &mut a.moe_act)?;
+        }
         cx.moe_small_down_prefetch(
             shape,
             (

@@ -70,6 +70,13 @@ const GATE_UP_FNS: [&str; 4] = [
     "moe_small_gate_up_r4",
     "moe_small_gate_up_r8",
 ];
+/// [`GATE_UP_FNS`]' twins that prefetch w2 into L2.
+const GATE_UP_PF_FNS: [&str; 4] = [
+    "moe_small_gate_up_r1_pf",
+    "moe_small_gate_up_r2_pf",
+    "moe_small_gate_up_r4_pf",
+    "moe_small_gate_up_r8_pf",
+];
 /// The down entries by [`down_chunks_per_lane`] (1..=8).
 const DOWN_FNS: [&str; 8] = [
     "moe_small_down_v1",
@@ -342,6 +349,42 @@ impl CudaContext {
         topk_ids: &impl DevicePtr<i32>,
         act: &mut impl DevicePtrMut<bf16>,
     ) -> CudaResult<()> {
+        self.gate_up(shape, x, w13, None, topk_ids, act)
+    }
+
+    /// [`CudaContext::moe_small_gate_up`] that also prefetches the routed experts' rows of
+    /// `w2` (the [`CudaContext::moe_small_down`] weights that follow, `[num_experts, hidden,
+    /// inter]`) into L2 while it streams the gate and up rows (those loads marked
+    /// evict-first), so that the down kernel reads them from L2. The same values.
+    pub fn moe_small_gate_up_prefetch_w2(
+        &self,
+        shape: MoeShape,
+        x: &impl DevicePtr<bf16>,
+        w13: &impl DevicePtr<bf16>,
+        w2: &impl DevicePtr<bf16>,
+        topk_ids: &impl DevicePtr<i32>,
+        act: &mut impl DevicePtrMut<bf16>,
+    ) -> CudaResult<()> {
+        crate::check_len(
+            "moe gate_up w2",
+            w2.len(),
+            shape.num_experts * shape.hidden * shape.inter,
+        )?;
+        let (w2p, _g) = w2.device_ptr(&self.stream);
+        aligned16("moe gate_up w2", w2p)?;
+        self.gate_up(shape, x, w13, Some(w2p), topk_ids, act)
+    }
+
+    /// The gate_up launch; `w2p`: the w2 weights to prefetch (checked by the caller).
+    fn gate_up(
+        &self,
+        shape: MoeShape,
+        x: &impl DevicePtr<bf16>,
+        w13: &impl DevicePtr<bf16>,
+        w2p: Option<u64>,
+        topk_ids: &impl DevicePtr<i32>,
+        act: &mut impl DevicePtrMut<bf16>,
+    ) -> CudaResult<()> {
         check_small(&shape)?;
         let MoeShape {
             tokens: t,
@@ -363,8 +406,16 @@ impl CudaContext {
         aligned16("moe gate_up w13", wp)?;
         let col_blocks = gate_up_col_blocks(i);
         let r = t.next_power_of_two().trailing_zeros() as usize;
-        let f = self.function(moe_small_source, GATE_UP_FNS[r])?;
+        let f = self.function(
+            moe_small_source,
+            if w2p.is_some() {
+                GATE_UP_PF_FNS[r]
+            } else {
+                GATE_UP_FNS[r]
+            },
+        )?;
         let (mut a0, mut a1, mut a2, mut a3) = (xp, wp, ip, ap);
+        let mut a10 = w2p.unwrap_or(0);
         let (mut a4, mut a5, mut a6, mut a7, mut a8, mut a9) = (
             narrow::<i32>("pairs", t * k)?,
             narrow::<i32>("top_k", k)?,
@@ -373,9 +424,11 @@ impl CudaContext {
             narrow::<i32>("num_experts", e)?,
             narrow::<i32>("moe gate_up column blocks", col_blocks)?,
         );
-        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9);
+        let mut args = kernel_args!(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10);
         // SAFETY: the arguments match `moe_small_gate_up_r*(const u16*, const u16*, const int*,
-        // u16*, int, int, int, int, int, int)` in order and type (the entry's bound R >= t:
+        // u16*, int, int, int, int, int, int, const u16*)` in order and type (the `_pf`
+        // entries, the only ones that read the last, get a w2 of e * h * i elements, 16-byte
+        // aligned, checked by `moe_small_gate_up_prefetch_w2`; the bound R >= t:
         // top-k routes a token to an expert once, so an expert has at most t members); x holds t * h, w13 e * 2i * h
         // and act t * k * i elements, ids t * k (checked above); expert ids are range-checked
         // by the kernel before they index w13 and pair indices stay below t * k <= 256 (its
