@@ -398,7 +398,7 @@ if want ab-tma; then
   done
 fi
 if want ab-l2; then
-  # L2 prefetch hints of decode steps (OMNI_CUDA_L2_PREFETCH_TOKENS: 0 off, 64 the default;
+  # L2 prefetch hints of decode steps (OMNI_CUDA_L2_PREFETCH_TOKENS: 0 off, the default; 64 up to batch 64;
   # an `e` in a mode also sets OMNI_CUDA_L2_PREFETCH_QKV_EARLY=1, a `w`
   # OMNI_CUDA_MOE_W2_PREFETCH=1, e.g. 64e, 0w, 64ew):
   # bench latency at batch 1/16/64 of L2_MODELS (default the 30B-A3B shape) with each value of

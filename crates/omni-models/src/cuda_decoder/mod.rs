@@ -194,9 +194,11 @@ pub struct CudaDecoderModel {
 /// where the small-batch experts beat the grouped GEMM on an H200 (`bench/results/`).
 pub const DEFAULT_SMALL_MOE_TOKENS: usize = 1;
 
-/// [`CudaDecoderModel::set_l2_prefetch_tokens`]'s default: steps whose GEMMs stream their
-/// weights (decode up to batch 64).
-pub const DEFAULT_L2_PREFETCH_TOKENS: usize = 64;
+/// [`CudaDecoderModel::set_l2_prefetch_tokens`]'s default: none. The hints' first version
+/// made decode at batch 1 40% slower on an H100; the version spread over every SM has not
+/// yet beaten no hints on a GPU (`bench/results/gpu-l2-prefetch-2026-12-06.md`), so it stays
+/// opt-in (64: decode steps up to batch 64).
+pub const DEFAULT_L2_PREFETCH_TOKENS: usize = 0;
 
 impl CudaDecoderModel {
     /// Whether [`CudaDecoderModel::init_cache`] ran.
@@ -262,7 +264,7 @@ impl CudaDecoderModel {
         self.small_moe_tokens = tokens.min(MOE_SMALL_MAX_TOKENS);
     }
 
-    /// Unfused steps of at most `tokens` tokens (0: none; default
+    /// Unfused steps of at most `tokens` tokens (0: none, the default
     /// [`DEFAULT_L2_PREFETCH_TOKENS`]) prefetch weights into L2 ahead of the GEMMs that read
     /// them: each layer's input norm the QKV weights, its q/k norm + RoPE kernel those of
     /// o_proj and the MoE router (at most 24 MiB a kernel), so they stream in while the norm,
