@@ -48,20 +48,25 @@ __device__ __forceinline__ void pdl_enter() {
 #define L2_PREFETCH_ARGS const void* __restrict__ pf0, unsigned long long pf0_bytes, \
                          const void* __restrict__ pf1, unsigned long long pf1_bytes, \
                          int pf_work_blocks
-__device__ __forceinline__ void l2_prefetch_region(const void* p, unsigned long long bytes) {
+#define L2_PREFETCH_CHUNK 32768ull
+// One bulk prefetch: bytes off .. min(off + L2_PREFETCH_CHUNK, end) of the region at b (off <
+// end; start and lengths multiples of 16).
+__device__ __forceinline__ void l2_prefetch_chunk(const char* b, unsigned long long off,
+                                                  unsigned long long end) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned long long CHUNK = 32768ull;
+    const unsigned long long left = end - off;
+    const unsigned int sz = (unsigned int)(left < L2_PREFETCH_CHUNK ? left : L2_PREFETCH_CHUNK);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(b + off), "r"(sz) : "memory");
+#endif
+}
+__device__ __forceinline__ void l2_prefetch_region(const void* p, unsigned long long bytes) {
     if (p == nullptr || bytes == 0) return;
-    const unsigned long long chunks = (bytes + CHUNK - 1) / CHUNK;
+    const unsigned long long chunks = (bytes + L2_PREFETCH_CHUNK - 1) / L2_PREFETCH_CHUNK;
     const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
     const char* b = static_cast<const char*>(p);
     for (unsigned long long c = blockIdx.x + (unsigned long long)gridDim.x * threadIdx.x; c < chunks;
-         c += step) {
-        const unsigned long long off = c * CHUNK;
-        const unsigned int sz = (unsigned int)(bytes - off < CHUNK ? bytes - off : CHUNK);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(b + off), "r"(sz) : "memory");
-    }
-#endif
+         c += step)
+        l2_prefetch_chunk(b, c * L2_PREFETCH_CHUNK, bytes);
 }
 // Issues this block's share of both regions; true for a prefetch-only block (past the
 // `pf_work_blocks` working ones), which then returns.

@@ -232,12 +232,6 @@ __device__ __forceinline__ uint4 ms_w13_load(const uint4* p) {
     if constexpr (PF) return __ldcs(p);
     else return *p;
 }
-// One bulk L2 prefetch of `bytes` (a multiple of 16) at the 16-byte aligned `p`.
-__device__ __forceinline__ void ms_prefetch_l2(const char* p, unsigned int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
 
 // Grid: pairs * col_blocks blocks of 256 threads (8 warps); block b serves pair b / col_blocks
 // and columns (b % col_blocks) * 8 + warp. act is [pairs, inter] bf16 (rows of pairs whose id
@@ -266,15 +260,16 @@ __device__ __forceinline__ void ms_gate_up(const unsigned short* __restrict__ x,
     __syncthreads();
     const int n = s_n;
     if constexpr (PF) {
-        // One slice of 16-byte multiples per column block, in 32 KiB prefetches over warp 0.
+        // One slice of 16-byte multiples per column block, in chunks over warp 0's lanes.
         if (n > 0 && threadIdx.x < 32) {
             const unsigned long long bytes = (unsigned long long)hidden * inter * 2ull;
             const unsigned long long slice = ((bytes + col_blocks - 1) / col_blocks + 15ull) & ~15ull;
             const unsigned long long lo = (unsigned long long)cb * slice;
             const unsigned long long hi = lo + slice < bytes ? lo + slice : bytes;
             const char* base = reinterpret_cast<const char*>(w2) + (size_t)ids[p] * bytes;
-            for (unsigned long long off = lo + 32768ull * lane; off < hi; off += 32768ull * 32ull)
-                ms_prefetch_l2(base + off, (unsigned int)(hi - off < 32768ull ? hi - off : 32768ull));
+            for (unsigned long long off = lo + L2_PREFETCH_CHUNK * lane; off < hi;
+                 off += L2_PREFETCH_CHUNK * 32ull)
+                l2_prefetch_chunk(base, off, hi);
         }
     }
     const int o = cb * warps + (threadIdx.x >> 5);
