@@ -3,9 +3,9 @@
 // 64 * WGS-row block against BN weight rows: warpgroup wg issues `wgmma.mma_async` m64nBNk16 on
 // rows 64 wg .. 64 wg + 63 against the one weight tile they share (both operands read from
 // shared memory through matrix descriptors), fed by a STAGES-deep `cp.async` pipeline of
-// BK-wide K stages (one or two 64-wide sub-tiles) that all the CTA's threads fill. Two warpgroups halve the weight traffic per
-// row (the weight tile is read once for 128 rows); a warpgroup whose rows are all padding skips
-// its MMAs. Its `extern "C"` entry points are instantiated by the Rust side
+// BK-wide K stages (one or two 64-wide sub-tiles) that all the CTA's threads fill. Two (four)
+// warpgroups halve (quarter) the weight traffic per row (the weight tile is read once for 128
+// or 256 rows); a warpgroup whose rows are all padding skips its MMAs. Its `extern "C"` entry points are instantiated by the Rust side
 // (src/cuda/moe/source.rs), which also prepends bf16.cuh, moe/ptx.cuh, moe/common.cuh and the
 // generated `wgmma_m64n<BN>k16` wrappers.
 //
@@ -94,7 +94,7 @@ __device__ __forceinline__ void moe_gemm_wg(
     static_assert(BK == 64 || BK == 128, "one or two 64-wide sub-tiles per stage");
     static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "wgmma N: a multiple of 16 up to 256");
     static_assert((BN / 2) % RSTEP == 0, "gate and up halves load whole passes");
-    static_assert(WGS == 1 || WGS == 2, "one or two warpgroups");
+    static_assert(WGS == 1 || WGS == 2 || WGS == 4, "one, two or four warpgroups");
 
     pdl_enter();
     const int expert = block_expert[blockIdx.y];

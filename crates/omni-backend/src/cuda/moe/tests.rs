@@ -91,6 +91,10 @@ fn moe_workspace_bound_and_tiles() {
             "{ws:?}"
         );
     }
+    for c in WG_CANDIDATES {
+        assert!(c.min_ctas * (c.smem_bytes() + 1024) <= 228 * 1024, "{c:?}");
+        assert_eq!(c.threads(), 2 * c.bm, "{c:?}: one warpgroup per 64 rows");
+    }
     // The warpgroup-MMA tile runs on the prefill tile's alignment and workspace.
     assert_eq!((LARGE_WG.bm, LARGE_WG.threads()), (LARGE.bm, 128));
 }
@@ -288,9 +292,14 @@ fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, gemm: Option<MoeGemm>) -
     let mut out = cx
         .upload_bf16(&vec![bf16::NAN; s.tokens * s.hidden])
         .unwrap();
+    // The public bound, or more for a candidate tile of longer row blocks.
+    let bytes = match gemm {
+        Some(MoeGemm::Tiles(t)) => Layout::new(&s, &t).total,
+        _ => 0,
+    };
     let mut ws = cx
         .stream()
-        .clone_htod(&vec![0xffu8; fused_moe_workspace_bytes(s)])
+        .clone_htod(&vec![0xffu8; bytes.max(fused_moe_workspace_bytes(s))])
         .unwrap();
     match gemm {
         None => cx.fused_moe_bf16(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out, &mut ws, s),
