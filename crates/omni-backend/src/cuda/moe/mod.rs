@@ -32,7 +32,7 @@
 //! tile of 128 rows x 256 weight rows whose weight tiles the Tensor Memory Accelerator copies
 //! (`kernels/moe/grouped_gemm_ws.cu`, its own module; tensor maps in `tma.rs`).
 //! `OMNI_CUDA_MOE_WGMMA` (`0` off, `64` / `128` one tile only, `tma` the TMA tile from 64 pairs
-//! per expert, `256` 256-row blocks of four warpgroups from 64 pairs per expert) chooses.
+//! per expert) chooses.
 //!
 //! Elsewhere (or with it off), prefill steps of 64+ pairs per expert outside a CUDA graph
 //! capture run the two GEMMs on cuBLAS's grouped GEMM (`cublas.rs`): the counts go to the host
@@ -71,7 +71,7 @@ pub use tiles::MOE_WGMMA_ENV;
 #[cfg(doc)]
 use super::CudaContext;
 
-use tiles::{LARGE, LARGE_WG2, LARGE_WG4, SMALL, TileCfg};
+use tiles::{LARGE, LARGE_WG2, SMALL, TileCfg};
 
 /// Largest expert count the routing and alignment kernels support (their per-expert tables live
 /// in shared memory).
@@ -141,6 +141,5 @@ pub fn fused_moe_workspace_bytes(shape: MoeShape) -> usize {
         .total
         .max(Layout::new(&shape, &LARGE).total)
         .max(Layout::new(&shape, &LARGE_WG2).total)
-        .max(Layout::new(&shape, &LARGE_WG4).total)
         .max(cublas::CublasLayout::new(&shape).total)
 }

@@ -4,7 +4,7 @@
 //! warp-specialized `moe_gemm_ws` with cp.async or TMA weight copies in a module of its own),
 //! with their generated `wgmma` wrappers.
 
-use super::tiles::{LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, LARGE_WG4, SMALL, TileCfg};
+use super::tiles::{LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, SMALL, TileCfg};
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 
 /// PTX wrappers (sm_80+): `cp.async` with zero fill, `ldmatrix`, bf16 `mma.sync`.
@@ -127,11 +127,11 @@ fn wgmma_wrapper(n: usize) -> String {
     s
 }
 
-/// The warpgroup-MMA tiles of the `moe_gemm_wg` module: [`LARGE_WG`], [`LARGE_WG2`],
-/// [`LARGE_WG4`], and in test builds the timing test's candidates.
+/// The warpgroup-MMA tiles of the `moe_gemm_wg` module: [`LARGE_WG`], [`LARGE_WG2`], and in
+/// test builds the timing test's candidates.
 fn wg_tiles() -> Vec<TileCfg> {
     #[allow(unused_mut)]
-    let mut v = vec![LARGE_WG, LARGE_WG2, LARGE_WG4];
+    let mut v = vec![LARGE_WG, LARGE_WG2];
     #[cfg(test)]
     v.extend(super::tiles::WG_CANDIDATES);
     v

@@ -6,9 +6,8 @@ use super::MoeShape;
 /// `OMNI_CUDA_MOE_WGMMA` picks the warpgroup-MMA tiles of sm_90 devices ([`Wgmma`]): `0` keeps
 /// them off (prefill steps then run [`LARGE`] and the cuBLAS path, as other GPUs do), `64` runs
 /// only the one-warpgroup tile [`LARGE_WG`], `128` the two-warpgroup tile [`LARGE_WG2`] wherever
-/// a warpgroup-MMA tile runs, `tma` the default's choice with [`LARGE_TMA`] for [`LARGE_WG2`],
-/// `256` the default's choice with the four-warpgroup [`LARGE_WG4`] for [`LARGE_WG2`] and
-/// [`LARGE_TMA`]; unset or any other value: the default ([`Wgmma::Auto`]).
+/// a warpgroup-MMA tile runs, `tma` the default's choice with [`LARGE_TMA`] for [`LARGE_WG2`];
+/// unset or any other value: the default ([`Wgmma::Auto`]).
 pub const MOE_WGMMA_ENV: &str = "OMNI_CUDA_MOE_WGMMA";
 
 /// Which warpgroup-MMA tiles an sm_90 device's MoE prefill steps run.
@@ -25,19 +24,16 @@ pub(super) enum Wgmma {
     Auto,
     /// [`LARGE_WG`], and [`LARGE_TMA`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
     Tma,
-    /// [`LARGE_WG`], and [`LARGE_WG4`] from [`WG2_MIN_PAIRS_PER_EXPERT`].
-    Rows256,
 }
 
 impl Wgmma {
     #[cfg(test)]
-    pub(super) const ALL: [Wgmma; 6] = [
+    pub(super) const ALL: [Wgmma; 5] = [
         Wgmma::Off,
         Wgmma::Rows64,
         Wgmma::Rows128,
         Wgmma::Auto,
         Wgmma::Tma,
-        Wgmma::Rows256,
     ];
 
     fn parse(v: Option<&str>) -> Self {
@@ -46,7 +42,6 @@ impl Wgmma {
             Some("64") => Wgmma::Rows64,
             Some("128") => Wgmma::Rows128,
             Some("tma") => Wgmma::Tma,
-            Some("256") => Wgmma::Rows256,
             _ => Wgmma::Auto,
         }
     }
@@ -173,15 +168,6 @@ pub(super) const LARGE_WG2: TileCfg = TileCfg {
     tma: false,
 };
 
-/// [`LARGE_WG2`] on 256-row blocks: four warpgroups (512 threads) on m64n128k16 against the one
-/// weight tile they share, 4 stages; ~195 KiB of shared memory, 112 registers, one CTA per SM.
-/// Each expert's weight tile is read once for up to 256 pairs: at 2048 tokens of
-/// Qwen3-30B-A3B (~128 pairs per expert) [`LARGE_WG2`] gives about half the experts a second
-/// block that streams it again, and that layer's gate_up is bound by L2 throughput (78-89% in
-/// Nsight Compute), not DRAM (50-52%). `OMNI_CUDA_MOE_WGMMA=256` runs it wherever
-/// [`LARGE_WG2`] or [`LARGE_TMA`] would; not yet measured on a GPU.
-pub(super) const LARGE_WG4: TileCfg = wg_tile("moe_gate_up_wg4", "moe_down_wg4", 256, 64, 4, 1);
-
 /// [`LARGE_WG2`]'s 128-row blocks against 256 weight rows, warp-specialized and persistent, with
 /// the weight tiles brought in by the Tensor Memory Accelerator (`moe_gemm_ws` with TMA): a
 /// producer warpgroup (one thread issues each stage's tensor copies of the weights, all 128
@@ -241,11 +227,18 @@ pub(super) const TMA_CANDIDATES: [TileCfg; 5] = [
 /// Warpgroup-MMA tiles the timing test measures against [`LARGE_WG`] (test builds only). The
 /// 128-wide K stages halve the CTA barriers per K (the top stall of [`LARGE_WG2`]'s gate_up on
 /// an H200), but took 1.00-1.07x [`LARGE_WG2`]'s time on an H100
-/// (`bench/results/gpu-tma-h100-2026-12-06.md`).
+/// (`bench/results/gpu-tma-h100-2026-12-06.md`). The 256-row blocks of four warpgroups (one
+/// CTA per SM) read each expert's weight tile once for up to 256 pairs, where [`LARGE_WG2`]
+/// gives about half the experts a second 128-row block at 2048 tokens (~20% fewer L2 -> SM
+/// bytes, and that gate_up is L2-bound), yet at 2048 tokens on an H100 they took 663.7 (4
+/// stages) and 803.7 µs (3) against [`LARGE_WG2`]'s 634.0, and a 2048-token prefill 43.89
+/// against 41.47 ms (`bench/results/gpu-l2-prefetch-2026-12-06.md`).
 #[cfg(test)]
-pub(super) const WG_CANDIDATES: [TileCfg; 8] = [
-    // LARGE_WG4 with 3 stages (~147 KiB), one CTA per SM.
+pub(super) const WG_CANDIDATES: [TileCfg; 9] = [
+    // 256-row blocks (four warpgroups, 512 threads) against 128 weight rows: 3 stages (~147
+    // KiB) and 4 (~195 KiB), one CTA per SM.
     wg_tile("moe_gate_up_wg4s3", "moe_down_wg4s3", 256, 64, 3, 1),
+    wg_tile("moe_gate_up_wg4s4", "moe_down_wg4s4", 256, 64, 4, 1),
     // LARGE_WG2 with 128-wide K stages: 3 stages, one CTA per SM (~193 KiB).
     wg_tile(
         "moe_gate_up_wg2k128s3",
@@ -528,8 +521,6 @@ impl TileCfg {
             Wgmma::Auto => return LARGE_WG,
             Wgmma::Tma if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_TMA,
             Wgmma::Tma => return LARGE_WG,
-            Wgmma::Rows256 if pairs >= per_expert(WG2_MIN_PAIRS_PER_EXPERT) => return LARGE_WG4,
-            Wgmma::Rows256 => return LARGE_WG,
         }
         if pairs <= per_expert(8) { SMALL } else { LARGE }
     }

@@ -7,10 +7,10 @@
 use super::launch::MoeGemm;
 use super::tests::{CUBLAS, bf16_out, cpu_moe_rows, rand_bf16_scaled, run_topk};
 use super::tiles::{
-    LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, LARGE_WG4, SMALL, TMA_CANDIDATES, TileCfg,
-    WG_CANDIDATES, WS_CANDIDATES,
+    LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, SMALL, TMA_CANDIDATES, TileCfg, WG_CANDIDATES,
+    WS_CANDIDATES,
 };
-use super::{MoeShape, fused_moe_workspace_bytes};
+use super::{Layout, MoeShape, fused_moe_workspace_bytes};
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, bf16};
 
@@ -74,10 +74,12 @@ fn fused_moe_real_shape_and_timing() {
         let (ids, ws) = run_topk(&cx, &logits, t, e, k, true);
         (x, ids, ws)
     };
-    let mut ws_buf = cx
-        .stream()
-        .alloc_zeros::<u8>(fused_moe_workspace_bytes(shape(4096)))
-        .unwrap();
+    // The public bound, or more for candidate tiles of longer row blocks.
+    let ws_bytes = WG_CANDIDATES
+        .iter()
+        .map(|c| Layout::new(&shape(4096), c).total)
+        .fold(fused_moe_workspace_bytes(shape(4096)), usize::max);
+    let mut ws_buf = cx.stream().alloc_zeros::<u8>(ws_bytes).unwrap();
 
     for &(t, sample) in &[(4usize, 4usize), (512, 16)] {
         let s = shape(t);
@@ -93,7 +95,7 @@ fn fused_moe_real_shape_and_timing() {
         let candidates = super::tiles::CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
         let large = super::tiles::LARGE_CANDIDATES.map(|c| (c.down_fn, MoeGemm::Tiles(c)));
         let wg: Vec<_> = if hopper {
-            [LARGE_WG, LARGE_WG2, LARGE_WG4, LARGE_TMA]
+            [LARGE_WG, LARGE_WG2, LARGE_TMA]
                 .into_iter()
                 .chain(TMA_CANDIDATES)
                 .chain(WG_CANDIDATES)
@@ -270,7 +272,7 @@ fn fused_moe_real_shape_and_timing() {
             }
         }
         if t >= 128 && hopper {
-            let tma = [LARGE_WG4, LARGE_TMA].into_iter().chain(TMA_CANDIDATES);
+            let tma = [LARGE_TMA].into_iter().chain(TMA_CANDIDATES);
             for cand in tma.chain(WG_CANDIDATES).chain(WS_CANDIDATES) {
                 let us_c = run(cand);
                 println!(
