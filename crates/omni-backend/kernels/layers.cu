@@ -70,12 +70,128 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned sh
         x[i] += bf2f(b[i % cols]);
 }
 
-// One warp per (token, head) over q heads then kv heads of this rank, QKR_WARPS heads per
-// block. Lane l owns the rotary pairs (i, i + hd/2) for i = l, l + 32, ... < hd/2 (hd <= 256).
-// qkv row = [q heads | k heads | v heads] * hd. Launched with programmatic dependent launch; the
-// L2 prefetch of a later kernel's weights is issued before the wait, as in the norm above.
+// One warp per (token, group of QKR_HEADS heads) over q heads then kv heads of this rank,
+// QKR_WARPS warps per block. A lane owns E consecutive rotary indices i, i + 1 (E = 2 when
+// hd / 2 is even: bf16x2 loads and stores; else E = 1) at i = E * lane + 32 E u, and their
+// partners i + hd/2 (hd <= 256). The angles depend on the token and i only, so the warp turns
+// them into (cos, sin) once and applies them to each of its heads. qkv row = [q heads | k heads
+// | v heads] * hd. Launched with programmatic dependent launch: the positions, the M-RoPE axes
+// and the slot mapping are written only by host copies before the step's first kernel, and
+// inv_freq and the norm weights by none, so they are read (and the angles computed) before the
+// wait, overlapping the predecessor (the QKV projection); qkv and every output after it. The L2
+// prefetch of a later kernel's weights is issued before the wait, as in the norm above.
 #define QKR_WARPS 4
+#define QKR_HEADS 8
 #define QKR_MAX_PAIRS 4
+template <int E>
+__device__ __forceinline__ void qkr_heads(
+        const unsigned short* __restrict__ qkv, unsigned short* __restrict__ q_out,
+        unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache,
+        const int* __restrict__ positions, const long long* __restrict__ slot_mapping,
+        const float* __restrict__ inv_freq, const unsigned short* __restrict__ q_norm,
+        const unsigned short* __restrict__ k_norm, const unsigned char* __restrict__ mrope_axes,
+        long long pos_stride, long long t, int h0, int h1, int lq, int lkv, int hd, float eps) {
+    constexpr int NU = QKR_MAX_PAIRS / E;
+    const int half = hd >> 1, lane = threadIdx.x & 31;
+    float cs[NU][E], sn[NU][E];
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int i = E * lane + 32 * E * u + e;
+            cs[u][e] = 1.f;
+            sn[u][e] = 0.f;
+            if (i < half) {
+                // M-RoPE: frequency i turns by the temporal, height or width row of the positions.
+                const long long axis = mrope_axes ? (long long)mrope_axes[i] : 0;
+                const float p = (float)positions[axis * pos_stride + t];
+                sincosf(p * inv_freq[i], &sn[u][e], &cs[u][e]);
+            }
+        }
+    }
+    const long long slot = h1 > lq ? slot_mapping[t] : -1;
+    pdl_wait();
+    const size_t row = (size_t)(lq + 2 * lkv) * hd;
+    const unsigned short* src_row = qkv + t * row;
+    // The norm weights of the current kind of head (q or k), reloaded when it changes.
+    const unsigned short* nw_cur = nullptr;
+    float wa[NU][E], wb[NU][E];
+    for (int hh = h0; hh < h1; ++hh) {
+        if (hh >= lq && slot < 0) return;  // a padding token's keys and values: whole warps
+        const unsigned short* src = src_row + (size_t)hh * hd;
+        const unsigned short* nw = hh < lq ? q_norm : k_norm;
+        float a[NU][E] = {}, b[NU][E] = {};
+        float ss = 0.f;
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+            const int i = E * lane + 32 * E * u;
+            if (i < half) {
+                if constexpr (E == 2) {
+                    const unsigned va = *reinterpret_cast<const unsigned*>(src + i);
+                    const unsigned vb = *reinterpret_cast<const unsigned*>(src + i + half);
+                    a[u][0] = bf2f((unsigned short)(va & 0xffffu));
+                    a[u][1] = bf2f((unsigned short)(va >> 16));
+                    b[u][0] = bf2f((unsigned short)(vb & 0xffffu));
+                    b[u][1] = bf2f((unsigned short)(vb >> 16));
+                } else {
+                    a[u][0] = bf2f(src[i]);
+                    b[u][0] = bf2f(src[i + half]);
+                }
+#pragma unroll
+                for (int e = 0; e < E; ++e) ss += a[u][e] * a[u][e] + b[u][e] * b[u][e];
+            }
+        }
+        if (nw) {
+            if (nw != nw_cur) {
+                nw_cur = nw;
+#pragma unroll
+                for (int u = 0; u < NU; ++u)
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const int i = E * lane + 32 * E * u + e;
+                        wa[u][e] = i < half ? bf2f(nw[i]) : 0.f;
+                        wb[u][e] = i < half ? bf2f(nw[i + half]) : 0.f;
+                    }
+            }
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            const float inv = rsqrtf(ss / (float)hd + eps);
+#pragma unroll
+            for (int u = 0; u < NU; ++u)
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    a[u][e] = a[u][e] * inv * wa[u][e];
+                    b[u][e] = b[u][e] * inv * wb[u][e];
+                }
+        }
+        const int j = hh - lq;
+        unsigned short* dst = hh < lq ? q_out + ((size_t)t * lq + hh) * hd
+                                      : k_cache + ((size_t)slot * lkv + j) * hd;
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+            const int i = E * lane + 32 * E * u;
+            if (i >= half) continue;
+            float ra[E], rb[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                ra[e] = a[u][e] * cs[u][e] - b[u][e] * sn[u][e];
+                rb[e] = b[u][e] * cs[u][e] + a[u][e] * sn[u][e];
+            }
+            if constexpr (E == 2) {
+                *reinterpret_cast<unsigned*>(dst + i) = (unsigned)f2bf(ra[0]) | ((unsigned)f2bf(ra[1]) << 16);
+                *reinterpret_cast<unsigned*>(dst + i + half) = (unsigned)f2bf(rb[0]) | ((unsigned)f2bf(rb[1]) << 16);
+            } else {
+                dst[i] = f2bf(ra[0]);
+                dst[i + half] = f2bf(rb[0]);
+            }
+        }
+        if (hh < lq) continue;
+        // hd is even and every row offset a multiple of hd: 4-byte words.
+        unsigned* vd = reinterpret_cast<unsigned*>(v_cache + ((size_t)slot * lkv + j) * hd);
+        const unsigned* vs = reinterpret_cast<const unsigned*>(src_row + (size_t)(lq + lkv + j) * hd);
+        for (int i = lane; i < half; i += 32) vd[i] = vs[i];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16(
         const unsigned short* __restrict__ qkv, unsigned short* __restrict__ q_out,
         unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache,
@@ -85,65 +201,17 @@ extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16
         long long pos_stride, int tokens, int lq, int lkv, int hd, float eps, L2_PREFETCH_ARGS) {
     pdl_launch_dependents();
     if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
-    pdl_wait();
-    const int heads = lq + lkv;
+    const int heads = lq + lkv, groups = (heads + QKR_HEADS - 1) / QKR_HEADS;
     const long long w = (long long)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);
-    if (w >= (long long)tokens * heads) return;  // whole warps
-    const long long t = w / heads;
-    const int hh = (int)(w - t * heads);
-    const int half = hd >> 1, lane = threadIdx.x & 31;
-    const size_t row = (size_t)(lq + 2 * lkv) * hd;
-    const unsigned short* src = qkv + t * row + (size_t)hh * hd;
-    const unsigned short* nw = hh < lq ? q_norm : k_norm;
-    float a[QKR_MAX_PAIRS], b[QKR_MAX_PAIRS];
-    float ss = 0.f;
-#pragma unroll
-    for (int u = 0; u < QKR_MAX_PAIRS; ++u) {
-        const int i = lane + 32 * u;
-        a[u] = 0.f;
-        b[u] = 0.f;
-        if (i < half) {
-            a[u] = bf2f(src[i]);
-            b[u] = bf2f(src[i + half]);
-            ss += a[u] * a[u] + b[u] * b[u];
-        }
-    }
-    if (nw) {
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float inv = rsqrtf(ss / (float)hd + eps);
-#pragma unroll
-        for (int u = 0; u < QKR_MAX_PAIRS; ++u) {
-            const int i = lane + 32 * u;
-            if (i < half) {
-                a[u] = a[u] * inv * bf2f(nw[i]);
-                b[u] = b[u] * inv * bf2f(nw[i + half]);
-            }
-        }
-    }
-    long long slot = -1;
-    if (hh >= lq) {
-        slot = slot_mapping[t];
-        if (slot < 0) return;  // whole warps
-    }
-    const int j = hh - lq;
-    unsigned short* dst = hh < lq ? q_out + ((size_t)t * lq + hh) * hd
-                                  : k_cache + ((size_t)slot * lkv + j) * hd;
-#pragma unroll
-    for (int u = 0; u < QKR_MAX_PAIRS; ++u) {
-        const int i = lane + 32 * u;
-        if (i >= half) continue;
-        // M-RoPE: frequency i turns by the temporal, height or width row of the positions.
-        const long long axis = mrope_axes ? (long long)mrope_axes[i] : 0;
-        const float p = (float)positions[axis * pos_stride + t];
-        float sn, cs;
-        sincosf(p * inv_freq[i], &sn, &cs);
-        dst[i] = f2bf(a[u] * cs - b[u] * sn);
-        dst[i + half] = f2bf(b[u] * cs + a[u] * sn);
-    }
-    if (hh < lq) return;
-    unsigned short* vd = v_cache + ((size_t)slot * lkv + j) * hd;
-    const unsigned short* vs = qkv + t * row + (size_t)(lq + lkv + j) * hd;
-    for (int i = lane; i < hd; i += 32) vd[i] = vs[i];
+    if (w >= (long long)tokens * groups) return;  // whole warps
+    const long long t = w / groups;
+    const int h0 = (int)(w - t * groups) * QKR_HEADS, h1 = min(h0 + QKR_HEADS, heads);
+    if (((hd >> 1) & 1) == 0)
+        qkr_heads<2>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, q_norm,
+                     k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);
+    else
+        qkr_heads<1>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, q_norm,
+                     k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);
 }
 
 // dst[rows[r], :] += src[r, :] for r < m (rows distinct): the deepstack residual additions.

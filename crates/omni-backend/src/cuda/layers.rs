@@ -29,8 +29,10 @@ const LAYERS: &str = kernel_file!("layers.cu");
 const FUSED_ADD_RMSNORM_FN: &str = "fused_add_rmsnorm_f32res";
 const ADD_BIAS_F32_FN: &str = "add_bias_f32";
 const QKV_ROPE_CACHE_FN: &str = "qkv_rope_cache_bf16";
-/// Heads (warps) per block of `qkv_rope_cache_bf16` (its `QKR_WARPS`).
+/// Warps per block of `qkv_rope_cache_bf16` (its `QKR_WARPS`).
 const QKV_ROPE_WARPS: usize = 4;
+/// Heads per warp of `qkv_rope_cache_bf16` (its `QKR_HEADS`).
+const QKV_ROPE_HEADS: usize = 8;
 /// Largest head_dim of `qkv_rope_cache_bf16` (`QKR_MAX_PAIRS` rotary pairs a lane).
 const QKV_ROPE_MAX_HEAD_DIM: usize = 256;
 const EMBEDDING_IDS_FN: &str = "embedding_ids_bf16";
@@ -258,6 +260,12 @@ impl CudaContext {
     /// Splits the fused QKV rows, applies Qwen3's per-head RMSNorm (when given) and RoPE
     /// (`rotate_half` convention, angles `position * inv_freq[i]` in f32) to queries and keys,
     /// writes queries to `q_out` and keys / values to their cache slots.
+    ///
+    /// Launched with programmatic dependent launch: `positions`, `slot_mapping`, the M-RoPE
+    /// axes, `inv_freq` and the norms are read before the wait for the previous kernel, so no
+    /// kernel of the stream may write them since its last host copy or ordinary launch (the
+    /// decoder uploads them with the step's inputs); `qkv` and the outputs are read and written
+    /// after it.
     #[allow(clippy::type_complexity)]
     pub fn qkv_rope_cache_bf16<Q, O, K, V, P, S, F, N>(
         &self,
@@ -324,11 +332,11 @@ impl CudaContext {
                 head_dim,
             ));
         }
-        let warps = tokens * (q_heads + kv_heads);
+        let warps = tokens * (q_heads + kv_heads).div_ceil(QKV_ROPE_HEADS);
         if warps == 0 {
             return Ok(());
         }
-        let grid = narrow::<u32>("tokens * heads / 4", warps.div_ceil(QKV_ROPE_WARPS))?;
+        let grid = narrow::<u32>("tokens * heads / 32", warps.div_ceil(QKV_ROPE_WARPS))?;
         let mut tokens_i = narrow::<i32>("tokens", tokens)?;
         let (mut lq, mut lkv, mut hd) = (
             narrow::<i32>("q_heads", q_heads)?,
@@ -371,10 +379,12 @@ impl CudaContext {
         // positions three rows of `row_stride >= tokens` (checked above). The
         // caller guarantees every non-negative slot is inside the caches (they are produced by
         // the block manager from block ids validated against the cache size). One warp per
-        // (token, head), QKV_ROPE_WARPS per block as the kernel's QKR_WARPS (warps past
-        // tokens * heads return; blocks past the working ones only prefetch), head_dim <= 256 (checked above; QKR_MAX_PAIRS pairs a lane).
-        // Before its wait the kernel touches only the prefetch regions (no kernel writes them),
-        // as a programmatic launch requires.
+        // (token, group of QKV_ROPE_HEADS heads), QKV_ROPE_WARPS per block as the kernel's
+        // QKR_HEADS and QKR_WARPS (warps past the groups return; blocks past the working ones
+        // only prefetch), head_dim <= 256 (checked above; QKR_MAX_PAIRS pairs a lane) and even
+        // (4-byte words of every row). Before its wait the kernel reads only the prefetch
+        // regions and what the doc above says no kernel of the stream writes, and writes
+        // nothing, as a programmatic launch requires.
         unsafe { self.launch_programmatic(&f, (grid, block, 0), &mut args) }
     }
 

@@ -32,6 +32,8 @@ mod gemv;
 mod kernels;
 mod launch;
 mod layers;
+#[cfg(test)]
+mod layers_tests;
 mod moe;
 mod nccl;
 mod prefetch;
