@@ -70,8 +70,9 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned sh
         x[i] += bf2f(b[i % cols]);
 }
 
-// One warp per (token, group of QKR_HEADS heads) over q heads then kv heads of this rank,
-// QKR_WARPS warps per block. A lane owns E consecutive rotary indices i, i + 1 (E = 2 when
+// One warp per (token, group of `hpw` heads) over q heads then kv heads of this rank,
+// QKR_WARPS warps per block (the Rust side groups heads only for long prefills: a warp does its
+// heads one after another, which costs a decode step its parallelism). A lane owns E consecutive rotary indices i, i + 1 (E = 2 when
 // hd / 2 is even: bf16x2 loads and stores; else E = 1) at i = E * lane + 32 E u, and their
 // partners i + hd/2 (hd <= 256). The angles depend on the token and i only, so the warp turns
 // them into (cos, sin) once and applies them to each of its heads. qkv row = [q heads | k heads
@@ -81,7 +82,6 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned sh
 // wait, overlapping the predecessor (the QKV projection); qkv and every output after it. The L2
 // prefetch of a later kernel's weights is issued before the wait, as in the norm above.
 #define QKR_WARPS 4
-#define QKR_HEADS 8
 #define QKR_MAX_PAIRS 4
 template <int E>
 __device__ __forceinline__ void qkr_heads(
@@ -198,14 +198,15 @@ extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16
         const int* __restrict__ positions, const long long* __restrict__ slot_mapping,
         const float* __restrict__ inv_freq, const unsigned short* __restrict__ q_norm,
         const unsigned short* __restrict__ k_norm, const unsigned char* __restrict__ mrope_axes,
-        long long pos_stride, int tokens, int lq, int lkv, int hd, float eps, L2_PREFETCH_ARGS) {
+        long long pos_stride, int tokens, int lq, int lkv, int hd, float eps, int hpw,
+        L2_PREFETCH_ARGS) {
     pdl_launch_dependents();
     if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
-    const int heads = lq + lkv, groups = (heads + QKR_HEADS - 1) / QKR_HEADS;
+    const int heads = lq + lkv, groups = (heads + hpw - 1) / hpw;
     const long long w = (long long)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);
     if (w >= (long long)tokens * groups) return;  // whole warps
     const long long t = w / groups;
-    const int h0 = (int)(w - t * groups) * QKR_HEADS, h1 = min(h0 + QKR_HEADS, heads);
+    const int h0 = (int)(w - t * groups) * hpw, h1 = min(h0 + hpw, heads);
     if (((hd >> 1) & 1) == 0)
         qkr_heads<2>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, q_norm,
                      k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);

@@ -1,7 +1,7 @@
 //! `qkv_rope_cache_bf16` against an f32 CPU reference: Qwen3's per-head norm, RoPE (one row of
 //! positions and M-RoPE rows), the cache writes and a padding token's skipped slot, on head
-//! dims whose half is even (the kernel's bf16x2 path) and odd (its scalar path), with more
-//! heads than one warp's group.
+//! dims whose half is even (the kernel's bf16x2 path) and odd (its scalar path), one head a warp
+//! and, from 256 tokens, groups of 8 heads a warp that mix queries and keys.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -101,6 +101,24 @@ fn qkv_rope_cache_matches_cpu() {
         // hd / 2 odd: the scalar path.
         Case {
             tokens: 4,
+            lq: 5,
+            lkv: 2,
+            hd: 10,
+            norm: true,
+            mrope: false,
+        },
+        // Steps of 256+ tokens group 8 heads a warp: a group of queries and keys, M-RoPE.
+        Case {
+            tokens: 300,
+            lq: 6,
+            lkv: 3,
+            hd: 64,
+            norm: true,
+            mrope: true,
+        },
+        // ... and on the scalar path.
+        Case {
+            tokens: 256,
             lq: 5,
             lkv: 2,
             hd: 10,
