@@ -85,6 +85,10 @@
 #           (PEER_MODELS / PEER_BATCHES / PEER_PYTHON override)
 #   cold    cold start to /health and requests 1..10 one at a time (scripts/bench-cold-start.sh)
 #           for the Qwen3-30B-A3B shape (dummy weights): request 1 must be as fast as the rest
+#   ab-base this tree's omni-engine against base-omni-engine (staged from the tree before a
+#           change): the kernel tests QKR_TESTS (default qkv_rope_cache_matches_cpu) and the
+#           model tests, eager per-op profiles (a 2048-token prefill, decode at batch 1) and bench
+#           latency (batch 1/16/64, prefill 2048) of the Qwen3-30B-A3B shape, interleaved twice
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
 #           plus `bench latency` -tp 8 (SERVE_TP / SERVE_MODELS override)
 #
@@ -494,6 +498,31 @@ if want peer; then
     step "peer-$m" "$PEER_PY" scripts/bench-hf-peer.py --model "bench/models/$m" \
       --batch-sizes "${PEER_BATCHES:-1,8}" --input-len 1024 --output-len 64 --prefill-len 2048 \
       --json "$LOGS/peer-$m.json"
+  done
+fi
+
+if want ab-base; then
+  step base-kernels "$BIN/backend-tests" ${QKR_TESTS:-qkv_rope_cache_matches_cpu} --test-threads=1 --nocapture
+  [ -x "$BIN/model-tests" ] && step base-model "$BIN/model-tests" --test-threads=1
+  for e in omni-engine base-omni-engine; do
+    [ -x "$BIN/$e" ] || continue
+    OMNI_CUDA_PROFILE=1 step "$e-profile-prefill" "$BIN/$e" bench latency \
+      --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --enforce-eager \
+      --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
+      --input-len 1024 --output-len 2 --prefill-len 2048
+    OMNI_CUDA_PROFILE=16 step "$e-profile-decode" "$BIN/$e" bench latency \
+      --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --enforce-eager \
+      --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
+      --input-len 1024 --output-len 32 --prefill-len 2048
+  done
+  for r in 1 2; do
+    for e in omni-engine base-omni-engine; do
+      [ -x "$BIN/$e" ] || continue
+      step "$e-r$r-latency" "$BIN/$e" bench latency --model bench/models/qwen3-30b-a3b \
+        --load-format dummy --device cuda --max-model-len 4096 --max-num-seqs 64 \
+        --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 --output-len 64 \
+        --prefill-len 2048 --json "$LOGS/$e-r$r-latency.json"
+    done
   done
 fi
 

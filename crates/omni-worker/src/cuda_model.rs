@@ -327,7 +327,9 @@ pub const L2_PREFETCH_TOKENS_ENV: &str = "OMNI_CUDA_L2_PREFETCH_TOKENS";
 pub const L2_PREFETCH_QKV_EARLY_ENV: &str = "OMNI_CUDA_L2_PREFETCH_QKV_EARLY";
 
 /// Set to `1`, MoE layers on the small-batch expert kernels prefetch the routed experts' down
-/// weights into L2 from the gate_up kernel ([`CudaDecoderModel::set_moe_w2_prefetch`]).
+/// weights into L2 from the gate_up kernel ([`CudaDecoderModel::set_moe_w2_prefetch`]). Off by
+/// default: on an H100 it made the experts 9% slower at batch 1
+/// (`bench/results/gpu-l2-prefetch-2026-12-06.md`).
 pub const MOE_W2_PREFETCH_ENV: &str = "OMNI_CUDA_MOE_W2_PREFETCH";
 
 /// Set to `0`, a CUDA worker skips its start-up warm-up (to measure what it saves:

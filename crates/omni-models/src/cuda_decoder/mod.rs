@@ -195,9 +195,11 @@ pub struct CudaDecoderModel {
 pub const DEFAULT_SMALL_MOE_TOKENS: usize = 1;
 
 /// [`CudaDecoderModel::set_l2_prefetch_tokens`]'s default: none. The hints' first version
-/// made decode at batch 1 40% slower on an H100; the version spread over every SM has not
-/// yet beaten no hints on a GPU (`bench/results/gpu-l2-prefetch-2026-12-06.md`), so it stays
-/// opt-in (64: decode steps up to batch 64).
+/// made decode at batch 1 40% slower on an H100; the version spread over every SM, 3.4%
+/// (qkv_proj and o_proj read L2 and take 15-17% less, but the input norm and the q/k norm +
+/// RoPE kernels that issue the hints take 0.18 ms a step more each;
+/// `bench/results/gpu-l2-prefetch-2026-12-06.md`), so it stays opt-in (64: decode steps up to
+/// batch 64).
 pub const DEFAULT_L2_PREFETCH_TOKENS: usize = 0;
 
 impl CudaDecoderModel {
