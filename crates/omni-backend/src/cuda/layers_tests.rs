@@ -79,62 +79,29 @@ fn qkv_rope_cache_matches_cpu() {
     let Some(cx) = ctx_or_skip("qkv_rope_cache_matches_cpu") else {
         return;
     };
+    // (tokens, q heads, kv heads, head dim, q/k norm, M-RoPE).
     let cases = [
-        // Qwen3-30B-A3B's heads: five groups of 8, the last all keys.
-        Case {
-            tokens: 5,
-            lq: 32,
-            lkv: 4,
-            hd: 128,
-            norm: true,
-            mrope: false,
-        },
-        // A group straddling queries and keys, M-RoPE rows, no norm.
-        Case {
-            tokens: 3,
-            lq: 6,
-            lkv: 3,
-            hd: 64,
-            norm: false,
-            mrope: true,
-        },
+        // Qwen3-30B-A3B's heads, one a warp (a decode step).
+        (5, 32, 4, 128, true, false),
+        // Queries and keys, M-RoPE rows, no norm.
+        (3, 6, 3, 64, false, true),
         // hd / 2 odd: the scalar path.
-        Case {
-            tokens: 4,
-            lq: 5,
-            lkv: 2,
-            hd: 10,
-            norm: true,
-            mrope: false,
-        },
-        // Steps of 256+ tokens group 8 heads a warp: a group of queries and keys, M-RoPE.
-        Case {
-            tokens: 300,
-            lq: 6,
-            lkv: 3,
-            hd: 64,
-            norm: true,
-            mrope: true,
-        },
+        (4, 5, 2, 10, true, false),
+        // Steps of 256+ tokens group 8 heads a warp: queries and keys in one group, M-RoPE.
+        (300, 6, 3, 64, true, true),
         // ... and on the scalar path.
-        Case {
-            tokens: 256,
-            lq: 5,
-            lkv: 2,
-            hd: 10,
-            norm: true,
-            mrope: false,
-        },
+        (256, 5, 2, 10, true, false),
         // The largest head dim.
-        Case {
-            tokens: 2,
-            lq: 4,
-            lkv: 2,
-            hd: 256,
-            norm: true,
-            mrope: true,
-        },
-    ];
+        (2, 4, 2, 256, true, true),
+    ]
+    .map(|(tokens, lq, lkv, hd, norm, mrope)| Case {
+        tokens,
+        lq,
+        lkv,
+        hd,
+        norm,
+        mrope,
+    });
     for (n, c) in cases.iter().enumerate() {
         let (lq, lkv, hd, t) = (c.lq, c.lkv, c.hd, c.tokens);
         let half = hd / 2;
