@@ -286,20 +286,28 @@ fn upload(
     }
 }
 
+/// Workspace bytes for `s` on the public selection or any of `tiles`: the public bound, or more
+/// for test-only candidate tiles of longer row blocks.
+pub(super) fn workspace_bytes_for(s: MoeShape, tiles: impl IntoIterator<Item = TileCfg>) -> usize {
+    tiles
+        .into_iter()
+        .map(|t| Layout::new(&s, &t).total)
+        .fold(fused_moe_workspace_bytes(s), usize::max)
+}
+
 /// Runs the fused block (on `gemm`, or the public selection) into a NaN-poisoned output
 /// with a 0xff-poisoned workspace; returns the raw bf16 output.
 fn run_fused(cx: &CudaContext, d: &DevMoe, s: MoeShape, gemm: Option<MoeGemm>) -> Vec<bf16> {
     let mut out = cx
         .upload_bf16(&vec![bf16::NAN; s.tokens * s.hidden])
         .unwrap();
-    // The public bound, or more for a candidate tile of longer row blocks.
-    let bytes = match gemm {
-        Some(MoeGemm::Tiles(t)) => Layout::new(&s, &t).total,
-        _ => 0,
+    let tile = match gemm {
+        Some(MoeGemm::Tiles(t)) => Some(t),
+        _ => None,
     };
     let mut ws = cx
         .stream()
-        .clone_htod(&vec![0xffu8; bytes.max(fused_moe_workspace_bytes(s))])
+        .clone_htod(&vec![0xffu8; workspace_bytes_for(s, tile)])
         .unwrap();
     match gemm {
         None => cx.fused_moe_bf16(&d.x, &d.w13, &d.w2, &d.ids, &d.ws, &mut out, &mut ws, s),

@@ -4,13 +4,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use super::MoeShape;
 use super::launch::MoeGemm;
-use super::tests::{CUBLAS, bf16_out, cpu_moe_rows, rand_bf16_scaled, run_topk};
+use super::tests::{
+    CUBLAS, bf16_out, cpu_moe_rows, rand_bf16_scaled, run_topk, workspace_bytes_for,
+};
 use super::tiles::{
     LARGE, LARGE_TMA, LARGE_WG, LARGE_WG2, SMALL, TMA_CANDIDATES, TileCfg, WG_CANDIDATES,
     WS_CANDIDATES,
 };
-use super::{Layout, MoeShape, fused_moe_workspace_bytes};
 use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, bf16};
 
@@ -74,12 +76,10 @@ fn fused_moe_real_shape_and_timing() {
         let (ids, ws) = run_topk(&cx, &logits, t, e, k, true);
         (x, ids, ws)
     };
-    // The public bound, or more for candidate tiles of longer row blocks.
-    let ws_bytes = WG_CANDIDATES
-        .iter()
-        .map(|c| Layout::new(&shape(4096), c).total)
-        .fold(fused_moe_workspace_bytes(shape(4096)), usize::max);
-    let mut ws_buf = cx.stream().alloc_zeros::<u8>(ws_bytes).unwrap();
+    let mut ws_buf = cx
+        .stream()
+        .alloc_zeros::<u8>(workspace_bytes_for(shape(4096), WG_CANDIDATES))
+        .unwrap();
 
     for &(t, sample) in &[(4usize, 4usize), (512, 16)] {
         let s = shape(t);
