@@ -78,8 +78,8 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned sh
 // them into (cos, sin) once and applies them to each of its heads. qkv row = [q heads | k heads
 // | v heads] * hd. Launched with programmatic dependent launch: the positions, the M-RoPE axes
 // and the slot mapping are written only by host copies before the step's first kernel, and
-// inv_freq and the norm weights by none, so they are read (and the angles computed) before the
-// wait, overlapping the predecessor (the QKV projection); qkv and every output after it. The L2
+// inv_freq by none, so they are read (and the angles computed) before the wait, overlapping the
+// predecessor (the QKV projection); qkv, the norm weights and every output after it. The L2
 // prefetch of a later kernel's weights is issued before the wait, as in the norm above.
 #define QKR_WARPS 4
 #define QKR_MAX_PAIRS 4

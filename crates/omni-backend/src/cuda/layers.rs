@@ -267,7 +267,7 @@ impl CudaContext {
     /// writes queries to `q_out` and keys / values to their cache slots.
     ///
     /// Launched with programmatic dependent launch: `positions`, `slot_mapping`, the M-RoPE
-    /// axes, `inv_freq` and the norms are read before the wait for the previous kernel, so no
+    /// axes and `inv_freq` are read before the wait for the previous kernel, so no
     /// kernel of the stream may write them since its last host copy or ordinary launch (the
     /// decoder uploads them with the step's inputs); `qkv` and the outputs are read and written
     /// after it.
