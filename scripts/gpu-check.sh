@@ -86,9 +86,16 @@
 #   cold    cold start to /health and requests 1..10 one at a time (scripts/bench-cold-start.sh)
 #           for the Qwen3-30B-A3B shape (dummy weights): request 1 must be as fast as the rest
 #   ab-base this tree's omni-engine against base-omni-engine (staged from the tree before a
-#           change): the kernel tests QKR_TESTS (default qkv_rope_cache_matches_cpu) and the
-#           model tests, eager per-op profiles (a 2048-token prefill, decode at batch 1) and bench
-#           latency (batch 1/16/64, prefill 2048) of the Qwen3-30B-A3B shape, interleaved twice
+#           change; AB_ENGINES names other staged binaries to compare, default "omni-engine
+#           base-omni-engine"): the kernel tests QKR_TESTS (default qkv_rope_cache_matches_cpu)
+#           and the model tests, eager per-op profiles (a 2048-token prefill, decode at batch 1)
+#           and bench latency (batch 1/16/64, prefill 2048) of the Qwen3-30B-A3B shape,
+#           interleaved twice
+#   ncu-engine  Nsight Compute inside the engine's own 2048-token prefill of the Qwen3-30B-A3B
+#           shape (eager; the routing the dummy weights give, not the timing test's random one):
+#           NCU_KERNELS (default a layer's MoE alignment, 128-row expert GEMMs and reduction,
+#           and the prefill attention), after NCU_SKIP matching launches (default 600: past the
+#           warm-up), NCU_COUNT (6) of them
 #   tp8     (8 GPUs) the same serve benchmark with -tp 8 for Qwen3-30B-A3B and Llama-3-70B,
 #           plus `bench latency` -tp 8 (SERVE_TP / SERVE_MODELS override)
 #
@@ -504,7 +511,8 @@ fi
 if want ab-base; then
   step base-kernels "$BIN/backend-tests" ${QKR_TESTS:-qkv_rope_cache_matches_cpu} --test-threads=1 --nocapture
   [ -x "$BIN/model-tests" ] && step base-model "$BIN/model-tests" --test-threads=1
-  for e in omni-engine base-omni-engine; do
+  read -ra AB <<<"${AB_ENGINES:-omni-engine base-omni-engine}"
+  for e in "${AB[@]}"; do
     [ -x "$BIN/$e" ] || continue
     OMNI_CUDA_PROFILE=1 step "$e-profile-prefill" "$BIN/$e" bench latency \
       --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --enforce-eager \
@@ -516,7 +524,7 @@ if want ab-base; then
       --input-len 1024 --output-len 32 --prefill-len 2048
   done
   for r in 1 2; do
-    for e in omni-engine base-omni-engine; do
+    for e in "${AB[@]}"; do
       [ -x "$BIN/$e" ] || continue
       step "$e-r$r-latency" "$BIN/$e" bench latency --model bench/models/qwen3-30b-a3b \
         --load-format dummy --device cuda --max-model-len 4096 --max-num-seqs 64 \
@@ -524,6 +532,20 @@ if want ab-base; then
         --prefill-len 2048 --json "$LOGS/$e-r$r-latency.json"
     done
   done
+fi
+
+if want ncu-engine; then
+  if [ -n "$NCU" ]; then
+    step ncu-engine "$NCU" --target-processes all \
+      --kernel-name "regex:${NCU_KERNELS:-^(moe_(align|reduce)|moe_(gate_up|down)_wg2|attn_prefill_wg_hd128_w2_n128)\$}" \
+      --launch-skip "${NCU_SKIP:-600}" --launch-count "${NCU_COUNT:-6}" "${NCU_SECTIONS[@]}" \
+      "$BIN/omni-engine" bench latency --model bench/models/qwen3-30b-a3b --load-format dummy \
+      --device cuda --enforce-eager --max-model-len 4096 --max-num-seqs 64 \
+      --max-num-batched-tokens 4096 --batch-sizes 1 --input-len 2048 --output-len 2 \
+      --prefill-len 2048
+  else
+    echo "== ncu: not on this machine"
+  fi
 fi
 
 if want profile; then

@@ -17,14 +17,20 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 }
 
 // The residual stream is f32. mode 1: residual = bf16 `init` (the embedding); 2: residual +=
-// f32 `delta`; 0: as it is. Then out = residual * rsqrt(mean(residual^2) + eps) * w.
+// f32 `delta`; 0: as it is. Then out = residual * rsqrt(mean(residual^2) + eps) * w, and, where
+// not null, the unrounded normed rows v into `out32` (f32) and/or the rest of v past its bf16
+// `out` into `out_lo` as two more bf16 terms: row r of out_lo is [mid | lo] (2 dim) with
+// mid = bf16(v - out), lo = bf16(v - out - mid). Both differences are exact in f32 and the
+// three terms hold v's 24-bit significand, so out + mid + lo == v (the MoE router's split bf16
+// GEMM takes them for f32 products on tensor cores).
 // Launched with programmatic dependent launch: lets dependents launch, issues the L2 prefetch of
 // a later kernel's weights (`l2_prefetch`, before the wait: weights only; blocks past the rows
 // only prefetch), then waits.
 extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
         const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
         const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
-        float* __restrict__ out32, int dim, float eps, L2_PREFETCH_ARGS) {
+        float* __restrict__ out32, unsigned short* __restrict__ out_lo, int dim, float eps,
+        L2_PREFETCH_ARGS) {
     __shared__ float sh[32];
     pdl_launch_dependents();
     if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
@@ -59,8 +65,15 @@ extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual
     float inv = rsqrtf(block_sum(ss, sh) / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         const float v = bf2f(w[i]) * (x[i] * inv);
-        y[i] = f2bf(v);
+        const unsigned short hi = f2bf(v);
+        y[i] = hi;
         if (out32) out32[base + i] = v;
+        if (out_lo) {
+            const float r = v - bf2f(hi);
+            const unsigned short mid = f2bf(r);
+            out_lo[2 * base + i] = mid;
+            out_lo[2 * base + dim + i] = f2bf(r - bf2f(mid));
+        }
     }
 }
 
@@ -83,6 +96,9 @@ extern "C" __global__ void add_bias_f32(float* __restrict__ x, const unsigned sh
 // prefetch of a later kernel's weights is issued before the wait, as in the norm above.
 #define QKR_WARPS 4
 #define QKR_MAX_PAIRS 4
+// Most heads a warp takes (the Rust side's QKV_ROPE_HEADS); their q/k words are all loaded
+// before the first is normed, so a warp has every head's loads in flight at once.
+#define QKR_MAX_HEADS 8
 template <int E>
 __device__ __forceinline__ void qkr_heads(
         const unsigned short* __restrict__ qkv, unsigned short* __restrict__ q_out,
@@ -113,12 +129,43 @@ __device__ __forceinline__ void qkr_heads(
     pdl_wait();
     const size_t row = (size_t)(lq + 2 * lkv) * hd;
     const unsigned short* src_row = qkv + t * row;
+    // Every head's words first (E bf16 of i and of i + hd/2 per lane and u; a padding token's
+    // keys are never read), then head by head; the scalar path (E = 1, odd hd / 2) loads each
+    // head's words as it comes to it.
+    constexpr int PH = E == 2 ? QKR_MAX_HEADS : 1;
+    unsigned wva[PH][NU], wvb[PH][NU];
+    auto load = [&](int s, int hh) {
+        const bool live = hh < h1 && (hh < lq || slot >= 0);
+        const unsigned short* src = src_row + (size_t)hh * hd;
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+            const int i = E * lane + 32 * E * u;
+            wva[s][u] = wvb[s][u] = 0u;
+            if (live && i < half) {
+                if constexpr (E == 2) {
+                    wva[s][u] = *reinterpret_cast<const unsigned*>(src + i);
+                    wvb[s][u] = *reinterpret_cast<const unsigned*>(src + i + half);
+                } else {
+                    wva[s][u] = src[i];
+                    wvb[s][u] = src[i + half];
+                }
+            }
+        }
+    };
+    if constexpr (PH > 1) {
+#pragma unroll
+        for (int g = 0; g < PH; ++g) load(g, h0 + g);
+    }
     // The norm weights of the current kind of head (q or k), reloaded when it changes.
     const unsigned short* nw_cur = nullptr;
     float wa[NU][E], wb[NU][E];
-    for (int hh = h0; hh < h1; ++hh) {
+#pragma unroll
+    for (int g = 0; g < QKR_MAX_HEADS; ++g) {
+        const int hh = h0 + g;
+        if (hh >= h1) break;
         if (hh >= lq && slot < 0) return;  // a padding token's keys and values: whole warps
-        const unsigned short* src = src_row + (size_t)hh * hd;
+        if constexpr (PH == 1) load(0, hh);
+        const int sg = PH == 1 ? 0 : g;
         const unsigned short* nw = hh < lq ? q_norm : k_norm;
         float a[NU][E] = {}, b[NU][E] = {};
         float ss = 0.f;
@@ -126,19 +173,12 @@ __device__ __forceinline__ void qkr_heads(
         for (int u = 0; u < NU; ++u) {
             const int i = E * lane + 32 * E * u;
             if (i < half) {
-                if constexpr (E == 2) {
-                    const unsigned va = *reinterpret_cast<const unsigned*>(src + i);
-                    const unsigned vb = *reinterpret_cast<const unsigned*>(src + i + half);
-                    a[u][0] = bf2f((unsigned short)(va & 0xffffu));
-                    a[u][1] = bf2f((unsigned short)(va >> 16));
-                    b[u][0] = bf2f((unsigned short)(vb & 0xffffu));
-                    b[u][1] = bf2f((unsigned short)(vb >> 16));
-                } else {
-                    a[u][0] = bf2f(src[i]);
-                    b[u][0] = bf2f(src[i + half]);
-                }
 #pragma unroll
-                for (int e = 0; e < E; ++e) ss += a[u][e] * a[u][e] + b[u][e] * b[u][e];
+                for (int e = 0; e < E; ++e) {
+                    a[u][e] = bf2f((unsigned short)(wva[sg][u] >> (16 * e)));
+                    b[u][e] = bf2f((unsigned short)(wvb[sg][u] >> (16 * e)));
+                    ss += a[u][e] * a[u][e] + b[u][e] * b[u][e];
+                }
             }
         }
         if (nw) {

@@ -217,6 +217,19 @@ pub fn matmul_nt(
     )
 }
 
+/// Splits f32 values into two bf16 terms, `hi = bf16(v)` (round to nearest even) and
+/// `lo = bf16(v - hi)`: `hi + lo` keeps 16 or more of v's 24 significand bits, and `lo` is 0
+/// wherever v is a bf16 value (every weight of a bf16 checkpoint). The GPU's MoE router takes
+/// them to compute f32-accurate logits with bf16 tensor-core products.
+pub fn split_bf16(v: &[f32]) -> (Vec<half::bf16>, Vec<half::bf16>) {
+    v.iter()
+        .map(|&x| {
+            let hi = half::bf16::from_f32(x);
+            (hi, half::bf16::from_f32(x - hi.to_f32()))
+        })
+        .unzip()
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -264,5 +277,28 @@ mod tests {
         )
         .unwrap();
         assert_eq!(d, [3.0, 5.0, 7.0, 9.0]);
+    }
+    #[test]
+    fn split_bf16_keeps_sixteen_bits_and_is_exact_on_bf16_values() {
+        let v: Vec<f32> = (0..4096)
+            .map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * 3.0f32.powi(i % 9 - 4))
+            .collect();
+        let (hi, lo) = split_bf16(&v);
+        let mut inexact_hi = 0;
+        for ((&x, h), l) in v.iter().zip(&hi).zip(&lo) {
+            let (x64, h64, l64) = (x as f64, h.to_f32() as f64, l.to_f32() as f64);
+            assert!((x64 - h64).abs() <= x64.abs() * 2f64.powi(-8), "{x}");
+            assert!((x64 - h64 - l64).abs() <= x64.abs() * 2f64.powi(-16), "{x}");
+            inexact_hi += usize::from(x64 != h64);
+        }
+        assert!(
+            inexact_hi > 3000,
+            "the values are mostly not bf16 ones: {inexact_hi}"
+        );
+        // bf16 values (a bf16 checkpoint's weights) split into themselves and zeros.
+        let exact: Vec<f32> = hi.iter().map(|h| h.to_f32()).collect();
+        let (hi2, lo2) = split_bf16(&exact);
+        assert_eq!(hi2, hi);
+        assert!(lo2.iter().all(|l| l.to_f32() == 0.0));
     }
 }

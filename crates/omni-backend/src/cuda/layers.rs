@@ -32,10 +32,13 @@ const QKV_ROPE_CACHE_FN: &str = "qkv_rope_cache_bf16";
 /// Warps per block of `qkv_rope_cache_bf16` (its `QKR_WARPS`).
 const QKV_ROPE_WARPS: usize = 4;
 /// Heads per warp of `qkv_rope_cache_bf16` from [`QKV_ROPE_GROUP_TOKENS`] tokens (one below):
-/// a warp computes its token's RoPE angles once for all its heads but does the heads one after
-/// another. On an H100 (Qwen3-30B-A3B, 40 heads) 8 a warp took a 2048-token prefill's kernel
-/// from 41 to 33 µs a layer, and a batch-1 decode's from 6.8 to 10.5.
+/// a warp computes its token's RoPE angles once for all its heads and loads all their words
+/// before it norms the first, then does the heads one after another. On an H100
+/// (Qwen3-30B-A3B, 40 heads) 8 a warp took a 2048-token prefill's kernel from 41 to 33 µs a
+/// layer (loading head by head), and a batch-1 decode's from 6.8 to 10.5. At most the kernel's
+/// `QKR_MAX_HEADS` (8): a warp's heads past it would be left undone.
 const QKV_ROPE_HEADS: usize = 8;
+const _: () = assert!(QKV_ROPE_HEADS <= 8, "QKR_MAX_HEADS of kernels/layers.cu");
 /// Steps of at least this many tokens group [`QKV_ROPE_HEADS`] heads a warp.
 const QKV_ROPE_GROUP_TOKENS: usize = 256;
 /// Largest head_dim of `qkv_rope_cache_bf16` (`QKR_MAX_PAIRS` rotary pairs a lane).
@@ -145,19 +148,24 @@ impl CudaContext {
         dim: usize,
         eps: f32,
     ) -> CudaResult<()> {
+        let extra = NormExtra {
+            out32,
+            out_lo: None,
+        };
         self.fused_add_rms_norm_prefetch(
             residual,
             update,
             weight,
             out,
-            out32,
+            extra,
             (rows, dim, eps),
             L2Prefetch::NONE,
         )
     }
 
-    /// [`CudaContext::fused_add_rms_norm_f32_out`] (`shape`: rows, dim, eps) that also issues
-    /// `prefetch` (a later kernel's weights) into L2 before it waits for its predecessor.
+    /// [`CudaContext::fused_add_rms_norm`] (`shape`: rows, dim, eps) that also writes `extra`
+    /// and issues `prefetch` (a later kernel's weights) into L2 before it waits for its
+    /// predecessor.
     #[allow(clippy::too_many_arguments)]
     pub fn fused_add_rms_norm_prefetch(
         &self,
@@ -165,7 +173,7 @@ impl CudaContext {
         update: ResidualUpdate<'_>,
         weight: &impl DevicePtr<bf16>,
         out: &mut impl DevicePtrMut<bf16>,
-        out32: Option<&mut CudaViewMut<'_, f32>>,
+        extra: NormExtra<'_, '_>,
         (rows, dim, eps): (usize, usize, f32),
         prefetch: L2Prefetch,
     ) -> CudaResult<()> {
@@ -192,9 +200,16 @@ impl CudaContext {
             narrow::<u32>("rows", rows)?,
             block_threads(dim.div_ceil(4), 1024),
         );
-        let mut o32 = match out32 {
+        let mut o32 = match extra.out32 {
             Some(o) => {
                 at_least("cuda rms_norm out32", o.len(), n)?;
+                o.device_ptr_mut(s).0
+            }
+            None => 0u64,
+        };
+        let mut olo = match extra.out_lo {
+            Some(o) => {
+                at_least("cuda rms_norm out_lo", o.len(), 2 * n)?;
                 o.device_ptr_mut(s).0
             }
             None => 0u64,
@@ -208,14 +223,16 @@ impl CudaContext {
         let (grid, (mut pf0, mut pf0_bytes, mut pf1, mut pf1_bytes, mut pf_work)) =
             prefetch.launch(grid, self.info.sm_count);
         let mut args = kernel_args!(
-            x, init, delta, mode, w, y, o32, dim_i, eps, pf0, pf0_bytes, pf1, pf1_bytes, pf_work
+            x, init, delta, mode, w, y, o32, olo, dim_i, eps, pf0, pf0_bytes, pf1, pf1_bytes,
+            pf_work
         );
         // SAFETY: the arguments match `fused_add_rmsnorm_f32res(float*, const u16*, const
-        // float*, int, const u16*, u16*, float*, int, float, L2_PREFETCH_ARGS)` (the prefetch
-        // regions: `L2Prefetch`'s aligned read-only device ranges, or null / 0, only
+        // float*, int, const u16*, u16*, float*, u16*, int, float, L2_PREFETCH_ARGS)` (the
+        // prefetch regions: `L2Prefetch`'s aligned read-only device ranges, or null / 0, only
         // prefetched, never dereferenced); residual, out, out32 (or null)
         // and the buffer of the mode (the others are null and unread) hold at least rows * dim
-        // elements and weight dim (checked above); one block per row (blocks past `rows`, when
+        // elements, out_lo (or null) 2 rows * dim and weight dim (checked above); the kernel
+        // writes out_lo's row r at 2 r dim .. 2 (r + 1) dim; one block per row (blocks past `rows`, when
         // there is a region to prefetch, only prefetch and exit), block size a multiple of
         // 32 and at most 1024 as `block_sum` requires. float4 accesses are only taken when dim
         // is a multiple of 4, so rows start 16-byte aligned in the (256-byte aligned) f32
@@ -615,6 +632,17 @@ impl CudaContext {
         unsafe { cudarc::cublas::Gemm::gemm(&self.blas, cfg, w, a, out) }?;
         Ok(())
     }
+}
+
+/// What [`CudaContext::fused_add_rms_norm_prefetch`] writes besides the bf16 normed rows.
+#[derive(Debug, Default)]
+pub struct NormExtra<'a, 'b> {
+    /// The normed rows unrounded (f32, `rows * dim`).
+    pub out32: Option<&'a mut CudaViewMut<'b, f32>>,
+    /// The rest of each normed value past its bf16 as two more bf16 terms (`rows * 2 dim`, row
+    /// r = `[mid | lo]`; bf16 + mid + lo is the f32 value exactly): the input of
+    /// [`CudaContext::moe_router_split`].
+    pub out_lo: Option<&'a mut CudaViewMut<'b, bf16>>,
 }
 
 /// How [`CudaContext::fused_add_rms_norm`] updates the residual stream before the norm.

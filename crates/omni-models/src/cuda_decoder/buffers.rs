@@ -49,8 +49,12 @@ pub(super) struct Activations {
     pub(super) attn_workspace: CudaSlice<f32>,
     /// Router logits in f32 (routing is a top-k: bf16 logits would flip near-ties).
     pub(super) router_logits: CudaSlice<f32>,
-    /// The MoE layers' normed input, unrounded, for the router.
+    /// The MoE layers' normed input, unrounded, for a shared expert's gate.
     pub(super) h32: CudaSlice<f32>,
+    /// The MoE layers' normed input past its bf16 `h`, as two more bf16 terms per element
+    /// (`[tokens, 2 hidden]`, [`omni_backend::cuda::NormExtra::out_lo`]): the router's input
+    /// on steps the small-batch router does not take.
+    pub(super) h_lo: CudaSlice<bf16>,
     pub(super) topk_ids: CudaSlice<i32>,
     pub(super) topk_weights: CudaSlice<f32>,
     pub(super) moe_workspace: CudaSlice<u8>,
@@ -144,7 +148,12 @@ impl CudaDecoderModel {
             })?,
             attn_workspace: s.alloc_zeros(attn_workspace.max(1))?,
             router_logits: s.alloc_zeros((t * e).max(1))?,
-            h32: s.alloc_zeros(if moe_shape.is_some() { t * h } else { 1 })?,
+            h32: s.alloc_zeros(if moe_shape.is_some() && shared {
+                t * h
+            } else {
+                1
+            })?,
+            h_lo: s.alloc_zeros(if moe_shape.is_some() { 2 * t * h } else { 1 })?,
             topk_ids: s.alloc_zeros((t * k).max(1))?,
             topk_weights: s.alloc_zeros((t * k).max(1))?,
             moe_workspace: s.alloc_zeros(moe_shape.map_or(1, fused_moe_workspace_bytes))?,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use omni_backend::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use omni_backend::cuda::{
     AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch, MoeShape,
-    MropeAxes, QkvBuffers, QkvShape, ResidualUpdate, bf16,
+    MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, bf16,
 };
 
 use super::buffers::{Activations, StepInputs};
@@ -279,7 +279,7 @@ impl CudaDecoderModel {
                 update,
                 &l.input_norm,
                 &mut a.h,
-                None,
+                NormExtra::default(),
                 (t, h, eps),
                 pf.qkv,
             )?;
@@ -331,16 +331,23 @@ impl CudaDecoderModel {
                 Self::small_moe_route(&cx, a, l, (t, h), eps, true)?;
                 mark!("rms_norm+moe_router+topk");
             } else {
-                let is_moe = matches!(l.mlp, DMlp::Moe { .. });
-                cx.fused_add_rms_norm_f32_out(
+                // A MoE layer's router takes the normed rows past bf16 too, and a shared
+                // expert's gate the f32 rows.
+                let (is_moe, shared) = match &l.mlp {
+                    DMlp::Moe { shared, .. } => (true, shared.is_some()),
+                    DMlp::Dense { .. } => (false, false),
+                };
+                cx.fused_add_rms_norm_prefetch(
                     &mut a.x,
                     ResidualUpdate::Add(a.proj.slice(..t * h)),
                     &l.post_norm,
                     &mut a.h,
-                    is_moe.then(|| a.h32.slice_mut(..t * h)).as_mut(),
-                    t,
-                    h,
-                    eps,
+                    NormExtra {
+                        out32: shared.then(|| a.h32.slice_mut(..t * h)).as_mut(),
+                        out_lo: is_moe.then(|| a.h_lo.slice_mut(..2 * t * h)).as_mut(),
+                    },
+                    (t, h, eps),
+                    L2Prefetch::NONE,
                 )?;
                 mark!("rms_norm");
             }
@@ -367,7 +374,7 @@ impl CudaDecoderModel {
                     mark!("down_proj");
                 }
                 DMlp::Moe {
-                    router,
+                    router_split,
                     w13,
                     w2,
                     inter,
@@ -375,6 +382,7 @@ impl CudaDecoderModel {
                     top_k,
                     renormalize,
                     shared,
+                    ..
                 } => {
                     let (e, k) = (*num_experts, *top_k);
                     if routed && small_moe && Self::small_moe_fits(&l.mlp, t, h) {
@@ -393,7 +401,13 @@ impl CudaDecoderModel {
                     }
                     if !routed {
                         let mut logits = a.router_logits.slice_mut(..t * e);
-                        cx.matmul_nt_f32(&a.h32.slice(..t * h), router, &mut logits, t, h, e)?;
+                        cx.moe_router_split(
+                            &a.h.slice(..t * h),
+                            &a.h_lo.slice(..2 * t * h),
+                            router_split,
+                            &mut logits,
+                            t,
+                        )?;
                         mark!("moe_router");
                         cx.moe_topk_softmax(
                             &a.router_logits.slice(..t * e),

@@ -2,7 +2,7 @@
 //! sharded) layers as bf16, [`DummyMaker`] makes random ones of the right shapes on the device.
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;
-use omni_backend::cuda::{CudaContext, bf16};
+use omni_backend::cuda::{CudaContext, RouterSplit, bf16};
 
 use crate::ModelError;
 use crate::decoder::{DecoderLayer, DecoderLinear, DecoderSpec, HeadLayout, Mlp};
@@ -26,6 +26,9 @@ pub(super) enum DMlp {
         /// `[E, H]` in f32: routing is a top-k over nearly equal logits, computed in f32 from
         /// the unrounded normed hidden state so it picks the experts the f32 reference picks.
         router: CudaSlice<f32>,
+        /// The same router for steps longer than the small-batch router takes: f32-accurate
+        /// logits on tensor cores ([`omni_backend::cuda::RouterSplit`]).
+        router_split: RouterSplit,
         /// `[E, 2 I, H]`: per expert, I gate rows then I up rows.
         w13: CudaSlice<bf16>,
         /// `[E, H, I]`.
@@ -109,6 +112,12 @@ impl Uploader<'_> {
                 };
                 DMlp::Moe {
                     router: self.cx.stream().clone_htod(&m.router)?,
+                    router_split: RouterSplit::upload(
+                        self.cx,
+                        &m.router,
+                        m.experts.len(),
+                        m.router.len() / m.experts.len().max(1),
+                    )?,
                     w13: self.upload(&w13)?,
                     w2: self.upload(&w2)?,
                     inter,
@@ -217,6 +226,8 @@ impl DummyMaker<'_> {
             (Some(m), true) => {
                 let inter = split(m.moe_intermediate_size, "moe_intermediate_size")?;
                 let router = self.weight_f32(m.num_experts * h)?;
+                let router_host = self.cx.stream().clone_dtoh(&router)?;
+                let router_split = RouterSplit::upload(self.cx, &router_host, m.num_experts, h)?;
                 let shared = match m.shared_expert_intermediate_size {
                     Some(si) => {
                         let si = split(si, "shared_expert_intermediate_size")?;
@@ -231,6 +242,7 @@ impl DummyMaker<'_> {
                 };
                 DMlp::Moe {
                     router,
+                    router_split,
                     w13: self.weight(m.num_experts * 2 * inter * h)?,
                     w2: self.weight(m.num_experts * h * inter)?,
                     inter,

@@ -43,10 +43,14 @@
 //! `source.rs` the kernels' source (`kernels/moe/*`, with one `extern "C"` entry per tile and
 //! GEMM), in `launch.rs` the launchers. Steps of at most 8 tokens have a three-kernel path of
 //! their own, norm and routing included (`small.rs`; host emulators in `small_emu.rs`, GPU
-//! tests in `small_tests.rs`).
+//! tests in `small_tests.rs`); longer steps' router logits come from `router.rs` (f32-accurate
+//! products on tensor cores).
 
 mod cublas;
 mod launch;
+mod router;
+#[cfg(test)]
+mod router_tests;
 pub(super) mod small;
 #[cfg(test)]
 mod small_emu;
@@ -62,6 +66,7 @@ mod tma;
 
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;
+pub use router::RouterSplit;
 pub use small::{
     MOE_SMALL_MAX_HIDDEN, MOE_SMALL_MAX_INTER, MOE_SMALL_MAX_PAIRS, MOE_SMALL_MAX_TOKENS,
     MoeRouteBuffers, moe_small_act_len,

@@ -1,0 +1,165 @@
+//! GPU tests of the split-bf16 router (`router.rs`; each SKIPs without a CUDA driver): the
+//! norm's three bf16 terms sum to its f32 output exactly, and the router logits match an f64
+//! reference as closely as cuBLAS's SGEMM does, with the same top-k wherever it is clear.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::RouterSplit;
+use super::small_emu::{test_residual, test_router};
+use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32};
+use crate::cuda::{L2Prefetch, NormExtra, ResidualUpdate, bf16};
+
+/// Largest `|got - ref| / sum |x_k w_k|` over every logit.
+fn worst(got: &[f32], want: &[f64], scale: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .zip(scale)
+        .map(|((&g, &w), &s)| (g as f64 - w).abs() / s.max(f64::MIN_POSITIVE))
+        .fold(0.0, f64::max)
+}
+
+/// The experts of the `k` largest logits of a row, sorted, when the k-th leads the next by
+/// more than `gap` (else `None`: a near-tie that any rounding may flip).
+fn top_k(row: &[f64], k: usize, gap: f64) -> Option<Vec<usize>> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    if k < row.len() && row[idx[k - 1]] - row[idx[k]] <= gap {
+        return None;
+    }
+    let mut top = idx[..k].to_vec();
+    top.sort_unstable();
+    Some(top)
+}
+
+#[test]
+fn router_split_matches_f64_like_sgemm() {
+    let Some(cx) = ctx_or_skip("router_split_matches_f64_like_sgemm") else {
+        return;
+    };
+    let st = cx.stream();
+    // (tokens, hidden, experts, router of bf16 values, seed)
+    let cases = [
+        (130, 2048, 128, false, 1u64),
+        (130, 2048, 128, true, 2),
+        (77, 256, 16, false, 3),
+        (300, 512, 60, true, 4),
+    ];
+    for (t, h, e, bf16_router, seed) in cases {
+        let what = format!("t={t} h={h} e={e} bf16 router={bf16_router}");
+        let residual = test_residual(t, h, seed);
+        let delta: Vec<f32> = rand_bf16_f32(t * h, seed + 10)
+            .iter()
+            .map(|v| 0.5 * v)
+            .collect();
+        let nw: Vec<f32> = rand_bf16_f32(h, seed + 20)
+            .iter()
+            .map(|v| 1.0 + 0.5 * v)
+            .collect();
+        let mut router = test_router(e, h, seed + 30, &[]);
+        if bf16_router {
+            router
+                .iter_mut()
+                .for_each(|w| *w = bf16::from_f32(*w).to_f32());
+        }
+
+        let mut x = st.clone_htod(&residual).unwrap();
+        let d = st.clone_htod(&delta).unwrap();
+        let nw_dev = cx.upload_f32_as_bf16(&nw).unwrap();
+        let mut hb = cx.zeros_bf16(t * h).unwrap();
+        let mut h32 = st.alloc_zeros::<f32>(t * h).unwrap();
+        let mut h_lo = cx.zeros_bf16(2 * t * h).unwrap();
+        cx.fused_add_rms_norm_prefetch(
+            &mut x,
+            ResidualUpdate::Add(d.slice(..)),
+            &nw_dev,
+            &mut hb,
+            NormExtra {
+                out32: Some(&mut h32.slice_mut(..)),
+                out_lo: Some(&mut h_lo.slice_mut(..)),
+            },
+            (t, h, 1e-6),
+            L2Prefetch::NONE,
+        )
+        .unwrap();
+        let (hi, v32, lo) = (
+            st.clone_dtoh(&hb).unwrap(),
+            st.clone_dtoh(&h32).unwrap(),
+            st.clone_dtoh(&h_lo).unwrap(),
+        );
+        for r in 0..t {
+            for i in 0..h {
+                let (mid, low) = (lo[2 * r * h + i], lo[2 * r * h + h + i]);
+                let sum = hi[r * h + i].to_f32() as f64 + mid.to_f32() as f64 + low.to_f32() as f64;
+                assert_eq!(sum, v32[r * h + i] as f64, "{what}: row {r} col {i}");
+            }
+        }
+
+        let split = RouterSplit::upload(&cx, &router, e, h).unwrap();
+        assert_eq!(split.has_lo(), !bf16_router, "{what}");
+        let mut logits = st.alloc_zeros::<f32>(t * e).unwrap();
+        cx.moe_router_split(&hb, &h_lo, &split, &mut logits, t)
+            .unwrap();
+        let router_dev = st.clone_htod(&router).unwrap();
+        let mut sgemm = st.alloc_zeros::<f32>(t * e).unwrap();
+        cx.matmul_nt_f32(&h32, &router_dev, &mut sgemm, t, h, e)
+            .unwrap();
+        let (got, sg) = (
+            st.clone_dtoh(&logits).unwrap(),
+            st.clone_dtoh(&sgemm).unwrap(),
+        );
+
+        let (mut want, mut scale) = (vec![0f64; t * e], vec![0f64; t * e]);
+        for r in 0..t {
+            for j in 0..e {
+                let (xr, wr) = (&v32[r * h..(r + 1) * h], &router[j * h..(j + 1) * h]);
+                for (&a, &b) in xr.iter().zip(wr) {
+                    want[r * e + j] += a as f64 * b as f64;
+                    scale[r * e + j] += (a as f64 * b as f64).abs();
+                }
+            }
+        }
+        let (err, err_sgemm) = (worst(&got, &want, &scale), worst(&sg, &want, &scale));
+        println!("{what}: worst logit error / sum |x w|: split {err:.2e}, sgemm {err_sgemm:.2e}");
+        // bf16 inputs alone would be off by ~2^-9; the dropped terms of a non-bf16 router are
+        // below 2^-16 of each product.
+        let bound = if bf16_router { 1e-5 } else { 6e-5 };
+        assert!(err <= bound, "{what}: {err:e}");
+        assert!(
+            err <= 4.0 * err_sgemm + 4e-6,
+            "{what}: {err:e} vs sgemm {err_sgemm:e}"
+        );
+
+        // The same experts wherever the reference's k-th logit is clear of the next.
+        let k = 8.min(e - 1);
+        let mut clear = 0;
+        for r in 0..t {
+            let row = |v: &[f32]| {
+                v[r * e..(r + 1) * e]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect::<Vec<_>>()
+            };
+            let gap = 1e-4
+                * scale[r * e..(r + 1) * e]
+                    .iter()
+                    .fold(0.0, |a: f64, &b| a.max(b));
+            if let Some(ref_top) = top_k(&want[r * e..(r + 1) * e], k, gap) {
+                clear += 1;
+                assert_eq!(
+                    top_k(&row(&got), k, 0.0),
+                    Some(ref_top.clone()),
+                    "{what}: token {r}"
+                );
+                assert_eq!(
+                    top_k(&row(&sg), k, 0.0),
+                    Some(ref_top),
+                    "{what}: token {r} (sgemm)"
+                );
+            }
+        }
+        assert!(
+            clear * 10 >= t * 9,
+            "{what}: only {clear} of {t} routings are clear"
+        );
+    }
+}
