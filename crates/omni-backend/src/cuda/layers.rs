@@ -551,19 +551,44 @@ impl CudaContext {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let (mi, ki, ni) = (
-            narrow::<i32>("m", m)?,
-            narrow::<i32>("k", k)?,
-            narrow::<i32>("n", n)?,
-        );
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let (ap, _g1) = a.device_ptr(&self.stream);
         let (wp, _g2) = w.device_ptr(&self.stream);
         let (op, _g3) = out.device_ptr_mut(&self.stream);
-        // SAFETY: the handle is bound to this context's stream; the three pointers are device
-        // allocations whose lengths were checked above against the shapes and leading dimensions
-        // (see `matmul_nt_bf16` for the row-major to column-major mapping); alpha and beta are
-        // f32 as CUBLAS_COMPUTE_32F requires and outlive the call.
+        let g = BlasGemm {
+            a: ap,
+            lda: k.max(1),
+            w: wp,
+            ldw: k.max(1),
+            m,
+            k,
+            n,
+            beta: 0.0,
+        };
+        // SAFETY: the three pointers are device allocations of this context's stream whose
+        // lengths were checked above against the shapes (a: m k, w: n k, out: m n), with
+        // leading dimensions k.
+        unsafe { self.gemm_bf16_f32(g, op) }?;
+        Ok(())
+    }
+
+    /// `out[m, n] = a[m, :k] @ w[n, :k]^T + beta out` (row strides `lda`, `ldw`; bf16 in, f32
+    /// out and compute).
+    ///
+    /// # Safety
+    /// `a` holds `(m - 1) lda + k` bf16, `w` `(n - 1) ldw + k`, `out` `m n` f32, all device
+    /// memory of this context's stream, `k <= lda` and `k <= ldw`.
+    pub(super) unsafe fn gemm_bf16_f32(&self, g: BlasGemm, out: u64) -> CudaResult<()> {
+        let (mi, ki, ni) = (
+            narrow::<i32>("m", g.m)?,
+            narrow::<i32>("k", g.k)?,
+            narrow::<i32>("n", g.n)?,
+        );
+        let (lda, ldw) = (narrow::<i32>("lda", g.lda)?, narrow::<i32>("ldw", g.ldw)?);
+        let alpha = 1.0f32;
+        // SAFETY: the caller's contract; cuBLAS's column-major view is the transposed product
+        // (see `matmul_nt_bf16`): out^T [n, m] = w [n, k] . a^T [k, m], w read transposed
+        // with leading dimension ldw, a with lda, out with n; alpha and beta are f32 as
+        // CUBLAS_COMPUTE_32F requires and outlive the call.
         unsafe {
             blas_result::gemm_ex(
                 *self.blas.handle(),
@@ -573,14 +598,14 @@ impl CudaContext {
                 mi,
                 ki,
                 (&alpha) as *const f32 as *const _,
-                wp as *const _,
+                g.w as *const _,
                 blas_sys::cudaDataType_t::CUDA_R_16BF,
-                ki.max(1),
-                ap as *const _,
+                ldw,
+                g.a as *const _,
                 blas_sys::cudaDataType_t::CUDA_R_16BF,
-                ki.max(1),
-                (&beta) as *const f32 as *const _,
-                op as *mut _,
+                lda,
+                (&g.beta) as *const f32 as *const _,
+                out as *mut _,
                 blas_sys::cudaDataType_t::CUDA_R_32F,
                 ni,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -655,4 +680,17 @@ pub enum ResidualUpdate<'a> {
     /// Leave it as it is (a sub-block that added its output itself: the small-batch MoE
     /// experts).
     Keep,
+}
+
+/// One bf16 GEMM with f32 output of [`CudaContext::gemm_bf16_f32`]: device pointers, row
+/// strides, shape and beta.
+pub(super) struct BlasGemm {
+    pub(super) a: u64,
+    pub(super) lda: usize,
+    pub(super) w: u64,
+    pub(super) ldw: usize,
+    pub(super) m: usize,
+    pub(super) k: usize,
+    pub(super) n: usize,
+    pub(super) beta: f32,
 }

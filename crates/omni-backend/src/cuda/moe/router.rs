@@ -18,11 +18,11 @@
 //! of a product, and none with a bf16 checkpoint: the sums differ from the SGEMM's only in
 //! their order.
 
-use cudarc::cublas::{result as blas_result, sys as blas_sys};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::super::launch::{at_least, narrow};
+use super::super::launch::at_least;
+use super::super::layers::BlasGemm;
 use super::super::{CudaContext, CudaResult};
 
 /// A router matrix (`[num_experts, hidden]`) as [`CudaContext::moe_router_split`] reads it.
@@ -90,7 +90,7 @@ impl CudaContext {
         if tokens == 0 || e == 0 {
             return Ok(());
         }
-        let g = |a, lda, w, ldw, k, beta| Gemm {
+        let g = |a, lda, w, ldw, k, beta| BlasGemm {
             a,
             lda,
             w,
@@ -119,60 +119,4 @@ impl CudaContext {
         }
         Ok(())
     }
-
-    /// `out[m, n] = a[m, :k] @ w[n, :k]^T + beta out` (row strides `lda`, `ldw`; bf16 in, f32
-    /// out and compute).
-    ///
-    /// # Safety
-    /// `a` holds `(m - 1) lda + k` bf16, `w` `(n - 1) ldw + k`, `out` `m n` f32, all device
-    /// memory of this context's stream, `k <= lda` and `k <= ldw`.
-    unsafe fn gemm_bf16_f32(&self, g: Gemm, out: u64) -> CudaResult<()> {
-        let (mi, ki, ni) = (
-            narrow::<i32>("m", g.m)?,
-            narrow::<i32>("k", g.k)?,
-            narrow::<i32>("n", g.n)?,
-        );
-        let (lda, ldw) = (narrow::<i32>("lda", g.lda)?, narrow::<i32>("ldw", g.ldw)?);
-        let alpha = 1.0f32;
-        // SAFETY: the caller's contract; cuBLAS's column-major view is the transposed product
-        // (as `matmul_nt_bf16_f32`): out^T [n, m] = w [n, k] . a^T [k, m], w read transposed
-        // with leading dimension ldw, a with lda, out with n; alpha and beta are f32 as
-        // CUBLAS_COMPUTE_32F requires and outlive the call.
-        unsafe {
-            blas_result::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                ni,
-                mi,
-                ki,
-                (&alpha) as *const f32 as *const _,
-                g.w as *const _,
-                blas_sys::cudaDataType_t::CUDA_R_16BF,
-                ldw,
-                g.a as *const _,
-                blas_sys::cudaDataType_t::CUDA_R_16BF,
-                lda,
-                (&g.beta) as *const f32 as *const _,
-                out as *mut _,
-                blas_sys::cudaDataType_t::CUDA_R_32F,
-                ni,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }?;
-        Ok(())
-    }
-}
-
-/// One GEMM of [`CudaContext::moe_router_split`]: device pointers and strides.
-struct Gemm {
-    a: u64,
-    lda: usize,
-    w: u64,
-    ldw: usize,
-    m: usize,
-    k: usize,
-    n: usize,
-    beta: f32,
 }
