@@ -91,6 +91,9 @@
 #           and the model tests, eager per-op profiles (a 2048-token prefill, decode at batch 1)
 #           and bench latency (batch 1/16/64, prefill 2048) of the Qwen3-30B-A3B shape,
 #           interleaved twice
+#   ab-staged the staged GEMV of decode steps (weights copied into shared memory under the
+#           latency-bound kernels before the projections): its checks, the model tests with it
+#           on, bench latency with it off / on (STAGED_MODES, STAGED_MODELS, STAGED_BATCHES)
 #   ncu-engine  Nsight Compute inside the engine's own 2048-token prefill of the Qwen3-30B-A3B
 #           shape (eager; the routing the dummy weights give, not the timing test's random one):
 #           NCU_KERNELS (default a layer's MoE alignment, 128-row expert GEMMs and reduction,
@@ -155,7 +158,7 @@ step() { # name, command...
   timeout "${STEP_TIMEOUT:-300}" "$@" >> "$LOGS/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOGS/$name.log"
-  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|route|topk T|paths|cublas|dense|large|wgmma|real shape)|torch |gemv |fused gemv |sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -140
+  grep -E '^(SKIP|NCCL|built |\s+[0-9]+ |attention (decode|prefill)|moe (decode|prefill|route|topk T|paths|cublas|dense|large|wgmma|real shape)|torch |gemv |fused gemv |staged gemv |sampling [a-z]+ .*(us|µs)|nccl all-reduce|gpu |test result|.*panicked|bench |  (B=|prefill )|\|)|profile |GPU blocks|captured CUDA graphs|healthy after|request|warmed up' "$LOGS/$name.log" | grep -v 'attention check' | head -140
   [ $rc -ne 0 ] && fail=1
   return 0
 }
@@ -447,6 +450,32 @@ if want ab-l2; then
         --batch-sizes 1 --input-len 1024 --output-len 32 --prefill-len 2048
     done
   fi
+fi
+if want ab-staged; then
+  # The staged GEMV of decode steps (OMNI_CUDA_STAGED_GEMV_TOKENS): its checks and timing
+  # lines, the model and small-batch MoE tests with it on, then bench latency at STAGED_BATCHES
+  # (default 1,4,8) of STAGED_MODELS (default the 30B-A3B shape and Qwen3-8B) with each of
+  # STAGED_MODES (default "0 c 8": off; off with every kernel asking for the largest shared
+  # memory carve-out; on for steps of up to 8 tokens), interleaved STAGED_ROUNDS (2) times;
+  # STAGED_KB sets its shared-memory budget (OMNI_CUDA_STAGED_GEMV_KB). NO_TESTS=1: no checks.
+  if [ -z "${NO_TESTS:-}" ]; then
+    step staged-kernels "$BIN/backend-tests" cuda::gemv --test-threads=1 --nocapture
+    [ -x "$BIN/model-tests" ] && OMNI_CUDA_STAGED_GEMV_TOKENS=8 step staged-model "$BIN/model-tests" --test-threads=1
+    [ -x "$BIN/moe-small-tests" ] && OMNI_CUDA_STAGED_GEMV_TOKENS=8 step staged-moe-small "$BIN/moe-small-tests" --test-threads=1
+  fi
+  for r in $(seq 1 "${STAGED_ROUNDS:-2}"); do
+    for m in ${STAGED_MODELS:-qwen3-30b-a3b qwen3-8b}; do
+      for v in ${STAGED_MODES:-0 c 8}; do
+        tok=$v carve=; [ "$v" == c ] && { tok=0; carve=100; }
+        OMNI_CUDA_STAGED_GEMV_TOKENS=$tok OMNI_CUDA_SMEM_CARVEOUT=$carve \
+          OMNI_CUDA_STAGED_GEMV_KB=${STAGED_KB:-} \
+          step "staged$v-r$r-latency-$m" "$BIN/omni-engine" bench latency \
+          --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \
+          --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes ${STAGED_BATCHES:-1,4,8} \
+          --input-len 1024 --output-len 64 --prefill-len 512 --json "$LOGS/staged$v-r$r-latency-$m.json"
+      done
+    done
+  done
 fi
 if want ab-wgmma; then
   # The warpgroup-MMA expert GEMMs: every MoE check and timing, Nsight Compute on the prefill

@@ -172,6 +172,131 @@ GV_ENTRY(gemv_silu_r2, true, 2, 3)
 GV_ENTRY(gemv_silu_r4, true, 4, 3)
 GV_ENTRY(gemv_silu_r8, true, 8, 3)
 
+// The staged GEMV (`gemv_staged_r*`, sm_90 copies; plain loads below it): the same
+// y[r, o] = sum_k x[r, k] * w[o, k], bf16 or f32 out, with the weights of a block's rows copied
+// into shared memory before its dependency wait. Block b owns the `rpb` contiguous output rows
+// o0 = b rpb .. (one contiguous weight region); its first `staged_rows` rows come in by the
+// copy engine (`cp.async.bulk`, one mbarrier per group of GS_WARPS rows: warp w computes rows
+// w, w + GS_WARPS, .. so it waits for group j / GS_WARPS only), issued by thread 0 as the block
+// starts. Launched with programmatic dependent launch right behind the latency-bound kernels of
+// a decode step (q/k norm + RoPE, decode attention, the input norm), the block lands while they
+// run and streams those weights at the copy engine's rate; after the wait only x is read from
+// global memory. Rows past `staged_rows` are streamed as `gemv_body` streams them. Each output
+// is added in `gemv_body`'s order (lane c, c + 32, .. then the xor shuffle): the same bits as
+// `gemv_r*`. Grid: ceil(n / rpb) blocks of GS_WARPS warps, one block per SM by its shared
+// memory: GS_BAR_BYTES of mbarriers, then staged_rows * k bf16.
+#define GS_WARPS 8
+#define GS_MAX_GROUPS 32
+#define GS_BAR_BYTES (GS_MAX_GROUPS * 8)
+#define GS_COPY_BYTES 32768u
+
+template <int R>
+__device__ __forceinline__ void gemv_staged_body(const unsigned short* __restrict__ x,
+        const unsigned short* __restrict__ w, void* y, int rows, int k, int n, int rpb,
+        int staged_rows, int out_mode) {
+    extern __shared__ __align__(128) unsigned char gs_smem[];
+    pdl_launch_dependents();
+    const int o0 = blockIdx.x * rpb;
+    const int nr = min(rpb, n - o0);
+    const size_t row_bytes = (size_t)k * 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int ns = max(min(nr, min(staged_rows, GS_MAX_GROUPS * GS_WARPS)), 0);
+#else
+    const int ns = 0;
+#endif
+    const unsigned bar0 = (unsigned)__cvta_generic_to_shared(gs_smem);
+    const unsigned char* ws = gs_smem + GS_BAR_BYTES;
+    const int groups = (ns + GS_WARPS - 1) / GS_WARPS;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0 && groups > 0) {
+        for (int g = 0; g < groups; ++g)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(bar0 + 8u * g) : "memory");
+        // The initialised barriers visible to the copy engine before a copy names them.
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        const char* src = reinterpret_cast<const char*>(w + (size_t)o0 * k);
+        const unsigned dst0 = bar0 + GS_BAR_BYTES;
+        for (int g = 0; g < groups; ++g) {
+            const unsigned bar = bar0 + 8u * g;
+            const size_t begin = (size_t)g * GS_WARPS * row_bytes;
+            const size_t end = (size_t)min(ns, (g + 1) * GS_WARPS) * row_bytes;
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                         :: "r"(bar), "r"((unsigned)(end - begin)) : "memory");
+            for (size_t off = begin; off < end; off += GS_COPY_BYTES) {
+                const unsigned sz = (unsigned)min((size_t)GS_COPY_BYTES, end - off);
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                    :: "r"(dst0 + (unsigned)off), "l"(src + off), "r"(sz), "r"(bar) : "memory");
+            }
+        }
+    }
+#endif
+    __syncthreads();  // the barriers are initialised before any thread waits on them
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int chunks = k >> 3;
+    const uint4* xin = reinterpret_cast<const uint4*>(x);
+    for (int j = warp; j < nr; j += GS_WARPS) {
+        const uint4* wr;
+        if (j < ns) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            const unsigned bar = bar0 + 8u * (unsigned)(j / GS_WARPS);
+            unsigned done = 0;
+            while (!done) {
+                asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+                             "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar) : "memory");
+            }
+#endif
+            wr = reinterpret_cast<const uint4*>(ws + (size_t)j * row_bytes);
+        } else {
+            wr = reinterpret_cast<const uint4*>(w + (size_t)(o0 + j) * k);
+        }
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.f;
+        for (int base = 0; base < chunks; base += 32 * GV_UNROLL) {
+            uint4 wa[GV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GV_UNROLL; ++u) {
+                const int c = base + lane + 32 * u;
+                if (c < chunks) wa[u] = wr[c];
+            }
+#pragma unroll
+            for (int u = 0; u < GV_UNROLL; ++u) {
+                const int c = base + lane + 32 * u;
+                if (c < chunks) {
+                    float wf[8];
+                    gv_unpack(wa[u], wf);
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        if (r < rows) acc[r] += gv_dot8(xin[(size_t)r * chunks + c], wf);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r >= rows) break;
+            float v = acc[r];
+            for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+            if (lane == 0) {
+                const size_t at = (size_t)r * n + o0 + j;
+                if (out_mode == GV_OUT_F32) reinterpret_cast<float*>(y)[at] = v;
+                else reinterpret_cast<unsigned short*>(y)[at] = f2bf(v);
+            }
+        }
+    }
+}
+
+#define GS_ARGS const unsigned short* __restrict__ x, const unsigned short* __restrict__ w, \
+        void* y, int rows, int k, int n, int rpb, int staged_rows, int out_mode
+#define GS_ENTRY(name, r)                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * GS_WARPS, 1) name(GS_ARGS) {  \
+        gemv_staged_body<r>(x, w, y, rows, k, n, rpb, staged_rows, out_mode);        \
+    }
+GS_ENTRY(gemv_staged_r1, 1)
+GS_ENTRY(gemv_staged_r2, 2)
+GS_ENTRY(gemv_staged_r4, 4)
+GS_ENTRY(gemv_staged_r8, 8)
+
 // out[b] = bf16(rms_norm(residual[rows[b]]) * w) for b < n_rows: the final norm of the rows a
 // step outputs, gathered (the fused path's `fused_add_rmsnorm_f32res` + `embedding_ids_bf16`;
 // the residual already holds the last sub-block's sum). One block per output row, the threads

@@ -6,6 +6,15 @@ typedef unsigned int u32;
 #define ATTN_NEG_INF __int_as_float(0xff800000)
 #define ATTN_MAXPART 512
 
+// 2^x by the SFU alone (`ex2.approx.ftz`: subnormal results flush to 0, which a softmax
+// weight below 2^-126 of its row's largest is as good as); exp2f outside fast-math wraps the
+// same instruction in a range fix-up of three more.
+__device__ __forceinline__ float attn_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // 8 bf16 (one 16-byte load, element 0 in the low half of .x) to f32.
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
     f[0] = __uint_as_float(u.x << 16); f[1] = __uint_as_float(u.x & 0xffff0000u);

@@ -259,24 +259,24 @@ __device__ __forceinline__ void attn_prefill_wg(
         apw_wg_commit();
     };
     // Mask and online softmax of S_t in place (sacc becomes p); O is left alone (a PV may be in
-    // flight): its rescale factors go to alpha.
+    // flight): its rescale factors go to alpha. The running max is of the raw scores (the scale
+    // is positive), so each p is one FFMA into the log2 domain and one ex2: p = 2^(s scale -
+    // m scale).
     auto softmax = [&](int t) {
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) apw_keep(sacc[i]);
         const int kbase = t * BN;
-        // Scale into the log2 domain; mask keys past the row's position or the context.
+        // Mask keys past the row's position or the context.
         const bool need_mask = (kbase + BN - 1 > ctx0 + row_w) || (kbase + BN > kv_end);
+        if (need_mask) {
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb) {
+            for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v = sacc[4 * nb + e] * scale_log2;
-                if (need_mask) {
+                for (int e = 0; e < 4; ++e) {
                     const int key = kbase + nb * 8 + 2 * c + (e & 1);
                     const int pos = e < 2 ? pos_a : pos_b;
-                    if (key > pos || key >= kv_end) v = ATTN_NEG_INF;
+                    if (key > pos || key >= kv_end) sacc[4 * nb + e] = ATTN_NEG_INF;
                 }
-                sacc[4 * nb + e] = v;
             }
         }
         // A row lives in the 4 lanes of a quad.
@@ -289,14 +289,14 @@ __device__ __forceinline__ void attn_prefill_wg(
             tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
             tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
             const float m_new = fmaxf(m_run[rh], tmax);
-            const float m_base = m_new == ATTN_NEG_INF ? 0.f : m_new;
-            alpha[rh] = exp2f(m_run[rh] - m_base);
+            const float m_base = m_new == ATTN_NEG_INF ? 0.f : m_new * scale_log2;
+            alpha[rh] = attn_ex2(m_run[rh] * scale_log2 - m_base);
             m_run[rh] = m_new;
             float rs = 0.f;
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
-                const float p0 = exp2f(sacc[4 * nb + 2 * rh] - m_base);
-                const float p1 = exp2f(sacc[4 * nb + 2 * rh + 1] - m_base);
+                const float p0 = attn_ex2(fmaf(sacc[4 * nb + 2 * rh], scale_log2, -m_base));
+                const float p1 = attn_ex2(fmaf(sacc[4 * nb + 2 * rh + 1], scale_log2, -m_base));
                 sacc[4 * nb + 2 * rh] = p0;
                 sacc[4 * nb + 2 * rh + 1] = p1;
                 rs += p0 + p1;

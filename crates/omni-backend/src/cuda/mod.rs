@@ -467,6 +467,7 @@ impl CudaContext {
             .ctx
             .load_module(Ptx::from_binary(cubin.as_ref().clone()))?;
         let f = module.load_function(name)?;
+        gemv::apply_carveout(&f);
         self.functions
             .lock()
             .map_err(|_| CudaError::Poisoned)?

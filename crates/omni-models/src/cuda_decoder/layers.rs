@@ -122,20 +122,42 @@ impl LayerPrefetch {
     }
 }
 
+/// Which kernel runs a linear layer of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gemm {
+    /// cuBLAS.
+    Cublas,
+    /// The small-batch GEMV ([`CudaContext::gemv_nt_bf16`]).
+    Gemv,
+    /// The staged GEMV ([`CudaContext::gemv_staged_bf16`]).
+    Staged,
+}
+
+impl Gemm {
+    /// This kind where it takes `tokens` rows of width `k`, else cuBLAS.
+    fn fit(self, tokens: usize, k: usize) -> Self {
+        if self != Self::Cublas && CudaContext::gemv_fits(tokens, k) {
+            self
+        } else {
+            Self::Cublas
+        }
+    }
+}
+
 impl CudaDecoderModel {
     fn linear(
         cx: &CudaContext,
-        gemv: bool,
+        kind: Gemm,
         l: &DLinear,
         x: &impl DevicePtr<bf16>,
         out: &mut CudaSlice<bf16>,
         tokens: usize,
     ) -> Result<(), ModelError> {
         let mut o = out.slice_mut(..tokens * l.out);
-        if gemv && CudaContext::gemv_fits(tokens, l.inp) {
-            cx.gemv_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?;
-        } else {
-            cx.matmul_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        match kind.fit(tokens, l.inp) {
+            Gemm::Staged => cx.gemv_staged_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?,
+            Gemm::Gemv => cx.gemv_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?,
+            Gemm::Cublas => cx.matmul_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?,
         }
         if let Some(b) = &l.b {
             cx.add_bias_bf16(&mut o, b, tokens)?;
@@ -161,7 +183,7 @@ impl CudaDecoderModel {
     #[allow(clippy::too_many_arguments)]
     fn linear_f32(
         cx: &CudaContext,
-        gemv: bool,
+        kind: Gemm,
         l: &DLinear,
         x: &impl DevicePtr<bf16>,
         out: &mut CudaSlice<f32>,
@@ -169,10 +191,10 @@ impl CudaDecoderModel {
         add_bias: bool,
     ) -> Result<(), ModelError> {
         let mut o = out.slice_mut(..tokens * l.out);
-        if gemv && CudaContext::gemv_fits(tokens, l.inp) {
-            cx.gemv_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?;
-        } else {
-            cx.matmul_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?;
+        match kind.fit(tokens, l.inp) {
+            Gemm::Staged => cx.gemv_staged_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?,
+            Gemm::Gemv => cx.gemv_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?,
+            Gemm::Cublas => cx.matmul_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?,
         }
         if add_bias && let Some(b) = &l.b {
             cx.add_bias_f32(&mut o, b, tokens)?;
@@ -227,7 +249,18 @@ impl CudaDecoderModel {
             scale: 1.0 / (hd as f32).sqrt(),
         };
         let rank0 = self.rank == 0;
-        let gemv = self.small_batch_gemv;
+        let gemv = if self.small_batch_gemv {
+            Gemm::Gemv
+        } else {
+            Gemm::Cublas
+        };
+        // The attention projections of steps of a few tokens may run on the staged GEMV,
+        // whose weight copies overlap the latency-bound kernels before them.
+        let proj = if t <= cx.staged_gemv_tokens() {
+            Gemm::Staged
+        } else {
+            gemv
+        };
         let mut prof = self.profiler.take();
         let stream = cx.stream().clone();
         macro_rules! mark {
@@ -293,7 +326,7 @@ impl CudaDecoderModel {
                     .map_err(CudaError::from)?;
                 mark!("capture");
             }
-            Self::linear(&cx, gemv, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
+            Self::linear(&cx, proj, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
             mark!("qkv_proj");
             let core = AttnCore {
                 cx: &cx,
@@ -315,7 +348,7 @@ impl CudaDecoderModel {
             mark!("attention");
             Self::linear_f32(
                 &cx,
-                gemv,
+                proj,
                 &l.o,
                 &a.attn.slice(..t * lq * hd),
                 &mut a.proj,

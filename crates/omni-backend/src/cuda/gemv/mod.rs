@@ -542,5 +542,10 @@ impl CudaContext {
     }
 }
 
+mod staged;
+pub use staged::*;
+
+#[cfg(test)]
+mod staged_tests;
 #[cfg(test)]
 mod tests;

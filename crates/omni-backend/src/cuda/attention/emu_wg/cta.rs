@@ -259,7 +259,8 @@ fn emu_cta(
             let need_mask = (kbase + bn as i32 - 1 > ctx0 + row_w) || (kbase + bn as i32 > kv_end);
             for nb in 0..bn / 8 {
                 for e in 0..4 {
-                    let mut v = r.s[th][4 * nb + e] * scale_log2;
+                    // Raw scores: the max is taken before the scale (positive).
+                    let mut v = r.s[th][4 * nb + e];
                     let key = kbase + (nb * 8 + 2 * c + (e & 1)) as i32;
                     let pos = if e < 2 { pos_a } else { pos_a + 8 };
                     if need_mask && (key > pos || key >= kv_end) {
@@ -289,15 +290,15 @@ fn emu_cta(
                 let m_base = if m_new == f32::NEG_INFINITY {
                     0.0
                 } else {
-                    m_new
+                    m_new * scale_log2
                 };
-                r.alpha[th][rh] = (r.m[th][rh] - m_base).exp2();
+                r.alpha[th][rh] = (r.m[th][rh] * scale_log2 - m_base).exp2();
                 r.m[th][rh] = m_new;
                 let mut rs = 0.0;
                 for nb in 0..bn / 8 {
                     for e in 0..2 {
                         let i = 4 * nb + 2 * rh + e;
-                        r.s[th][i] = (r.s[th][i] - m_base).exp2();
+                        r.s[th][i] = r.s[th][i].mul_add(scale_log2, -m_base).exp2();
                         rs += r.s[th][i];
                     }
                 }
