@@ -540,25 +540,31 @@ fi
 if want ab-base; then
   step base-kernels "$BIN/backend-tests" ${QKR_TESTS:-qkv_rope_cache_matches_cpu} --test-threads=1 --nocapture
   [ -x "$BIN/model-tests" ] && step base-model "$BIN/model-tests" --test-threads=1
+  # An AB_ENGINES entry is a staged binary's name, optionally with @VAR=value[,VAR=value...]
+  # environment for its runs (e.g. omni-engine@OMNI_CUDA_STAGED_GEMV_TOKENS=8).
   read -ra AB <<<"${AB_ENGINES:-omni-engine base-omni-engine}"
-  for e in "${AB[@]}"; do
-    [ -x "$BIN/$e" ] || continue
-    OMNI_CUDA_PROFILE=1 step "$e-profile-prefill" "$BIN/$e" bench latency \
-      --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --enforce-eager \
-      --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
-      --input-len 1024 --output-len 2 --prefill-len 2048
-    OMNI_CUDA_PROFILE=16 step "$e-profile-decode" "$BIN/$e" bench latency \
-      --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --enforce-eager \
-      --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
-      --input-len 1024 --output-len 32 --prefill-len 2048
-  done
-  for r in 1 2; do
+  ab_run() { # step name prefix, entry, bench latency arguments...
+    local pre=$1 spec=$2; shift 2
+    local e=${spec%%@*} envs=()
+    [[ $spec == *@* ]] && IFS=, read -ra envs <<<"${spec#*@}"
+    [ -x "$BIN/$e" ] || return 0
+    local name="$e"; [[ $spec == *@* ]] && name="$e-$(echo "${spec#*@}" | tr -c 'A-Za-z0-9\n' '-' | sed 's/OMNI-CUDA-//g')"
+    step "$name-$pre" env "${envs[@]}" "$BIN/$e" bench latency "$@" --json "$LOGS/$name-$pre.json"
+  }
+  common=(--model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --max-model-len 4096
+    --max-num-seqs 64 --max-num-batched-tokens 4096)
+  if [ -z "${AB_NO_PROFILE:-}" ]; then
     for e in "${AB[@]}"; do
-      [ -x "$BIN/$e" ] || continue
-      step "$e-r$r-latency" "$BIN/$e" bench latency --model bench/models/qwen3-30b-a3b \
-        --load-format dummy --device cuda --max-model-len 4096 --max-num-seqs 64 \
-        --max-num-batched-tokens 4096 --batch-sizes 1,16,64 --input-len 1024 --output-len 64 \
-        --prefill-len 2048 --json "$LOGS/$e-r$r-latency.json"
+      OMNI_CUDA_PROFILE=1 ab_run profile-prefill "$e" "${common[@]}" --enforce-eager \
+        --batch-sizes 1 --input-len 1024 --output-len 2 --prefill-len 2048
+      OMNI_CUDA_PROFILE=16 ab_run profile-decode "$e" "${common[@]}" --enforce-eager \
+        --batch-sizes 1 --input-len 1024 --output-len 32 --prefill-len 2048
+    done
+  fi
+  for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for e in "${AB[@]}"; do
+      ab_run "r$r-latency" "$e" "${common[@]}" --batch-sizes "${AB_BATCHES:-1,16,64}" \
+        --input-len 1024 --output-len 64 --prefill-len 2048
     done
   done
 fi
