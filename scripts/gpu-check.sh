@@ -455,8 +455,9 @@ if want ab-staged; then
   # The staged GEMV of decode steps (OMNI_CUDA_STAGED_GEMV_TOKENS): its checks and timing
   # lines, the model and small-batch MoE tests with it on, then bench latency at STAGED_BATCHES
   # (default 1,4,8) of STAGED_MODELS (default the 30B-A3B shape and Qwen3-8B) with each of
-  # STAGED_MODES (default "0 c 8": off; off with every kernel asking for the largest shared
-  # memory carve-out; on for steps of up to 8 tokens), interleaved STAGED_ROUNDS (2) times;
+  # STAGED_MODES (default "0 c 8 8u": off; off with every kernel asking for the largest
+  # shared-memory carve-out; on for steps of up to 8 tokens; on with the input norm left to its
+  # own kernel), interleaved STAGED_ROUNDS (2) times;
   # STAGED_KB sets its shared-memory budget (OMNI_CUDA_STAGED_GEMV_KB). NO_TESTS=1: no checks.
   if [ -z "${NO_TESTS:-}" ]; then
     step staged-kernels "$BIN/backend-tests" cuda::gemv --test-threads=1 --nocapture
@@ -465,9 +466,9 @@ if want ab-staged; then
   fi
   for r in $(seq 1 "${STAGED_ROUNDS:-2}"); do
     for m in ${STAGED_MODELS:-qwen3-30b-a3b qwen3-8b}; do
-      for v in ${STAGED_MODES:-0 c 8}; do
-        tok=$v carve=; [ "$v" == c ] && { tok=0; carve=100; }
-        OMNI_CUDA_STAGED_GEMV_TOKENS=$tok OMNI_CUDA_SMEM_CARVEOUT=$carve \
+      for v in ${STAGED_MODES:-0 c 8 8u}; do
+        tok=${v%u} carve= fold=; [ "$v" == c ] && { tok=0; carve=100; }; [[ $v == *u ]] && fold=0
+        OMNI_CUDA_STAGED_GEMV_TOKENS=$tok OMNI_CUDA_SMEM_CARVEOUT=$carve OMNI_CUDA_STAGED_GEMV_NORM=$fold \
           OMNI_CUDA_STAGED_GEMV_KB=${STAGED_KB:-} \
           step "staged$v-r$r-latency-$m" "$BIN/omni-engine" bench latency \
           --model "bench/models/$m" --load-format dummy --device cuda --max-model-len 4096 \

@@ -183,8 +183,12 @@ GV_ENTRY(gemv_silu_r8, true, 8, 3)
 // run and streams those weights at the copy engine's rate; after the wait only x is read from
 // global memory. Rows past `staged_rows` are streamed as `gemv_body` streams them. Each output
 // is added in `gemv_body`'s order (lane c, c + 32, .. then the xor shuffle): the same bits as
-// `gemv_r*`. Grid: ceil(n / rpb) blocks of GS_WARPS warps, one block per SM by its shared
-// memory: GS_BAR_BYTES of mbarriers, then staged_rows * k bf16.
+// `gemv_r*`. With GV_IN_NORM the input is `gemv_body`'s normalised one (x is then the bf16
+// `init` of a `set`), every block normalising the rows into shared memory after the wait (the
+// decoder's input norm folded into the QKV projection). Grid: ceil(n / rpb) blocks of
+// GS_WARPS warps, one block per SM by its shared memory: GS_BAR_BYTES of mbarriers, the
+// normalised rows (rows * k bf16 rounded up to 128 bytes) when normalising, then
+// staged_rows * k bf16.
 #define GS_WARPS 8
 #define GS_MAX_GROUPS 32
 #define GS_BAR_BYTES (GS_MAX_GROUPS * 8)
@@ -192,9 +196,11 @@ GV_ENTRY(gemv_silu_r8, true, 8, 3)
 
 template <int R>
 __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restrict__ x,
+        float* residual, const unsigned short* __restrict__ norm_w,
         const unsigned short* __restrict__ w, void* y, int rows, int k, int n, int rpb,
-        int staged_rows, int out_mode) {
+        int staged_rows, int in_mode, int set, float eps, int out_mode) {
     extern __shared__ __align__(128) unsigned char gs_smem[];
+    __shared__ float sh[32];
     pdl_launch_dependents();
     const int o0 = blockIdx.x * rpb;
     const int nr = min(rpb, n - o0);
@@ -205,7 +211,10 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
     const int ns = 0;
 #endif
     const unsigned bar0 = (unsigned)__cvta_generic_to_shared(gs_smem);
-    const unsigned char* ws = gs_smem + GS_BAR_BYTES;
+    // A normalised input's rows (rows * k bf16) sit between the barriers and the weights.
+    const size_t xs_bytes = in_mode == GV_IN_NORM ? ((size_t)rows * row_bytes + 127) / 128 * 128 : 0;
+    unsigned short* xs = reinterpret_cast<unsigned short*>(gs_smem + GS_BAR_BYTES);
+    const unsigned char* ws = gs_smem + GS_BAR_BYTES + xs_bytes;
     const int groups = (ns + GS_WARPS - 1) / GS_WARPS;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0 && groups > 0) {
@@ -214,7 +223,7 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
         // The initialised barriers visible to the copy engine before a copy names them.
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         const char* src = reinterpret_cast<const char*>(w + (size_t)o0 * k);
-        const unsigned dst0 = bar0 + GS_BAR_BYTES;
+        const unsigned dst0 = bar0 + GS_BAR_BYTES + (unsigned)xs_bytes;
         for (int g = 0; g < groups; ++g) {
             const unsigned bar = bar0 + 8u * g;
             const size_t begin = (size_t)g * GS_WARPS * row_bytes;
@@ -232,9 +241,18 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
 #endif
     __syncthreads();  // the barriers are initialised before any thread waits on them
     pdl_wait();
+    if (in_mode == GV_IN_NORM) {
+        // As `gemv_body`: the input norm of the f32 residual (set first from the bf16 `init`
+        // in x, block 0 writing it back), the unfused norm's bits.
+        for (int r = 0; r < rows; ++r)
+            gv_norm_row(residual + (size_t)r * k, x + (size_t)r * k, set != 0,
+                        set != 0 && blockIdx.x == 0, residual + (size_t)r * k, norm_w,
+                        xs + (size_t)r * k, k, eps, sh);
+        __syncthreads();
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = k >> 3;
-    const uint4* xin = reinterpret_cast<const uint4*>(x);
+    const uint4* xin = reinterpret_cast<const uint4*>(in_mode == GV_IN_NORM ? xs : x);
     for (int j = warp; j < nr; j += GS_WARPS) {
         const uint4* wr;
         if (j < ns) {
@@ -286,11 +304,14 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
     }
 }
 
-#define GS_ARGS const unsigned short* __restrict__ x, const unsigned short* __restrict__ w, \
-        void* y, int rows, int k, int n, int rpb, int staged_rows, int out_mode
-#define GS_ENTRY(name, r)                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * GS_WARPS, 1) name(GS_ARGS) {  \
-        gemv_staged_body<r>(x, w, y, rows, k, n, rpb, staged_rows, out_mode);        \
+#define GS_ARGS const unsigned short* __restrict__ x, float* residual, \
+        const unsigned short* __restrict__ norm_w, const unsigned short* __restrict__ w, void* y, \
+        int rows, int k, int n, int rpb, int staged_rows, int in_mode, int set, float eps, \
+        int out_mode
+#define GS_ENTRY(name, r)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * GS_WARPS, 1) name(GS_ARGS) {        \
+        gemv_staged_body<r>(x, residual, norm_w, w, y, rows, k, n, rpb, staged_rows, in_mode, \
+                            set, eps, out_mode);                                           \
     }
 GS_ENTRY(gemv_staged_r1, 1)
 GS_ENTRY(gemv_staged_r2, 2)

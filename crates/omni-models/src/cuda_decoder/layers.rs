@@ -307,16 +307,43 @@ impl CudaDecoderModel {
                 ResidualUpdate::Add(a.proj.slice(..t * h))
             };
             let pf = LayerPrefetch::of(l, prefetch, std::mem::take(&mut qkv_prefetched), &stream);
-            cx.fused_add_rms_norm_prefetch(
-                &mut a.x,
-                update,
-                &l.input_norm,
-                &mut a.h,
-                NormExtra::default(),
-                (t, h, eps),
-                pf.qkv,
-            )?;
-            mark!("rms_norm");
+            // The input norm folds into a staged QKV projection when it only normalises (the
+            // residual kept, or set from the embedding): every block normalises the rows itself.
+            let fold_norm = proj == Gemm::Staged
+                && !prefetch
+                && cx.staged_gemv_folds_norm()
+                && l.qkv.b.is_none()
+                && !matches!(update, ResidualUpdate::Add(_))
+                && CudaContext::gemv_fits(t, h);
+            if fold_norm {
+                let input = match update {
+                    ResidualUpdate::Set(init) => GemvIn::SetNorm {
+                        init,
+                        residual: &mut a.x,
+                        weight: &l.input_norm,
+                        eps,
+                    },
+                    _ => GemvIn::Norm {
+                        residual: &mut a.x,
+                        weight: &l.input_norm,
+                        eps,
+                    },
+                };
+                let mut out = a.qkv.slice_mut(..t * l.qkv.out);
+                cx.gemv_staged_norm_bf16(&l.qkv.w, input, &mut out, (t, h, l.qkv.out), None)?;
+                mark!("norm_qkv_proj");
+            } else {
+                cx.fused_add_rms_norm_prefetch(
+                    &mut a.x,
+                    update,
+                    &l.input_norm,
+                    &mut a.h,
+                    NormExtra::default(),
+                    (t, h, eps),
+                    pf.qkv,
+                )?;
+                mark!("rms_norm");
+            }
             // `x` now holds the residual stream after `li` layers.
             if let Some((n, buf)) = self.capture.as_mut()
                 && *n == li
@@ -326,8 +353,10 @@ impl CudaDecoderModel {
                     .map_err(CudaError::from)?;
                 mark!("capture");
             }
-            Self::linear(&cx, proj, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
-            mark!("qkv_proj");
+            if !fold_norm {
+                Self::linear(&cx, proj, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
+                mark!("qkv_proj");
+            }
             let core = AttnCore {
                 cx: &cx,
                 inputs: &self.inputs,

@@ -25,13 +25,15 @@ use half::bf16;
 
 use super::super::launch::{aligned16, at_least, max_dynamic_smem, narrow, shape_err};
 use super::super::{CudaContext, CudaResult};
-use super::{GEMV_MAX_ROWS, OUT_BF16, OUT_F32, gemv_source};
+use super::{GEMV_MAX_ROWS, GemvIn, IN_NORM, IN_X, OUT_BF16, OUT_F32, gemv_source};
 
 /// Steps of at most this many tokens (at most [`GEMV_MAX_ROWS`]) run their QKV and output
 /// projections on the staged GEMV; unset or 0: off.
 pub const STAGED_GEMV_ENV: &str = "OMNI_CUDA_STAGED_GEMV_TOKENS";
 /// The staged GEMV's shared-memory budget per block, KiB (default [`DEFAULT_STAGED_KB`]).
 pub const STAGED_GEMV_KB_ENV: &str = "OMNI_CUDA_STAGED_GEMV_KB";
+/// Set to `0`, a staged QKV projection leaves the input norm to its own kernel.
+pub const STAGED_GEMV_NORM_ENV: &str = "OMNI_CUDA_STAGED_GEMV_NORM";
 /// The shared-memory carve-out (percent, 0-100) every kernel asks for; default 100 while the
 /// staged GEMV is on, the driver's choice otherwise; -1: the driver's choice.
 pub const SMEM_CARVEOUT_ENV: &str = "OMNI_CUDA_SMEM_CARVEOUT";
@@ -105,24 +107,36 @@ pub struct StagedPlan {
     pub rows_per_block: usize,
     /// Leading rows of each block copied into shared memory.
     pub staged_rows: usize,
+    /// Shared bytes of the normalised input rows ahead of the weights (0: x from memory).
+    pub input_bytes: usize,
 }
 
 impl StagedPlan {
     /// The plan for `n` output rows of width `k` over `sms` SMs with `budget` bytes of shared
     /// memory a block.
     pub fn new(n: usize, k: usize, sms: usize, budget: usize) -> Self {
+        Self::with_input(n, k, sms, budget, 0)
+    }
+
+    /// [`StagedPlan::new`] for an input of `rows` rows normalised in shared memory.
+    pub fn normalised(n: usize, k: usize, rows: usize, sms: usize, budget: usize) -> Self {
+        Self::with_input(n, k, sms, budget, normalised_bytes(rows, k))
+    }
+
+    fn with_input(n: usize, k: usize, sms: usize, budget: usize, input_bytes: usize) -> Self {
         let rows_per_block = n.div_ceil(sms.max(1)).max(1);
-        let fit = budget.saturating_sub(BAR_BYTES) / (2 * k).max(1);
+        let fit = budget.saturating_sub(BAR_BYTES + input_bytes) / (2 * k).max(1);
         Self {
             blocks: n.div_ceil(rows_per_block),
             rows_per_block,
             staged_rows: rows_per_block.min(fit).min(WARPS * MAX_GROUPS),
+            input_bytes,
         }
     }
 
     /// Dynamic shared memory of a block for rows of width `k`.
     pub fn smem_bytes(&self, k: usize) -> usize {
-        BAR_BYTES + self.staged_rows * k * 2
+        BAR_BYTES + self.input_bytes + self.staged_rows * k * 2
     }
 
     /// Every output row's (block, row within the block, staged), in row order: the host mirror
@@ -137,6 +151,35 @@ impl StagedPlan {
     }
 }
 
+/// The kernel's shared bytes for `rows` normalised rows of width `k` (128-byte multiples).
+fn normalised_bytes(rows: usize, k: usize) -> usize {
+    (rows * k * 2).div_ceil(128) * 128
+}
+
+/// The input of a staged GEMV, resolved to the kernel's arguments.
+struct StagedIn {
+    x: u64,
+    residual: u64,
+    norm_w: u64,
+    mode: i32,
+    set: i32,
+    eps: f32,
+}
+
+impl StagedIn {
+    /// x from memory.
+    fn x(x: u64) -> Self {
+        Self {
+            x,
+            residual: 0,
+            norm_w: 0,
+            mode: IN_X,
+            set: 0,
+            eps: 0.0,
+        }
+    }
+}
+
 impl CudaContext {
     /// The most tokens a step may have to run its projections on the staged GEMV (0: off,
     /// and always 0 below compute capability 9.0).
@@ -146,6 +189,14 @@ impl CudaContext {
         } else {
             0
         }
+    }
+
+    /// Whether the decoder folds its input norm into a staged QKV projection
+    /// ([`CudaContext::gemv_staged_norm_bf16`]): on with the staged GEMV unless
+    /// [`STAGED_GEMV_NORM_ENV`] is `0`.
+    pub fn staged_gemv_folds_norm(&self) -> bool {
+        static V: OnceLock<bool> = OnceLock::new();
+        *V.get_or_init(|| env_usize(STAGED_GEMV_NORM_ENV) != Some(0))
     }
 
     /// The plan of a staged GEMV of `n` rows of width `k` on this device.
@@ -164,8 +215,17 @@ impl CudaContext {
         n: usize,
     ) -> CudaResult<()> {
         at_least("staged gemv out", out.len(), m * n)?;
+        at_least("staged gemv lhs", a.len(), m * k)?;
         let (o, _g) = out.device_ptr_mut(&self.stream);
-        self.gemv_staged(a, w, o, (m, k, n), OUT_BF16, self.staged_plan(n, k))
+        let (x, _gx) = a.device_ptr(&self.stream);
+        self.gemv_staged(
+            StagedIn::x(x),
+            w,
+            o,
+            (m, k, n),
+            OUT_BF16,
+            self.staged_plan(n, k),
+        )
     }
 
     /// [`CudaContext::gemv_nt_bf16_f32`] (the same bits) on the staged GEMV.
@@ -179,8 +239,17 @@ impl CudaContext {
         n: usize,
     ) -> CudaResult<()> {
         at_least("staged gemv out", out.len(), m * n)?;
+        at_least("staged gemv lhs", a.len(), m * k)?;
         let (o, _g) = out.device_ptr_mut(&self.stream);
-        self.gemv_staged(a, w, o, (m, k, n), OUT_F32, self.staged_plan(n, k))
+        let (x, _gx) = a.device_ptr(&self.stream);
+        self.gemv_staged(
+            StagedIn::x(x),
+            w,
+            o,
+            (m, k, n),
+            OUT_F32,
+            self.staged_plan(n, k),
+        )
     }
 
     /// The staged GEMV with an explicit plan, bf16 out (tests: plans with few blocks and
@@ -194,13 +263,77 @@ impl CudaContext {
         plan: StagedPlan,
     ) -> CudaResult<()> {
         at_least("staged gemv out", out.len(), m * n)?;
+        at_least("staged gemv lhs", a.len(), m * k)?;
         let (o, _g) = out.device_ptr_mut(&self.stream);
-        self.gemv_staged(a, w, o, (m, k, n), OUT_BF16, plan)
+        let (x, _gx) = a.device_ptr(&self.stream);
+        self.gemv_staged(StagedIn::x(x), w, o, (m, k, n), OUT_BF16, plan)
+    }
+
+    /// The staged GEMV of a normalised input ([`GemvIn::Norm`] / [`GemvIn::SetNorm`], as in
+    /// [`CudaContext::gemv_fused`]: the input norm's bits), bf16 out: the decoder's input norm
+    /// and QKV projection in one launch. `plan` defaults to the device's.
+    pub fn gemv_staged_norm_bf16(
+        &self,
+        w: &impl DevicePtr<bf16>,
+        input: GemvIn<'_>,
+        out: &mut impl DevicePtrMut<bf16>,
+        (m, k, n): (usize, usize, usize),
+        plan: Option<StagedPlan>,
+    ) -> CudaResult<()> {
+        at_least("staged gemv out", out.len(), m * n)?;
+        let s = &self.stream;
+        let (residual, weight, eps, init) = match input {
+            GemvIn::X(_) => return Err(shape_err("staged gemv normalised input", 1, 0)),
+            GemvIn::Norm {
+                residual,
+                weight,
+                eps,
+            } => (residual, weight, eps, None),
+            GemvIn::SetNorm {
+                init,
+                residual,
+                weight,
+                eps,
+            } => (residual, weight, eps, Some(init)),
+        };
+        at_least("staged gemv residual", residual.len(), m * k)?;
+        crate::check_len("staged gemv norm weight", weight.len(), k)?;
+        let mut x = 0u64;
+        let mut guards = Vec::new();
+        if let Some(init) = &init {
+            at_least("staged gemv init", init.len(), m * k)?;
+            let (p, g) = init.device_ptr(s);
+            x = p;
+            guards.push(g);
+        }
+        let (r, _gr) = residual.device_ptr(s);
+        aligned16("staged gemv residual", r)?;
+        let (nw, _gn) = weight.device_ptr(s);
+        let (o, _go) = out.device_ptr_mut(s);
+        let input = StagedIn {
+            x,
+            residual: r,
+            norm_w: nw,
+            mode: IN_NORM,
+            set: i32::from(init.is_some()),
+            eps,
+        };
+        let plan = plan.unwrap_or_else(|| {
+            StagedPlan::normalised(n, k, m, self.info.sm_count, staged_budget())
+        });
+        if plan.input_bytes != normalised_bytes(m, k) {
+            return Err(shape_err(
+                "staged gemv plan's normalised-row bytes",
+                normalised_bytes(m, k),
+                plan.input_bytes,
+            ));
+        }
+        self.gemv_staged(input, w, o, (m, k, n), OUT_BF16, plan)
     }
 
     fn gemv_staged(
         &self,
-        a: &impl DevicePtr<bf16>,
+        input: StagedIn,
         w: &impl DevicePtr<bf16>,
         out: u64,
         (m, k, n): (usize, usize, usize),
@@ -214,7 +347,6 @@ impl CudaContext {
                 m,
             ));
         }
-        at_least("staged gemv lhs", a.len(), m * k)?;
         crate::check_len("staged gemv weight", w.len(), n * k)?;
         if n == 0 {
             return Ok(());
@@ -230,30 +362,44 @@ impl CudaContext {
                 plan.blocks * plan.rows_per_block,
             ));
         }
-        let s = &self.stream;
-        let (ap, _g1) = a.device_ptr(s);
-        let (wp, _g2) = w.device_ptr(s);
-        aligned16("staged gemv lhs", ap)?;
+        if input.mode == IN_X {
+            aligned16("staged gemv lhs", input.x)?;
+        }
+        let (wp, _gw) = w.device_ptr(&self.stream);
         aligned16("staged gemv weight", wp)?;
         // rows is 1..=8: R = 1, 2, 4, 8 at index 0..=3.
         let bound = m.next_power_of_two().trailing_zeros() as usize;
         let f = self.function(gemv_source, STAGED_FNS[bound.min(3)])?;
         let smem = max_dynamic_smem(&f, "staged gemv shared bytes", plan.smem_bytes(k))?;
-        let (mut x, mut wv, mut y) = (ap, wp, out);
+        let StagedIn {
+            mut x,
+            mut residual,
+            mut norm_w,
+            mode: mut in_mode,
+            mut set,
+            mut eps,
+        } = input;
+        let (mut wv, mut y) = (wp, out);
         let (mut rows, mut ki, mut ni): (i32, i32, i32) =
             (narrow("m", m)?, narrow("k", k)?, narrow("n", n)?);
         let mut rpb = narrow::<i32>("rows per block", plan.rows_per_block)?;
         let mut staged = narrow::<i32>("staged rows", plan.staged_rows)?;
         let mut mode = out_mode;
-        let mut args = kernel_args!(x, wv, y, rows, ki, ni, rpb, staged, mode);
-        // SAFETY: the arguments match `gemv_staged_r*(const u16*, const u16*, void*, int, int,
-        // int, int, int, int)` in order and type, and the entry's R >= rows (chosen above).
-        // x holds m * k bf16, the weight n * k, out m * n of the output's type (checked by the
-        // callers and above); k is a multiple of 8 and both read pointers are 16-byte aligned
-        // (the bulk copies need 16-byte sources and sizes: rows of k bf16 are 16-byte
-        // multiples). The plan covers every row (blocks * rows_per_block >= n; the kernel
-        // clips the last block), stages at most WARPS * MAX_GROUPS rows (one mbarrier per
-        // WARPS rows) and its shared bytes were allowed on the function just now.
+        let mut args = kernel_args!(
+            x, residual, norm_w, wv, y, rows, ki, ni, rpb, staged, in_mode, set, eps, mode
+        );
+        // SAFETY: the arguments match `gemv_staged_r*(const u16*, float*, const u16*, const
+        // u16*, void*, int, int, int, int, int, int, int, float, int)` in order and type, and
+        // the entry's R >= rows (chosen above). The input is x (m * k bf16, 16-byte aligned)
+        // or, normalised, the f32 residual (m * k, 16-byte aligned; written only by block 0
+        // when set from `init`, m * k bf16) with its k norm weights, checked by the callers;
+        // the weight holds n * k, out m * n of the output's type; k is a multiple of 8 and the
+        // weight 16-byte aligned (the bulk copies need 16-byte sources and sizes: rows of k
+        // bf16 are 16-byte multiples). The plan covers every row (blocks * rows_per_block >=
+        // n; the kernel clips the last block), stages at most WARPS * MAX_GROUPS rows (one
+        // mbarrier per WARPS rows), reserves the kernel's normalised-row bytes when
+        // normalising (checked by the caller), and its shared bytes were allowed on the
+        // function just now.
         unsafe {
             self.launch_programmatic(
                 &f,
