@@ -214,18 +214,7 @@ impl CudaContext {
         k: usize,
         n: usize,
     ) -> CudaResult<()> {
-        at_least("staged gemv out", out.len(), m * n)?;
-        at_least("staged gemv lhs", a.len(), m * k)?;
-        let (o, _g) = out.device_ptr_mut(&self.stream);
-        let (x, _gx) = a.device_ptr(&self.stream);
-        self.gemv_staged(
-            StagedIn::x(x),
-            w,
-            o,
-            (m, k, n),
-            OUT_BF16,
-            self.staged_plan(n, k),
-        )
+        self.gemv_staged_bf16_with(a, w, out, (m, k, n), None)
     }
 
     /// [`CudaContext::gemv_nt_bf16_f32`] (the same bits) on the staged GEMV.
@@ -239,34 +228,39 @@ impl CudaContext {
         n: usize,
     ) -> CudaResult<()> {
         at_least("staged gemv out", out.len(), m * n)?;
-        at_least("staged gemv lhs", a.len(), m * k)?;
         let (o, _g) = out.device_ptr_mut(&self.stream);
-        let (x, _gx) = a.device_ptr(&self.stream);
-        self.gemv_staged(
-            StagedIn::x(x),
-            w,
-            o,
-            (m, k, n),
-            OUT_F32,
-            self.staged_plan(n, k),
-        )
+        self.gemv_staged_x(a, w, o, (m, k, n), OUT_F32, None)
     }
 
-    /// The staged GEMV with an explicit plan, bf16 out (tests: plans with few blocks and
-    /// partly staged rows).
+    /// The staged GEMV, bf16 out, with an explicit plan (`None`: the device's; tests take
+    /// plans with few blocks and partly staged rows).
     pub fn gemv_staged_bf16_with(
         &self,
         a: &impl DevicePtr<bf16>,
         w: &impl DevicePtr<bf16>,
         out: &mut impl DevicePtrMut<bf16>,
         (m, k, n): (usize, usize, usize),
-        plan: StagedPlan,
+        plan: Option<StagedPlan>,
     ) -> CudaResult<()> {
         at_least("staged gemv out", out.len(), m * n)?;
-        at_least("staged gemv lhs", a.len(), m * k)?;
         let (o, _g) = out.device_ptr_mut(&self.stream);
+        self.gemv_staged_x(a, w, o, (m, k, n), OUT_BF16, plan)
+    }
+
+    /// The staged GEMV of bf16 rows `a` into the output at `out` (checked by the caller).
+    fn gemv_staged_x(
+        &self,
+        a: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        out: u64,
+        (m, k, n): (usize, usize, usize),
+        out_mode: i32,
+        plan: Option<StagedPlan>,
+    ) -> CudaResult<()> {
+        at_least("staged gemv lhs", a.len(), m * k)?;
         let (x, _gx) = a.device_ptr(&self.stream);
-        self.gemv_staged(StagedIn::x(x), w, o, (m, k, n), OUT_BF16, plan)
+        let plan = plan.unwrap_or_else(|| self.staged_plan(n, k));
+        self.gemv_staged(StagedIn::x(x), w, out, (m, k, n), out_mode, plan)
     }
 
     /// The staged GEMV of a normalised input ([`GemvIn::Norm`] / [`GemvIn::SetNorm`], as in

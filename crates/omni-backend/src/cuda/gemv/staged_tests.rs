@@ -87,7 +87,7 @@ fn staged_gemv_equals_the_plain_gemv_bitwise() {
         ];
         for (name, plan) in plans {
             let mut y = s.alloc_zeros::<bf16>(rows * n).unwrap();
-            cx.gemv_staged_bf16_with(&x, &w, &mut y, (rows, k, n), plan)
+            cx.gemv_staged_bf16_with(&x, &w, &mut y, (rows, k, n), Some(plan))
                 .unwrap();
             let got: Vec<u16> = s
                 .clone_dtoh(&y)
