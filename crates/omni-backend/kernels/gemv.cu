@@ -183,12 +183,11 @@ GV_ENTRY(gemv_silu_r8, true, 8, 3)
 // run and streams those weights at the copy engine's rate; after the wait only x is read from
 // global memory. Rows past `staged_rows` are streamed as `gemv_body` streams them. Each output
 // is added in `gemv_body`'s order (lane c, c + 32, .. then the xor shuffle): the same bits as
-// `gemv_r*`. With GV_IN_NORM the input is `gemv_body`'s normalised one (x is then the bf16
-// `init` of a `set`), every block normalising the rows into shared memory after the wait (the
-// decoder's input norm folded into the QKV projection). Grid: ceil(n / rpb) blocks of
-// GS_WARPS warps, one block per SM by its shared memory: GS_BAR_BYTES of mbarriers, the
-// normalised rows (rows * k bf16 rounded up to 128 bytes) when normalising, then
-// staged_rows * k bf16.
+// `gemv_r*`. After the wait each block copies x into shared memory, or with GV_IN_NORM
+// normalises it there (`gemv_body`'s normalised input: x is then the bf16 `init` of a `set`;
+// the decoder's input norm folded into the QKV projection). Grid: ceil(n / rpb) blocks of
+// GS_WARPS warps, one block per SM by its shared memory: GS_BAR_BYTES of mbarriers, the input
+// rows (rows * k bf16 rounded up to 128 bytes), then staged_rows * k bf16.
 #define GS_WARPS 8
 #define GS_MAX_GROUPS 32
 #define GS_BAR_BYTES (GS_MAX_GROUPS * 8)
@@ -211,8 +210,9 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
     const int ns = 0;
 #endif
     const unsigned bar0 = (unsigned)__cvta_generic_to_shared(gs_smem);
-    // A normalised input's rows (rows * k bf16) sit between the barriers and the weights.
-    const size_t xs_bytes = in_mode == GV_IN_NORM ? ((size_t)rows * row_bytes + 127) / 128 * 128 : 0;
+    // The input rows (rows * k bf16: x copied, or normalised) sit between the barriers and the
+    // weights, so that after the wait a block makes one pass over global memory for them.
+    const size_t xs_bytes = ((size_t)rows * row_bytes + 127) / 128 * 128;
     unsigned short* xs = reinterpret_cast<unsigned short*>(gs_smem + GS_BAR_BYTES);
     const unsigned char* ws = gs_smem + GS_BAR_BYTES + xs_bytes;
     const int groups = (ns + GS_WARPS - 1) / GS_WARPS;
@@ -248,11 +248,15 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
             gv_norm_row(residual + (size_t)r * k, x + (size_t)r * k, set != 0,
                         set != 0 && blockIdx.x == 0, residual + (size_t)r * k, norm_w,
                         xs + (size_t)r * k, k, eps, sh);
-        __syncthreads();
+    } else {
+        const uint4* src = reinterpret_cast<const uint4*>(x);
+        uint4* dst = reinterpret_cast<uint4*>(xs);
+        for (int i = threadIdx.x; i < rows * (k >> 3); i += blockDim.x) dst[i] = src[i];
     }
+    __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunks = k >> 3;
-    const uint4* xin = reinterpret_cast<const uint4*>(in_mode == GV_IN_NORM ? xs : x);
+    const uint4* xin = reinterpret_cast<const uint4*>(xs);
     for (int j = warp; j < nr; j += GS_WARPS) {
         const uint4* wr;
         if (j < ns) {

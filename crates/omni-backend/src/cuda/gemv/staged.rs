@@ -37,9 +37,10 @@ pub const STAGED_GEMV_NORM_ENV: &str = "OMNI_CUDA_STAGED_GEMV_NORM";
 /// The shared-memory carve-out (percent, 0-100) every kernel asks for; default 100 while the
 /// staged GEMV is on, the driver's choice otherwise; -1: the driver's choice.
 pub const SMEM_CARVEOUT_ENV: &str = "OMNI_CUDA_SMEM_CARVEOUT";
-/// Default shared-memory budget of a staged block, KiB: the 30B-A3B QKV (156 KiB a block on
-/// 132 SMs) fits, and ~70 KiB of an SM stay for the blocks it overlaps.
-pub const DEFAULT_STAGED_KB: usize = 160;
+/// Default shared-memory budget of a staged block, KiB: the 30B-A3B QKV of a one-token step
+/// (156 KiB of weights a block on 132 SMs, 4 KiB of input) fits, and ~60 KiB of an SM stay for
+/// the blocks it overlaps.
+pub const DEFAULT_STAGED_KB: usize = 168;
 /// The most shared memory a block may ask for on sm_90 (227 KiB).
 const SMEM_OPTIN_MAX: usize = 227 * 1024;
 /// The kernel's `GS_BAR_BYTES`: its mbarriers ahead of the staged rows.
@@ -107,23 +108,15 @@ pub struct StagedPlan {
     pub rows_per_block: usize,
     /// Leading rows of each block copied into shared memory.
     pub staged_rows: usize,
-    /// Shared bytes of the normalised input rows ahead of the weights (0: x from memory).
+    /// Shared bytes of the input rows ahead of the weights.
     pub input_bytes: usize,
 }
 
 impl StagedPlan {
-    /// The plan for `n` output rows of width `k` over `sms` SMs with `budget` bytes of shared
-    /// memory a block.
-    pub fn new(n: usize, k: usize, sms: usize, budget: usize) -> Self {
-        Self::with_input(n, k, sms, budget, 0)
-    }
-
-    /// [`StagedPlan::new`] for an input of `rows` rows normalised in shared memory.
-    pub fn normalised(n: usize, k: usize, rows: usize, sms: usize, budget: usize) -> Self {
-        Self::with_input(n, k, sms, budget, normalised_bytes(rows, k))
-    }
-
-    fn with_input(n: usize, k: usize, sms: usize, budget: usize, input_bytes: usize) -> Self {
+    /// The plan for `n` output rows of width `k` and `rows` input rows over `sms` SMs with
+    /// `budget` bytes of shared memory a block.
+    pub fn new(n: usize, k: usize, rows: usize, sms: usize, budget: usize) -> Self {
+        let input_bytes = input_bytes(rows, k);
         let rows_per_block = n.div_ceil(sms.max(1)).max(1);
         let fit = budget.saturating_sub(BAR_BYTES + input_bytes) / (2 * k).max(1);
         Self {
@@ -151,8 +144,8 @@ impl StagedPlan {
     }
 }
 
-/// The kernel's shared bytes for `rows` normalised rows of width `k` (128-byte multiples).
-fn normalised_bytes(rows: usize, k: usize) -> usize {
+/// The kernel's shared bytes for `rows` input rows of width `k` (128-byte multiples).
+fn input_bytes(rows: usize, k: usize) -> usize {
     (rows * k * 2).div_ceil(128) * 128
 }
 
@@ -199,9 +192,9 @@ impl CudaContext {
         *V.get_or_init(|| env_usize(STAGED_GEMV_NORM_ENV) != Some(0))
     }
 
-    /// The plan of a staged GEMV of `n` rows of width `k` on this device.
-    pub fn staged_plan(&self, n: usize, k: usize) -> StagedPlan {
-        StagedPlan::new(n, k, self.info.sm_count, staged_budget())
+    /// The plan of a staged GEMV of `n` outputs of `rows` rows of width `k` on this device.
+    pub fn staged_plan(&self, n: usize, k: usize, rows: usize) -> StagedPlan {
+        StagedPlan::new(n, k, rows, self.info.sm_count, staged_budget())
     }
 
     /// [`CudaContext::gemv_nt_bf16`] (the same bits) on the staged GEMV.
@@ -259,7 +252,7 @@ impl CudaContext {
     ) -> CudaResult<()> {
         at_least("staged gemv lhs", a.len(), m * k)?;
         let (x, _gx) = a.device_ptr(&self.stream);
-        let plan = plan.unwrap_or_else(|| self.staged_plan(n, k));
+        let plan = plan.unwrap_or_else(|| self.staged_plan(n, k, m));
         self.gemv_staged(StagedIn::x(x), w, out, (m, k, n), out_mode, plan)
     }
 
@@ -312,16 +305,7 @@ impl CudaContext {
             set: i32::from(init.is_some()),
             eps,
         };
-        let plan = plan.unwrap_or_else(|| {
-            StagedPlan::normalised(n, k, m, self.info.sm_count, staged_budget())
-        });
-        if plan.input_bytes != normalised_bytes(m, k) {
-            return Err(shape_err(
-                "staged gemv plan's normalised-row bytes",
-                normalised_bytes(m, k),
-                plan.input_bytes,
-            ));
-        }
+        let plan = plan.unwrap_or_else(|| self.staged_plan(n, k, m));
         self.gemv_staged(input, w, o, (m, k, n), OUT_BF16, plan)
     }
 
@@ -346,6 +330,7 @@ impl CudaContext {
             return Ok(());
         }
         if plan.rows_per_block == 0
+            || plan.input_bytes != input_bytes(m, k)
             || plan.blocks * plan.rows_per_block < n
             || plan.staged_rows > plan.rows_per_block.min(WARPS * MAX_GROUPS)
             || plan.smem_bytes(k) > SMEM_OPTIN_MAX

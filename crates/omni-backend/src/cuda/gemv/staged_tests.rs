@@ -18,7 +18,9 @@ fn staged_plan_covers_every_row_once() {
         (7, 8, 132, 0),
         (1, 8, 1, 4096),
     ] {
-        let p = StagedPlan::new(n, k, sms, budget);
+        let rows = 1 + n % 8;
+        let p = StagedPlan::new(n, k, rows, sms, budget);
+        assert_eq!(p.input_bytes, (rows * k * 2).div_ceil(128) * 128);
         assert!(
             p.blocks <= sms.max(1) && p.blocks * p.rows_per_block >= n,
             "{p:?}"
@@ -35,9 +37,9 @@ fn staged_plan_covers_every_row_once() {
         }
     }
     // The 30B-A3B shapes on 132 SMs stage every row within the default budget.
-    let qkv = StagedPlan::new(5120, 2048, 132, DEFAULT_STAGED_KB * 1024);
+    let qkv = StagedPlan::new(5120, 2048, 1, 132, DEFAULT_STAGED_KB * 1024);
     assert_eq!((qkv.rows_per_block, qkv.staged_rows), (39, 39));
-    let o = StagedPlan::new(2048, 4096, 132, DEFAULT_STAGED_KB * 1024);
+    let o = StagedPlan::new(2048, 4096, 1, 132, DEFAULT_STAGED_KB * 1024);
     assert_eq!((o.blocks, o.rows_per_block, o.staged_rows), (128, 16, 16));
 }
 
@@ -80,10 +82,13 @@ fn staged_gemv_equals_the_plain_gemv_bitwise() {
             .collect();
         let sms = cx.info().sm_count;
         let plans = [
-            ("device", cx.staged_plan(n, k)),
-            ("partly staged", StagedPlan::new(n, k, sms, 256 + 3 * 2 * k)),
-            ("none staged", StagedPlan::new(n, k, sms, 0)),
-            ("three blocks", StagedPlan::new(n, k, 3, 200 * 1024)),
+            ("device", cx.staged_plan(n, k, rows)),
+            (
+                "partly staged",
+                StagedPlan::new(n, k, rows, sms, 256 + 2 * k * (rows + 3)),
+            ),
+            ("none staged", StagedPlan::new(n, k, rows, sms, 0)),
+            ("three blocks", StagedPlan::new(n, k, rows, 3, 200 * 1024)),
         ];
         for (name, plan) in plans {
             let mut y = s.alloc_zeros::<bf16>(rows * n).unwrap();
@@ -165,12 +170,12 @@ fn staged_norm_gemv_equals_the_norm_then_the_gemv() {
             let want = s.clone_dtoh(&want).unwrap();
             for plan in [
                 None,
-                Some(StagedPlan::normalised(
+                Some(StagedPlan::new(
                     n,
                     k,
                     rows,
                     sms,
-                    256 + 4096 + 5 * 2 * k,
+                    256 + 2 * k * (rows + 5) + 128,
                 )),
             ] {
                 let mut fx = s.clone_htod(&s.clone_dtoh(&res0).unwrap()).unwrap();
@@ -247,7 +252,7 @@ fn staged_gemv_timing() {
         println!(
             "staged gemv {name}: staged {staged:.1} µs ({:.2} TB/s), plain {plain:.1}, cuBLAS {cublas:.1}; plan {:?}",
             mb / staged,
-            cx.staged_plan(n, k)
+            cx.staged_plan(n, k, 1)
         );
     }
 }
