@@ -13,6 +13,77 @@
 // sequence's partitions to finish (a counter per (sequence, grid x) in `attn_cnt`, left at 0)
 // merges them into `out` (`attn_merge_partials`), else the reduce kernel does (reduce.cu).
 
+// The q/k norm + RoPE + cache write of a decode step, fused into the decode kernel (the
+// `attn_decode_rope_*` entries; src/cuda/attention/rope.rs). `qkv` holds the QKV projection's
+// rows ([tokens, (num_heads + 2 nkv) * HD] bf16) in place of q; each CTA norms and rotates its
+// own query heads' rows; the CTA whose partition ends the sequence also norms and rotates the new
+// token's key (its value is copied as is) and reads both from registers instead of the cache,
+// and, when it serves the group's first query heads (g0 == 0), writes them into the cache at
+// the token's slot (`kc_w`, `vc_w`: the caches the kernel reads; no CTA of the launch reads that
+// slot from memory, and each (sequence, KV head) has exactly one writer). The arithmetic is
+// qkv_rope_cache_bf16's (kernels/layers.cu): x * rsqrt(mean(x^2) + eps) * w, rotate-half with
+// (cos, sin)(position * inv_freq[i]), bf16 rounding before the scores use q.
+struct DecodeRope {
+    const u16* qkv;
+    u16* kc_w;
+    u16* vc_w;
+    const int* positions;
+    const long long* slots;
+    const float* inv_freq;
+    const u16* q_norm;  // null: no q/k norm
+    const u16* k_norm;
+    const unsigned char* mrope_axes;  // null: one row of positions
+    long long pos_stride;
+    float eps;
+};
+
+// (cos, sin) of this lane's 8 dims d = lig * 8 + e (frequency d mod HD / 2) at token t's
+// position (host-written: readable before the dependency wait).
+template <int HD>
+__device__ __forceinline__ void decode_rope_angles(const DecodeRope& r, int t, int lig,
+                                                   float* cs, float* sn) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int d = lig * 8 + e, i = d < HD / 2 ? d : d - HD / 2;
+        const long long axis = r.mrope_axes ? (long long)r.mrope_axes[i] : 0;
+        const float p = (float)r.positions[axis * r.pos_stride + t];
+        sincosf(p * r.inv_freq[i], &sn[e], &cs[e]);
+    }
+}
+
+// One head row normed (when `nw`) and rotated, as bf16: lane lig of a token group of L = HD / 8
+// lanes holds dims lig * 8 .. + 7 (`raw`); the row's sum of squares is reduced over the group and
+// dim d's rotation partner d +- HD / 2 is lane lig ^ L / 2's. Every lane of the warp calls it.
+template <int HD>
+__device__ __forceinline__ uint4 decode_rope_row(uint4 raw, const u16* __restrict__ nw,
+                                                 const float* cs, const float* sn, int lig,
+                                                 float eps) {
+    constexpr int L = HD / 8;
+    float x[8];
+    unpack8(raw, x);
+    if (nw) {
+        float ss = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += x[e] * x[e];
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = rsqrtf(ss / (float)HD + eps);
+        float w[8];
+        unpack8(*reinterpret_cast<const uint4*>(nw + lig * 8), w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) x[e] = x[e] * inv * w[e];
+    }
+    const bool lo = lig < L / 2;
+    float y[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float p = __shfl_xor_sync(0xffffffffu, x[e], L / 2);
+        y[e] = lo ? x[e] * cs[e] - p * sn[e] : x[e] * cs[e] + p * sn[e];
+    }
+    return make_uint4(pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]),
+                      pack_bf16x2(y[4], y[5]), pack_bf16x2(y[6], y[7]));
+}
+
 // Arrival counters of the fused merge, one per (sequence, grid x) group: zero when the module
 // loads (PTX zero-initialises .global variables) and reset to zero by each group's last CTA, so
 // every launch finds them at zero (launches of one function are ordered on the context's one
@@ -179,13 +250,14 @@ __device__ __forceinline__ bool attn_decode_begin(const int* __restrict__ qsl,
     return true;
 }
 
-template <int HD, int GM>
+// ROPE: the `DecodeRope` form (q is then unused: the query rows come from rope.qkv).
+template <int HD, int GM, bool ROPE>
 __device__ __forceinline__ void attn_decode(
     const u16* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
     u16* __restrict__ out, const int* __restrict__ qsl, const int* __restrict__ seq_lens,
     const int* __restrict__ bt, float* __restrict__ ws, int num_tokens, int num_heads, int nkv,
     int bs, int num_blocks, int mbps, int part_size, int max_parts, int head_chunks,
-    int fused, int balanced, float scale_log2)
+    int fused, int balanced, float scale_log2, const DecodeRope& rope)
 {
     // U: tokens per lane per iteration (U independent 16-byte loads in flight per lane).
     constexpr int NW = 4, NT = 128, L = HD / 8, TPW = 32 / L, TPS = NW * TPW, U = GM >= 8 ? 4 : 8;
@@ -219,23 +291,53 @@ __device__ __forceinline__ void attn_decode(
         slot0[u] = kv_slot(btab, start + min(warp * TPW + u * TPS + tg, plen - 1), bs, mbps,
                            num_blocks);
     }
+    // With ROPE the rotation angles of the token's position, also before the wait.
+    float rcs[ROPE ? 8 : 1], rsn[ROPE ? 8 : 1];
+    if constexpr (ROPE) {
+        const int t = min(max(qsl[s], 0), num_tokens - 1);
+        decode_rope_angles<HD>(rope, t, lig, rcs, rsn);
+    }
     int qs, n, np;
     if (!attn_decode_begin(qsl, seq_lens, s, start, num_tokens, plen, max_parts, qs, n, np))
         return;
     const int hbase = kvh * G + g0;
+    const size_t q_row = ROPE ? (size_t)(num_heads + 2 * nkv) * HD : (size_t)num_heads * HD;
+    const u16* qsrc = ROPE ? rope.qkv : q;
 
     float qr[GM][8];
 #pragma unroll
     for (int g = 0; g < GM; ++g) {
         if (g0 + g < G) {
-            const uint4 u = *reinterpret_cast<const uint4*>(
-                q + ((size_t)qs * num_heads + hbase + g) * HD + lig * 8);
+            uint4 u = *reinterpret_cast<const uint4*>(
+                qsrc + (size_t)qs * q_row + (size_t)(hbase + g) * HD + lig * 8);
+            if constexpr (ROPE) u = decode_rope_row<HD>(u, rope.q_norm, rcs, rsn, lig, rope.eps);
             unpack8(u, qr[g]);
 #pragma unroll
             for (int e = 0; e < 8; ++e) qr[g][e] *= scale_log2;
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) qr[g][e] = 0.f;
+        }
+    }
+    // The new token (context index seq_len - 1 = start + n - 1 when this partition ends the
+    // sequence; CTA-uniform) in registers: its key normed and rotated, its value as is.
+    int inew = -1;
+    uint4 knew = make_uint4(0u, 0u, 0u, 0u), vnew = knew;
+    if constexpr (ROPE) {
+        if (start + n == seq_lens[s]) {
+            inew = n - 1;
+            const u16* row = rope.qkv + (size_t)qs * q_row;
+            const uint4 kraw = *reinterpret_cast<const uint4*>(
+                row + (size_t)(num_heads + kvh) * HD + lig * 8);
+            vnew = *reinterpret_cast<const uint4*>(
+                row + (size_t)(num_heads + nkv + kvh) * HD + lig * 8);
+            knew = decode_rope_row<HD>(kraw, rope.k_norm, rcs, rsn, lig, rope.eps);
+            const long long slot = rope.slots[qs];
+            if (g0 == 0 && warp == 0 && tg == 0 && slot >= 0) {
+                const size_t at = (size_t)slot * tok_stride + head_off;
+                *reinterpret_cast<uint4*>(rope.kc_w + at) = knew;
+                *reinterpret_cast<uint4*>(rope.vc_w + at) = vnew;
+            }
         }
     }
 
@@ -253,7 +355,8 @@ __device__ __forceinline__ void attn_decode(
             if (i < n) {
                 const int slot = first ? slot0[u] : kv_slot(btab, start + i, bs, mbps, num_blocks);
                 if (lig == 0) sslot[i] = slot;
-                kv[u] = __ldg(reinterpret_cast<const uint4*>(kc + (size_t)slot * tok_stride + head_off));
+                kv[u] = i == inew ? knew
+                    : __ldg(reinterpret_cast<const uint4*>(kc + (size_t)slot * tok_stride + head_off));
             }
         }
 #pragma unroll
@@ -337,7 +440,8 @@ __device__ __forceinline__ void attn_decode(
             const int i = it + u * TPS + tg;
             vv[u] = make_uint4(0u, 0u, 0u, 0u);
             if (i < n) {
-                vv[u] = __ldg(reinterpret_cast<const uint4*>(vc + (size_t)sslot[i] * tok_stride + head_off));
+                vv[u] = i == inew ? vnew
+                    : __ldg(reinterpret_cast<const uint4*>(vc + (size_t)sslot[i] * tok_stride + head_off));
             }
         }
 #pragma unroll

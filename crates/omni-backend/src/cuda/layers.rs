@@ -63,7 +63,7 @@ pub struct QkvShape {
     pub q_heads: usize,
     /// KV heads on this rank.
     pub kv_heads: usize,
-    /// Elements per head (even, at most 2048).
+    /// Elements per head (even, at most 256).
     pub head_dim: usize,
     /// Epsilon of the per-head RMSNorm (unused without norm weights).
     pub eps: f32,
@@ -103,6 +103,65 @@ where
     pub mrope: Option<MropeAxes<'a>>,
     /// A later kernel's weights to prefetch into L2 ([`L2Prefetch::NONE`]: none).
     pub prefetch: L2Prefetch,
+}
+
+/// The checks [`CudaContext::qkv_rope_cache_bf16`] and the decode attention that does the same
+/// work inside (`paged_attention_rope_bf16`) make of `bufs` for `shape` (all but `q_out`):
+/// lengths, head_dim even and at most [`QKV_ROPE_MAX_HEAD_DIM`].
+#[allow(clippy::type_complexity)]
+pub(crate) fn check_qkv_buffers<Q, O, K, V, P, S, F, N>(
+    shape: &QkvShape,
+    bufs: &QkvBuffers<'_, Q, O, K, V, P, S, F, N>,
+) -> CudaResult<()>
+where
+    Q: DevicePtr<bf16>,
+    O: DevicePtrMut<bf16>,
+    K: DevicePtrMut<bf16>,
+    V: DevicePtrMut<bf16>,
+    P: DevicePtr<i32>,
+    S: DevicePtr<i64>,
+    F: DevicePtr<f32>,
+    N: DevicePtr<bf16>,
+{
+    let QkvShape {
+        tokens,
+        q_heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = *shape;
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > QKV_ROPE_MAX_HEAD_DIM {
+        return Err(shape_err(
+            "cuda qkv rope head_dim (even, at most 256)",
+            QKV_ROPE_MAX_HEAD_DIM,
+            head_dim,
+        ));
+    }
+    at_least(
+        "cuda qkv input",
+        bufs.qkv.len(),
+        tokens * (q_heads + 2 * kv_heads) * head_dim,
+    )?;
+    match &bufs.mrope {
+        None => at_least("cuda qkv positions", bufs.positions.len(), tokens)?,
+        Some(m) => {
+            crate::check_len("cuda qkv M-RoPE axes", m.axes.len(), head_dim / 2)?;
+            at_least("cuda qkv M-RoPE row stride", m.row_stride, tokens)?;
+            at_least(
+                "cuda qkv positions",
+                bufs.positions.len(),
+                2 * m.row_stride + tokens,
+            )?;
+        }
+    }
+    at_least("cuda qkv slot_mapping", bufs.slot_mapping.len(), tokens)?;
+    crate::check_len("cuda qkv inv_freq", bufs.inv_freq.len(), head_dim / 2)?;
+    crate::check_len("cuda qkv v_cache", bufs.v_cache.len(), bufs.k_cache.len())?;
+    if let Some((qn, kn)) = &bufs.qk_norm {
+        crate::check_len("cuda qkv q_norm", qn.len(), head_dim)?;
+        crate::check_len("cuda qkv k_norm", kn.len(), head_dim)?;
+    }
+    Ok(())
 }
 
 /// The M-RoPE side of a [`QkvBuffers`]: which position row turns each frequency.
@@ -311,49 +370,12 @@ impl CudaContext {
             head_dim,
             eps,
         } = shape;
-        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 2048 {
-            return Err(shape_err(
-                "cuda qkv head_dim (even, at most 2048)",
-                128,
-                head_dim,
-            ));
-        }
-        at_least(
-            "cuda qkv input",
-            bufs.qkv.len(),
-            tokens * (q_heads + 2 * kv_heads) * head_dim,
-        )?;
+        check_qkv_buffers(&shape, &bufs)?;
         at_least(
             "cuda qkv q_out",
             bufs.q_out.len(),
             tokens * q_heads * head_dim,
         )?;
-        match &bufs.mrope {
-            None => at_least("cuda qkv positions", bufs.positions.len(), tokens)?,
-            Some(m) => {
-                crate::check_len("cuda qkv M-RoPE axes", m.axes.len(), head_dim / 2)?;
-                at_least("cuda qkv M-RoPE row stride", m.row_stride, tokens)?;
-                at_least(
-                    "cuda qkv positions",
-                    bufs.positions.len(),
-                    2 * m.row_stride + tokens,
-                )?;
-            }
-        }
-        at_least("cuda qkv slot_mapping", bufs.slot_mapping.len(), tokens)?;
-        crate::check_len("cuda qkv inv_freq", bufs.inv_freq.len(), head_dim / 2)?;
-        crate::check_len("cuda qkv v_cache", bufs.v_cache.len(), bufs.k_cache.len())?;
-        if let Some((qn, kn)) = &bufs.qk_norm {
-            crate::check_len("cuda qkv q_norm", qn.len(), head_dim)?;
-            crate::check_len("cuda qkv k_norm", kn.len(), head_dim)?;
-        }
-        if head_dim > QKV_ROPE_MAX_HEAD_DIM {
-            return Err(shape_err(
-                "cuda qkv rope head_dim (at most 256)",
-                QKV_ROPE_MAX_HEAD_DIM,
-                head_dim,
-            ));
-        }
         let hpw = if tokens >= QKV_ROPE_GROUP_TOKENS {
             QKV_ROPE_HEADS
         } else {

@@ -27,57 +27,75 @@ struct AttnCore<'a> {
 }
 
 impl AttnCore<'_> {
-    /// `prefetch`: weights of the kernels after attention to stream into L2 meanwhile.
+    /// The q/k norm + RoPE + cache write, then attention into `a.attn`: one launch where the
+    /// decode kernel takes the first part ([`CudaContext::decode_fuses_rope`]; `prefetch` is
+    /// then dropped), else two; the step profile (when on) marks each launch.
     fn run(
         &self,
         a: &mut Activations,
         l: &DLayer,
         kv: &mut (CudaSlice<bf16>, CudaSlice<bf16>),
         prefetch: L2Prefetch,
+        (prof, stream): (&mut Option<StepProfiler>, &CudaStream),
     ) -> Result<(), ModelError> {
+        let mut mark = |label| match prof.as_mut() {
+            Some(p) => p.mark(stream, label),
+            None => Ok(()),
+        };
         let sh = self.shape;
         let (kc, vc) = kv;
-        self.cx.qkv_rope_cache_bf16(
-            QkvShape {
-                tokens: sh.num_tokens,
-                q_heads: sh.num_heads,
-                kv_heads: sh.num_kv_heads,
-                head_dim: sh.head_dim,
-                eps: self.eps,
-            },
-            QkvBuffers {
-                qkv: &a.qkv,
-                q_out: &mut a.q,
-                k_cache: kc,
-                v_cache: vc,
-                positions: &self.inputs.positions,
-                slot_mapping: &self.inputs.slots,
-                inv_freq: self.inv_freq,
-                qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q, k)),
-                mrope: self.mrope,
-                prefetch,
-            },
-        )?;
-        Ok(())
-    }
-
-    fn attend(
-        &self,
-        a: &mut Activations,
-        kv: &(CudaSlice<bf16>, CudaSlice<bf16>),
-    ) -> Result<(), ModelError> {
-        self.cx.paged_attention_bf16(
-            &a.q,
-            &kv.0,
-            &kv.1,
-            &mut a.attn,
+        let fused = self.cx.decode_fuses_rope(sh);
+        let qkv_shape = QkvShape {
+            tokens: sh.num_tokens,
+            q_heads: sh.num_heads,
+            kv_heads: sh.num_kv_heads,
+            head_dim: sh.head_dim,
+            eps: self.eps,
+        };
+        let bufs = QkvBuffers {
+            qkv: &a.qkv,
+            q_out: &mut a.q,
+            k_cache: kc,
+            v_cache: vc,
+            positions: &self.inputs.positions,
+            slot_mapping: &self.inputs.slots,
+            inv_freq: self.inv_freq,
+            qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q, k)),
+            mrope: self.mrope,
+            prefetch,
+        };
+        let meta = (
             &self.inputs.query_start_loc,
             &self.inputs.seq_lens,
             &self.inputs.block_tables,
+        );
+        if fused {
+            self.cx.paged_attention_rope_bf16(
+                qkv_shape,
+                bufs,
+                &mut a.attn,
+                meta.0,
+                meta.1,
+                meta.2,
+                &mut a.attn_workspace,
+                sh,
+            )?;
+            return mark("qk_norm_rope+attention");
+        }
+        self.cx.qkv_rope_cache_bf16(qkv_shape, bufs)?;
+        mark("qk_norm_rope_cache")?;
+        self.cx.paged_attention_bf16(
+            &a.q,
+            &*kc,
+            &*vc,
+            &mut a.attn,
+            meta.0,
+            meta.1,
+            meta.2,
             &mut a.attn_workspace,
-            self.shape,
+            sh,
         )?;
-        Ok(())
+        mark("attention")
     }
 }
 
@@ -371,10 +389,7 @@ impl CudaDecoderModel {
                 shape: &attn_shape,
                 eps,
             };
-            core.run(a, l, &mut self.kv[li], pf.attn)?;
-            mark!("qk_norm_rope_cache");
-            core.attend(a, &self.kv[li])?;
-            mark!("attention");
+            core.run(a, l, &mut self.kv[li], pf.attn, (&mut prof, &stream))?;
             Self::linear_f32(
                 &cx,
                 proj,
@@ -685,10 +700,13 @@ impl CudaDecoderModel {
                 shape: &attn_shape,
                 eps,
             };
-            core.run(a, l, &mut self.kv[li], L2Prefetch::NONE)?;
-            mark!("qk_norm_rope_cache");
-            core.attend(a, &self.kv[li])?;
-            mark!("attention");
+            core.run(
+                a,
+                l,
+                &mut self.kv[li],
+                L2Prefetch::NONE,
+                (&mut prof, &stream),
+            )?;
             let k = l.o.inp;
             cx.gemv_fused(
                 &l.o.w,

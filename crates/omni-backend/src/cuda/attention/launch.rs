@@ -4,6 +4,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use super::rope::DecodeRopeArgs;
 use super::source::{REDUCE_FN, attn_wgmma_source, hd_kernels, reduce_source};
 use super::{
     ATTN_COUNTERS, AttnShape, DECODE_THREADS, DecodePlan, GROUP_TILES, MAX_FUSED_PARTS,
@@ -112,7 +113,42 @@ impl CudaContext {
         workspace: &mut impl DevicePtrMut<f32>,
         shape: &AttnShape,
         plan: DecodePlan,
+        prefill: (PrefillTile, &'static str),
+    ) -> CudaResult<()> {
+        self.paged_attention_impl(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            workspace,
+            shape,
+            plan,
+            prefill,
+            None,
+        )
+    }
+
+    /// [`Self::paged_attention_tiled`], and with `rope` the decode path's `attn_decode_rope_*`
+    /// entries, which take the q/k norm + RoPE + cache write inside (`q` is then the QKV rows
+    /// the arguments also point at; [`Self::paged_attention_rope_bf16`] checked them).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn paged_attention_impl(
+        &self,
+        q: &impl DevicePtr<bf16>,
+        k_cache: &impl DevicePtr<bf16>,
+        v_cache: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        query_start_loc: &impl DevicePtr<i32>,
+        seq_lens: &impl DevicePtr<i32>,
+        block_tables: &impl DevicePtr<i32>,
+        workspace: &mut impl DevicePtrMut<f32>,
+        shape: &AttnShape,
+        plan: DecodePlan,
         (tile, prefill_fn): (PrefillTile, &'static str),
+        rope: Option<&mut DecodeRopeArgs>,
     ) -> CudaResult<()> {
         let sh = *shape;
         let kernels = hd_kernels(sh.head_dim)?;
@@ -168,6 +204,14 @@ impl CudaContext {
         // Slots are int on the device.
         narrow::<i32>("cache slots", num_blocks * sh.block_size)?;
         let decode = sh.max_query_len == 1;
+        if rope.is_some() && (!decode || plan.tc) {
+            return Err(crate::Error::Metadata(format!(
+                "cuda paged attention: the q/k norm + RoPE form needs a decode step on the \
+                 CUDA-core kernel, not max_query_len {} with plan {plan:?}",
+                sh.max_query_len
+            ))
+            .into());
+        }
         if decode {
             let chunks = group_size(&sh).div_ceil(plan.tile.max(1));
             let groups = sh.num_kv_heads * chunks * sh.num_seqs;
@@ -248,6 +292,11 @@ impl CudaContext {
                 let smem =
                     max_dynamic_smem(&f, "decode shared memory", tc_smem_bytes(sh.head_dim))?;
                 (f, smem)
+            } else if rope.is_some() {
+                (
+                    self.function(kernels.source, kernels.decode_rope[tile_idx])?,
+                    0,
+                )
             } else {
                 (self.function(kernels.source, kernels.decode[tile_idx])?, 0)
             };
@@ -256,7 +305,7 @@ impl CudaContext {
             let (mut num_tokens, mut num_heads, mut nkv, mut bs, mut num_blocks_i, mut mbps) =
                 (num_tokens, num_heads, nkv, bs, num_blocks_i, mbps);
             let mut scale = scale_log2;
-            let mut args: [*mut c_void; 20] = [
+            let mut args: Vec<*mut c_void> = vec![
                 (&raw mut qp).cast(),
                 (&raw mut kp).cast(),
                 (&raw mut vp).cast(),
@@ -278,6 +327,9 @@ impl CudaContext {
                 (&raw mut balanced_i).cast(),
                 (&raw mut scale).cast(),
             ];
+            if let Some(r) = rope {
+                args.push(std::ptr::from_mut(r).cast());
+            }
             // SAFETY: `args` points at the arguments of `attn_decode_hd*_g*` (or
             // `attn_decode_tc_hd*_g8`, the same list) `(const u16* x3, u16*,
             // const int* x3, float*, int x11, float)` in order, with those types (device
@@ -294,6 +346,13 @@ impl CudaContext {
             // (checked). With `pdl` the kernel reads only host-written metadata before its
             // `griddepcontrol.wait`. The tensor-core instance (tile TC_TILE, checked) gets the
             // dynamic shared memory `tc_smem_bytes` says it uses, and the limit is raised to it.
+            // With `rope` the entry is `attn_decode_rope_hd*_g*`: the same list and a
+            // `DecodeRope` by value, whose layout `DecodeRopeArgs` repeats (#[repr(C)]); its
+            // pointers were checked by `paged_attention_rope_bf16` (q is its QKV buffer, longer
+            // than num_tokens rows of num_heads heads), the caches it writes are the ones read
+            // here, at slots the caller keeps inside them as for `qkv_rope_cache_bf16`, and
+            // before the wait it reads only the positions, the M-RoPE axes and inv_freq
+            // (host-written, as for that kernel).
             unsafe { self.launch_ex(&f, grid, (DECODE_THREADS, smem), pdl, &mut args) }?;
             if parts > 1 && !fused {
                 let hd_i = narrow::<i32>("head_dim", sh.head_dim)?;

@@ -48,6 +48,9 @@ mod emu_tc;
 #[cfg(test)]
 mod emu_wg;
 mod launch;
+mod rope;
+#[cfg(test)]
+mod rope_tests;
 pub(super) mod source;
 #[cfg(test)]
 mod tests;
@@ -56,6 +59,7 @@ mod timing;
 
 #[cfg(doc)]
 use super::CudaContext;
+pub use rope::DECODE_ROPE_ENV;
 
 /// Host-side scalars of one [`CudaContext::paged_attention_bf16`] call.
 ///

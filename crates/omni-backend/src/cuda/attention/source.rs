@@ -30,6 +30,8 @@ pub(super) const REDUCE_FN: &str = "attn_decode_reduce";
 pub(super) struct HdKernels {
     pub(super) source: fn() -> String,
     pub(super) decode: [&'static str; 4],
+    /// The same tiles with the q/k norm + RoPE + cache write inside (`DecodeRope`).
+    pub(super) decode_rope: [&'static str; 4],
     pub(super) decode_tc: &'static str,
     pub(super) prefill: &'static str,
 }
@@ -43,6 +45,12 @@ macro_rules! hd_kernels {
                 concat!("attn_decode_hd", $hd, "_g2"),
                 concat!("attn_decode_hd", $hd, "_g4"),
                 concat!("attn_decode_hd", $hd, "_g8"),
+            ],
+            decode_rope: [
+                concat!("attn_decode_rope_hd", $hd, "_g1"),
+                concat!("attn_decode_rope_hd", $hd, "_g2"),
+                concat!("attn_decode_rope_hd", $hd, "_g4"),
+                concat!("attn_decode_rope_hd", $hd, "_g8"),
             ],
             decode_tc: concat!("attn_decode_tc_hd", $hd, "_g8"),
             prefill: concat!("attn_prefill_hd", $hd),
@@ -100,7 +108,11 @@ pub(crate) fn attn_source(hd: usize) -> String {
     for gm in GROUP_TILES {
         src.push_str(&format!(
             "extern \"C\" __global__ void __launch_bounds__({DECODE_THREADS}) \
-             attn_decode_hd{hd}_g{gm}({decode_args}) {{ attn_decode<{hd}, {gm}>({decode_call}); }}\n"
+             attn_decode_hd{hd}_g{gm}({decode_args}) {{ const DecodeRope none{{}}; \
+             attn_decode<{hd}, {gm}, false>({decode_call}, none); }}\n\
+             extern \"C\" __global__ void __launch_bounds__({DECODE_THREADS}) \
+             attn_decode_rope_hd{hd}_g{gm}({decode_args}, DecodeRope rope) {{ \
+             attn_decode<{hd}, {gm}, true>({decode_call}, rope); }}\n"
         ));
     }
     src.push_str(&format!(

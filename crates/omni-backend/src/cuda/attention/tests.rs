@@ -19,7 +19,12 @@ fn every_head_dim_source_defines_its_entry_points() {
     for hd in SUPPORTED_HEAD_DIMS {
         let k = hd_kernels(hd).unwrap();
         let src = (k.source)();
-        for name in k.decode.iter().chain([&k.decode_tc, &k.prefill]) {
+        for name in k
+            .decode
+            .iter()
+            .chain(&k.decode_rope)
+            .chain([&k.decode_tc, &k.prefill])
+        {
             assert!(src.contains(name), "{name} missing from the hd{hd} source");
         }
     }

@@ -232,8 +232,9 @@ fn staged_gemv_timing() {
     let s = cx.stream().clone();
     for (name, k, n) in [("30b qkv", 2048usize, 5120usize), ("30b o", 4096, 2048)] {
         let copies = 12;
+        // Distinct copies (weights cold in L2), each exactly the [n, k] the kernels check for.
         let ws: Vec<CudaSlice<bf16>> = (0..copies)
-            .map(|c| s.alloc_zeros::<bf16>(n * k + 8 * c).unwrap())
+            .map(|_| s.alloc_zeros::<bf16>(n * k).unwrap())
             .collect();
         let x = cx.upload_f32_as_bf16(&rand_bf16_f32(k, 9)).unwrap();
         let mut y = s.alloc_zeros::<bf16>(n).unwrap();
