@@ -129,7 +129,7 @@ __device__ __forceinline__ void qkr_heads(
     pdl_wait();
     const size_t row = (size_t)(lq + 2 * lkv) * hd;
     const unsigned short* src_row = qkv + t * row;
-    // GROUPED (a warp has several heads): every head's words first (E bf16 of i and of
+    // GROUPED (a warp may have several heads), E = 2: every head's words first (E bf16 of i and of
     // i + hd/2 per lane and u; a padding token's keys are never read), then head by head. A warp
     // of one head, and the scalar path (E = 1, odd hd / 2), load each head's words as they come
     // to it: on an H100 the up-front form took a batch-1 decode step's kernels 0.34 -> 0.58 ms
@@ -161,8 +161,10 @@ __device__ __forceinline__ void qkr_heads(
     // The norm weights of the current kind of head (q or k), reloaded when it changes.
     const unsigned short* nw_cur = nullptr;
     float wa[NU][E], wb[NU][E];
+    // A warp of one head (not GROUPED) takes one pass: no unrolled copies for heads it lacks.
+    constexpr int NH = GROUPED ? QKR_MAX_HEADS : 1;
 #pragma unroll
-    for (int g = 0; g < QKR_MAX_HEADS; ++g) {
+    for (int g = 0; g < NH; ++g) {
         const int hh = h0 + g;
         if (hh >= h1) break;
         if (hh >= lq && slot < 0) return;  // a padding token's keys and values: whole warps
@@ -234,14 +236,16 @@ __device__ __forceinline__ void qkr_heads(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16(
-        const unsigned short* __restrict__ qkv, unsigned short* __restrict__ q_out,
-        unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache,
-        const int* __restrict__ positions, const long long* __restrict__ slot_mapping,
-        const float* __restrict__ inv_freq, const unsigned short* __restrict__ q_norm,
-        const unsigned short* __restrict__ k_norm, const unsigned char* __restrict__ mrope_axes,
-        long long pos_stride, int tokens, int lq, int lkv, int hd, float eps, int hpw,
-        L2_PREFETCH_ARGS) {
+// The kernel body: warp w of the grid takes token w / groups and heads h0 .. h1 of its group.
+#define QKR_ARGS const unsigned short* __restrict__ qkv, unsigned short* __restrict__ q_out, \
+        unsigned short* __restrict__ k_cache, unsigned short* __restrict__ v_cache, \
+        const int* __restrict__ positions, const long long* __restrict__ slot_mapping, \
+        const float* __restrict__ inv_freq, const unsigned short* __restrict__ q_norm, \
+        const unsigned short* __restrict__ k_norm, const unsigned char* __restrict__ mrope_axes, \
+        long long pos_stride, int tokens, int lq, int lkv, int hd, float eps, int hpw, \
+        L2_PREFETCH_ARGS
+template <bool GROUPED>
+__device__ __forceinline__ void qkr_kernel(QKR_ARGS) {
     pdl_launch_dependents();
     if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
     const int heads = lq + lkv, groups = (heads + hpw - 1) / hpw;
@@ -249,15 +253,25 @@ extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16
     if (w >= (long long)tokens * groups) return;  // whole warps
     const long long t = w / groups;
     const int h0 = (int)(w - t * groups) * hpw, h1 = min(h0 + hpw, heads);
-    if (((hd >> 1) & 1) != 0)
-        qkr_heads<1, false>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq,
-                            q_norm, k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);
-    else if (hpw > 1)
-        qkr_heads<2, true>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq,
-                           q_norm, k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);
+    if (((hd >> 1) & 1) == 0)
+        qkr_heads<2, GROUPED>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq,
+                              q_norm, k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);
     else
-        qkr_heads<2, false>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq,
-                            q_norm, k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);
+        qkr_heads<1, GROUPED>(qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq,
+                              q_norm, k_norm, mrope_axes, pos_stride, t, h0, h1, lq, lkv, hd, eps);
+}
+#define QKR_PASS qkv, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, q_norm, \
+        k_norm, mrope_axes, pos_stride, tokens, lq, lkv, hd, eps, hpw, pf0, pf0_bytes, pf1, \
+        pf1_bytes, pf_work_blocks
+// One head a warp (hpw 1: decode and short prefills). Its own entry, so the grouped form's
+// registers (126 in one kernel with it) do not weigh on it: on an H100 the one-kernel form
+// took decode at batch 1 / 4 from ~207 / ~433 to ~190 / ~406 tok/s (Qwen3-30B-A3B).
+extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_bf16(QKR_ARGS) {
+    qkr_kernel<false>(QKR_PASS);
+}
+// Several heads a warp (hpw > 1: long prefills).
+extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_grouped_bf16(QKR_ARGS) {
+    qkr_kernel<true>(QKR_PASS);
 }
 
 // dst[rows[r], :] += src[r, :] for r < m (rows distinct): the deepstack residual additions.

@@ -29,6 +29,8 @@ const LAYERS: &str = kernel_file!("layers.cu");
 const FUSED_ADD_RMSNORM_FN: &str = "fused_add_rmsnorm_f32res";
 const ADD_BIAS_F32_FN: &str = "add_bias_f32";
 const QKV_ROPE_CACHE_FN: &str = "qkv_rope_cache_bf16";
+/// The same with several heads a warp (`hpw > 1`).
+const QKV_ROPE_CACHE_GROUPED_FN: &str = "qkv_rope_cache_grouped_bf16";
 /// Warps per block of `qkv_rope_cache_bf16` (its `QKR_WARPS`).
 const QKV_ROPE_WARPS: usize = 4;
 /// Heads per warp of `qkv_rope_cache_bf16` from [`QKV_ROPE_GROUP_TOKENS`] tokens (one below):
@@ -393,7 +395,14 @@ impl CudaContext {
             narrow::<i32>("kv_heads", kv_heads)?,
             narrow::<i32>("head_dim", head_dim)?,
         );
-        let f = self.function(layers_source, QKV_ROPE_CACHE_FN)?;
+        let f = self.function(
+            layers_source,
+            if hpw > 1 {
+                QKV_ROPE_CACHE_GROUPED_FN
+            } else {
+                QKV_ROPE_CACHE_FN
+            },
+        )?;
         let s = &self.stream;
         let (mut qkv, _g1) = bufs.qkv.device_ptr(s);
         let (mut q, _g2) = bufs.q_out.device_ptr_mut(s);
@@ -421,7 +430,9 @@ impl CudaContext {
             qkv, q, kc, vc, pos, slots, freq, qn, kn, axes, stride, tokens_i, lq, lkv, hd, eps,
             hpw_i, pf0, pf0_bytes, pf1, pf1_bytes, pf_work
         );
-        // SAFETY: the arguments match `qkv_rope_cache_bf16`'s parameter list (its prefetch
+        // SAFETY: the arguments match the parameter list (`QKR_ARGS`) of both entries,
+        // `qkv_rope_cache_bf16` and `qkv_rope_cache_grouped_bf16` (the latter taken when
+        // hpw > 1, the heads the former's warps would leave undone; its prefetch
         // regions as in `fused_add_rms_norm_prefetch`); qkv, q_out,
         // positions and slot_mapping hold at least `tokens` rows (checked above); inv_freq holds
         // head_dim / 2 and the norms head_dim entries (or are null, which the kernel tests);

@@ -152,13 +152,18 @@ enum Gemm {
 }
 
 impl Gemm {
-    /// This kind where it takes `tokens` rows of width `k`, else cuBLAS.
-    fn fit(self, tokens: usize, k: usize) -> Self {
-        if self != Self::Cublas && CudaContext::gemv_fits(tokens, k) {
-            self
-        } else {
-            Self::Cublas
-        }
+    /// This kind where it takes `tokens` rows of `l`'s width (the staged GEMV also only where
+    /// its plan stages all of `l`'s weights), else cuBLAS.
+    fn fit(self, cx: &CudaContext, tokens: usize, l: &DLinear) -> Self {
+        let fits = match self {
+            Self::Cublas => false,
+            Self::Gemv => CudaContext::gemv_fits(tokens, l.inp),
+            Self::Staged => {
+                CudaContext::gemv_fits(tokens, l.inp)
+                    && cx.staged_plan(l.out, l.inp, tokens).is_whole()
+            }
+        };
+        if fits { self } else { Self::Cublas }
     }
 }
 
@@ -172,7 +177,7 @@ impl CudaDecoderModel {
         tokens: usize,
     ) -> Result<(), ModelError> {
         let mut o = out.slice_mut(..tokens * l.out);
-        match kind.fit(tokens, l.inp) {
+        match kind.fit(cx, tokens, l) {
             Gemm::Staged => cx.gemv_staged_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?,
             Gemm::Gemv => cx.gemv_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?,
             Gemm::Cublas => cx.matmul_nt_bf16(x, &l.w, &mut o, tokens, l.inp, l.out)?,
@@ -209,7 +214,7 @@ impl CudaDecoderModel {
         add_bias: bool,
     ) -> Result<(), ModelError> {
         let mut o = out.slice_mut(..tokens * l.out);
-        match kind.fit(tokens, l.inp) {
+        match kind.fit(cx, tokens, l) {
             Gemm::Staged => cx.gemv_staged_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?,
             Gemm::Gemv => cx.gemv_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?,
             Gemm::Cublas => cx.matmul_nt_bf16_f32(x, &l.w, &mut o, tokens, l.inp, l.out)?,
@@ -327,7 +332,7 @@ impl CudaDecoderModel {
             let pf = LayerPrefetch::of(l, prefetch, std::mem::take(&mut qkv_prefetched), &stream);
             // The input norm folds into a staged QKV projection when it only normalises (the
             // residual kept, or set from the embedding): every block normalises the rows itself.
-            let fold_norm = proj == Gemm::Staged
+            let fold_norm = proj.fit(&cx, t, &l.qkv) == Gemm::Staged
                 && !prefetch
                 && cx.staged_gemv_folds_norm()
                 && l.qkv.b.is_none()

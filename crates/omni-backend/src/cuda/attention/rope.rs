@@ -12,14 +12,17 @@ use crate::cuda::launch::{aligned16, narrow};
 use crate::cuda::layers::check_qkv_buffers;
 use crate::cuda::{CudaContext, CudaResult, QkvBuffers, QkvShape, bf16};
 
-/// Set to `1`, decode steps on the CUDA-core kernel take the q/k norm + RoPE + cache write
-/// inside the attention launch ([`CudaContext::decode_fuses_rope`]); off by default until it is
-/// measured on a GPU. Read once per process.
+/// Set to `1`, decode steps on the CUDA-core kernel do the q/k norm + RoPE + cache write inside
+/// the attention launch ([`CudaContext::decode_fuses_rope`]). Off by default: on an H100
+/// (Qwen3-30B-A3B, the same bits) it beat the separate kernel only while that kernel was slow;
+/// against the kernel as it was at 79dca1c it is even at batch 1 (~204 against ~206 tok/s) and
+/// 5.5% slower at batch 4 (`bench/results/gpu-decode-h100-2026-12-07.md`). Read once per
+/// process.
 pub const DECODE_ROPE_ENV: &str = "OMNI_CUDA_DECODE_ROPE";
 
 fn decode_rope_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(DECODE_ROPE_ENV).is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var(DECODE_ROPE_ENV).is_ok_and(|v| v.trim() == "1"))
 }
 
 /// `struct DecodeRope` of `decode.cu`, field for field (a kernel argument by value).
@@ -41,8 +44,8 @@ pub(super) struct DecodeRopeArgs {
 
 impl CudaContext {
     /// Whether [`Self::paged_attention_rope_bf16`] serves a step of `shape`: a decode step
-    /// (`max_query_len == 1`) whose plan is the CUDA-core kernel (small grids: batch 1 to ~8 of
-    /// the Qwen3 shapes), with [`DECODE_ROPE_ENV`] set.
+    /// (`max_query_len == 1`) whose plan is the CUDA-core kernel (small grids: batch 1 to ~11
+    /// of the Qwen3 shapes), with [`DECODE_ROPE_ENV`] set.
     pub fn decode_fuses_rope(&self, shape: &AttnShape) -> bool {
         decode_rope_enabled() && rope_plan_fits(shape)
     }

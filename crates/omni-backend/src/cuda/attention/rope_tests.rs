@@ -219,7 +219,13 @@ fn decode_with_rope_matches_rope_then_attention() {
     // the 30B-A3B shape at batch 1 (4-head tiles, two per KV head, 32-token partitions and the
     // fused merge), a batch with a sequence of no query token and one whose only context is
     // the new token, no norm, MHA at head_dim 256 with M-RoPE, head_dim 16 (two lanes a row).
-    type Case = ((usize, usize, usize, usize), &'static [usize], bool, bool, u64);
+    type Case = (
+        (usize, usize, usize, usize),
+        &'static [usize],
+        bool,
+        bool,
+        u64,
+    );
     let cases: [Case; 5] = [
         ((32, 4, 128, 16), &[1088], true, false, 1),
         ((32, 8, 128, 16), &[300, 0, 17, 1], true, false, 2),

@@ -28,8 +28,13 @@ use super::super::{CudaContext, CudaResult};
 use super::{GEMV_MAX_ROWS, GemvIn, IN_NORM, IN_X, OUT_BF16, OUT_F32, gemv_source};
 
 /// Steps of at most this many tokens (at most [`GEMV_MAX_ROWS`]) run their QKV and output
-/// projections on the staged GEMV; unset or 0: off.
+/// projections on the staged GEMV where its plan stages every row ([`StagedPlan::is_whole`]);
+/// 0: off; unset: [`DEFAULT_STAGED_TOKENS`].
 pub const STAGED_GEMV_ENV: &str = "OMNI_CUDA_STAGED_GEMV_TOKENS";
+/// [`STAGED_GEMV_ENV`]'s default: one-token steps. On an H100 (Qwen3-30B-A3B) batch 1 went
+/// 187.5 -> 200.1 tok/s with it, and 204 -> 212 with the RoPE inside decode attention; at 4 and
+/// 8 tokens it lost (-5% at batch 4, `bench/results/gpu-decode-h100-2026-12-07.md`).
+pub const DEFAULT_STAGED_TOKENS: usize = 1;
 /// The staged GEMV's shared-memory budget per block, KiB (default [`DEFAULT_STAGED_KB`]).
 pub const STAGED_GEMV_KB_ENV: &str = "OMNI_CUDA_STAGED_GEMV_KB";
 /// Set to `0`, a staged QKV projection leaves the input norm to its own kernel.
@@ -62,7 +67,11 @@ fn env_usize(name: &str) -> Option<usize> {
 /// [`STAGED_GEMV_ENV`], read once (at most [`GEMV_MAX_ROWS`]).
 fn staged_tokens_env() -> usize {
     static V: OnceLock<usize> = OnceLock::new();
-    *V.get_or_init(|| env_usize(STAGED_GEMV_ENV).unwrap_or(0).min(GEMV_MAX_ROWS))
+    *V.get_or_init(|| {
+        env_usize(STAGED_GEMV_ENV)
+            .unwrap_or(DEFAULT_STAGED_TOKENS)
+            .min(GEMV_MAX_ROWS)
+    })
 }
 
 /// [`STAGED_GEMV_KB_ENV`] in bytes, read once.
@@ -125,6 +134,12 @@ impl StagedPlan {
             staged_rows: rows_per_block.min(fit).min(WARPS * MAX_GROUPS),
             input_bytes,
         }
+    }
+
+    /// Every row of every block is staged (none streamed after the wait): the only plans
+    /// measured to gain (a layer whose weights exceed the SMs' budget keeps cuBLAS).
+    pub fn is_whole(&self) -> bool {
+        self.staged_rows == self.rows_per_block
     }
 
     /// Dynamic shared memory of a block for rows of width `k`.

@@ -41,6 +41,12 @@ fn staged_plan_covers_every_row_once() {
     assert_eq!((qkv.rows_per_block, qkv.staged_rows), (39, 39));
     let o = StagedPlan::new(2048, 4096, 1, 132, DEFAULT_STAGED_KB * 1024);
     assert_eq!((o.blocks, o.rows_per_block, o.staged_rows), (128, 16, 16));
+    assert!(qkv.is_whole() && o.is_whole());
+    // Qwen3-8B's (QKV 4096 -> 6144, o_proj 4096 -> 4096) do not fit: they keep cuBLAS.
+    for (n, k) in [(6144, 4096), (4096, 4096)] {
+        let p = StagedPlan::new(n, k, 1, 132, DEFAULT_STAGED_KB * 1024);
+        assert!(!p.is_whole(), "{n}x{k}: {p:?}");
+    }
 }
 
 /// On the device: the staged GEMV gives the plain GEMV's bits (bf16 and f32 out) under the
