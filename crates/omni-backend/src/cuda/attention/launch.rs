@@ -95,47 +95,17 @@ impl CudaContext {
             shape,
             plan,
             prefill,
-        )
-    }
-
-    /// [`Self::paged_attention_planned`] with the prefill path on `prefill` (a tiling and the
-    /// entry point instantiating it: the prefill timing compares tilings).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn paged_attention_tiled(
-        &self,
-        q: &impl DevicePtr<bf16>,
-        k_cache: &impl DevicePtr<bf16>,
-        v_cache: &impl DevicePtr<bf16>,
-        out: &mut impl DevicePtrMut<bf16>,
-        query_start_loc: &impl DevicePtr<i32>,
-        seq_lens: &impl DevicePtr<i32>,
-        block_tables: &impl DevicePtr<i32>,
-        workspace: &mut impl DevicePtrMut<f32>,
-        shape: &AttnShape,
-        plan: DecodePlan,
-        prefill: (PrefillTile, &'static str),
-    ) -> CudaResult<()> {
-        self.paged_attention_impl(
-            q,
-            k_cache,
-            v_cache,
-            out,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            workspace,
-            shape,
-            plan,
-            prefill,
             None,
         )
     }
 
-    /// [`Self::paged_attention_tiled`], and with `rope` the decode path's `attn_decode_rope_*`
-    /// entries, which take the q/k norm + RoPE + cache write inside (`q` is then the QKV rows
-    /// the arguments also point at; [`Self::paged_attention_rope_bf16`] checked them).
+    /// [`Self::paged_attention_planned`] with the prefill path on `prefill` (a tiling and the
+    /// entry point instantiating it: the prefill timing compares tilings), and with `rope` the
+    /// decode path's `attn_decode_rope_*` entries, which take the q/k norm + RoPE + cache write
+    /// inside (`q` is then the QKV rows the arguments also point at;
+    /// [`Self::paged_attention_rope_bf16`] checked them).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn paged_attention_impl(
+    pub(super) fn paged_attention_tiled(
         &self,
         q: &impl DevicePtr<bf16>,
         k_cache: &impl DevicePtr<bf16>,

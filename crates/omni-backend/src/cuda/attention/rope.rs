@@ -137,7 +137,7 @@ impl CudaContext {
             pos_stride,
             eps: qkv_shape.eps,
         };
-        self.paged_attention_impl(
+        self.paged_attention_tiled(
             bufs.qkv,
             &*bufs.k_cache,
             &*bufs.v_cache,

@@ -297,6 +297,7 @@ impl Fixture {
             shape,
             decode_plan(shape),
             prefill,
+            None,
         )
         .unwrap();
         cx.download_f32(&out).unwrap()

@@ -281,6 +281,7 @@ fn prefill_timing(cx: &CudaContext, nh: usize, nkv: usize) {
             &shape,
             decode_plan(&shape),
             tiling,
+            None,
         )
         .unwrap()
     };
