@@ -1,6 +1,6 @@
 // The fused per-layer kernels of the decoder (src/cuda/layers.rs): residual add + RMSNorm,
 // QKV split + per-head norm + RoPE + cache write, embedding gather, bias, widening, device fill.
-// Prepended by the Rust side: bf16.cuh.
+// Prepended by the Rust side: bf16.cuh, rope.cuh.
 
 // Block reduction of a float sum over up to 1024 threads (`blockDim.x` a multiple of 32).
 __device__ __forceinline__ float block_sum(float v, float* sh) {
@@ -117,12 +117,9 @@ __device__ __forceinline__ void qkr_heads(
             const int i = E * lane + 32 * E * u + e;
             cs[u][e] = 1.f;
             sn[u][e] = 0.f;
-            if (i < half) {
-                // M-RoPE: frequency i turns by the temporal, height or width row of the positions.
-                const long long axis = mrope_axes ? (long long)mrope_axes[i] : 0;
-                const float p = (float)positions[axis * pos_stride + t];
-                sincosf(p * inv_freq[i], &sn[u][e], &cs[u][e]);
-            }
+            if (i < half)
+                rope_sincos(positions, inv_freq, mrope_axes, pos_stride, t, i, &sn[u][e],
+                            &cs[u][e]);
         }
     }
     const long long slot = h1 > lq ? slot_mapping[t] : -1;

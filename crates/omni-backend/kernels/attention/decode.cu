@@ -1,6 +1,6 @@
 // Flash-decoding kernel template (one query token per sequence). The `extern "C"` entry points
 // `attn_decode_hd{HD}_g{GM}` are instantiated per head dimension by the Rust side.
-// Prepended by the Rust side: bf16.cuh, attention/common.cuh.
+// Prepended by the Rust side: bf16.cuh, rope.cuh, attention/common.cuh.
 
 // One CTA: KV head `blockIdx.x / head_chunks`, query heads `g0 .. g0 + GM` of its group,
 // sequence `blockIdx.y`, context partition `blockIdx.z` (`part_size` tokens). 4 warps; a token's
@@ -45,9 +45,7 @@ __device__ __forceinline__ void decode_rope_angles(const DecodeRope& r, int t, i
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         const int d = lig * 8 + e, i = d < HD / 2 ? d : d - HD / 2;
-        const long long axis = r.mrope_axes ? (long long)r.mrope_axes[i] : 0;
-        const float p = (float)r.positions[axis * r.pos_stride + t];
-        sincosf(p * r.inv_freq[i], &sn[e], &cs[e]);
+        rope_sincos(r.positions, r.inv_freq, r.mrope_axes, r.pos_stride, t, i, &sn[e], &cs[e]);
     }
 }
 

@@ -31,6 +31,10 @@ pub(crate) use kernel_file;
 /// bf16 <-> f32 helpers shared by every kernel source.
 pub(crate) const BF16_HELPERS: &str = kernel_file!("bf16.cuh");
 
+/// The RoPE angle helper shared by the q/k norm + RoPE kernel and the decode attention (after
+/// [`BF16_HELPERS`]).
+pub(crate) const ROPE_HELPERS: &str = kernel_file!("rope.cuh");
+
 /// The element-wise kernels (SiLU-and-mul).
 const ELEMENTWISE: &str = kernel_file!("elementwise.cu");
 

@@ -19,7 +19,7 @@ use cudarc::cublas::{result as blas_result, sys as blas_sys};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
-use super::kernels::{BF16_HELPERS, kernel_file};
+use super::kernels::{BF16_HELPERS, ROPE_HELPERS, kernel_file};
 use super::launch::{at_least, block_threads, elementwise_cfg, narrow, shape_err};
 use super::{CudaContext, CudaResult, L2Prefetch};
 
@@ -53,7 +53,7 @@ const FILL_UNIFORM_FN: &str = "fill_uniform_bf16";
 
 /// Full source of the layers module.
 pub(super) fn layers_source() -> String {
-    format!("{BF16_HELPERS}{LAYERS}")
+    format!("{BF16_HELPERS}{ROPE_HELPERS}{LAYERS}")
 }
 
 /// The shape of one [`CudaContext::qkv_rope_cache_bf16`] call.

@@ -8,7 +8,7 @@ use super::{
     TC_TILE, WGMMA_HEAD_DIM, WGMMA_PREFILL, prefill_cfg,
 };
 use crate::cuda::CudaResult;
-use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
+use crate::cuda::kernels::{BF16_HELPERS, ROPE_HELPERS, kernel_file};
 
 /// Device helpers shared by the attention sources (after [`BF16_HELPERS`]).
 const ATTN_COMMON: &str = kernel_file!("attention/common.cuh");
@@ -95,7 +95,7 @@ pub(super) fn hd_kernels(head_dim: usize) -> CudaResult<HdKernels> {
 /// [`hd_kernels`]).
 pub(crate) fn attn_source(hd: usize) -> String {
     let mut src = format!(
-        "{BF16_HELPERS}{ATTN_COMMON}#define ATTN_COUNTERS {ATTN_COUNTERS}\n\
+        "{BF16_HELPERS}{ROPE_HELPERS}{ATTN_COMMON}#define ATTN_COUNTERS {ATTN_COUNTERS}\n\
          #define ATTN_FUSED_PARTS {MAX_FUSED_PARTS}\n{DECODE_TEMPLATE}{PREFILL_TEMPLATE}\
          {DECODE_TC_TEMPLATE}"
     );
