@@ -208,6 +208,7 @@ mod tests {
                 attention::source::attn_wgmma_source(),
             ),
             ("moe small".to_string(), moe::small::moe_small_source()),
+            ("moe block1".to_string(), moe::block1::moe_block1_source()),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),
             ("gemv".to_string(), gemv::gemv_source()),

@@ -64,6 +64,8 @@ pub(super) struct Activations {
     pub(super) moe_counters: CudaSlice<i32>,
     /// The small-batch MoE path's `[tokens * top_k, inter]` expert activations.
     pub(super) moe_act: CudaSlice<bf16>,
+    /// The one-launch MoE block's grid barrier (two counters, zero between launches).
+    pub(super) moe_barrier: CudaSlice<i32>,
 }
 
 impl CudaDecoderModel {
@@ -166,6 +168,7 @@ impl CudaDecoderModel {
                 })
                 .max(1)
             }))?,
+            moe_barrier: s.alloc_zeros(2)?,
         };
         Ok((inputs, act))
     }

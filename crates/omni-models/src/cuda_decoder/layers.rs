@@ -407,6 +407,13 @@ impl CudaDecoderModel {
             mark!("o_proj");
             Self::all_reduce(&self.all_reduce, &mut a.proj, t * h)?;
             mark!("all_reduce");
+            // One-token steps: the whole MoE block in one launch, adding into x.
+            if small_moe && self.moe_one_launch && Self::moe_block1_fits(&cx, &l.mlp, t, h) {
+                Self::moe_block1(&cx, a, l, h, eps)?;
+                mark!("moe_block1");
+                kept = true;
+                continue;
+            }
             // x += attention output, h = norm(x): in the router's launch on MoE decode steps.
             let routed = Self::routes_fused(&l.mlp, t, h);
             if routed {

@@ -186,6 +186,7 @@ impl CudaDecoderModel {
             l2_prefetch_tokens: super::DEFAULT_L2_PREFETCH_TOKENS,
             l2_prefetch_qkv_early: false,
             moe_w2_prefetch: false,
+            moe_one_launch: true,
         })
     }
 }

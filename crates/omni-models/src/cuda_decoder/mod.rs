@@ -188,6 +188,9 @@ pub struct CudaDecoderModel {
     /// Whether the small-batch MoE gate_up kernel prefetches the down weights
     /// ([`CudaDecoderModel::set_moe_w2_prefetch`]).
     moe_w2_prefetch: bool,
+    /// Whether one-token steps run a MoE layer's block in one launch where the device takes
+    /// it ([`CudaDecoderModel::set_moe_one_launch`]).
+    moe_one_launch: bool,
 }
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
@@ -291,6 +294,16 @@ impl CudaDecoderModel {
     /// Default off. Recapture graphs after changing it.
     pub fn set_moe_w2_prefetch(&mut self, on: bool) {
         self.moe_w2_prefetch = on;
+    }
+
+    /// One-token steps on the small-batch MoE path run each such layer's block (norm, router,
+    /// top-k, experts, residual add) as one launch ([`moe_block1`]) where the device takes
+    /// the shape, instead of the router, gate_up and down launches: the same bits. Default
+    /// on. Recapture graphs after changing it.
+    ///
+    /// [`moe_block1`]: CudaContext::moe_block1
+    pub fn set_moe_one_launch(&mut self, on: bool) {
+        self.moe_one_launch = on;
     }
 
     /// The spec this model was built from.

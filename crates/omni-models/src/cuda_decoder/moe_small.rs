@@ -10,7 +10,7 @@
 //! [`CudaContext::moe_route`] too, adding the attention output into the residual first: one
 //! launch instead of the norm, the router GEMM and the top-k.
 
-use omni_backend::cuda::{CudaContext, L2Prefetch, MoeRouteBuffers, MoeShape};
+use omni_backend::cuda::{CudaContext, L2Prefetch, MoeBlock1Buffers, MoeRouteBuffers, MoeShape};
 
 use super::CudaDecoderModel;
 use super::buffers::Activations;
@@ -133,6 +133,66 @@ impl CudaDecoderModel {
             ),
             &mut a.x,
             prefetch,
+        )?;
+        Ok(())
+    }
+}
+
+impl CudaDecoderModel {
+    /// Whether layer `l`'s MoE block at `tokens` tokens runs as one launch
+    /// ([`CudaContext::moe_block1_fits`]: one token, no shared expert, a device and shape it
+    /// takes).
+    pub(super) fn moe_block1_fits(
+        cx: &CudaContext,
+        mlp: &DMlp,
+        tokens: usize,
+        hidden: usize,
+    ) -> bool {
+        moe_shape(mlp, tokens, hidden).is_some_and(|s| cx.moe_block1_fits(&s))
+    }
+
+    /// Layer `l`'s MoE block of a one-token step in one launch: the attention output in
+    /// `a.proj` and the block's output added into the residual `a.x` (with `a.h`, the router
+    /// logits and the routing written as [`Self::small_moe_route`] writes them).
+    pub(super) fn moe_block1(
+        cx: &CudaContext,
+        a: &mut Activations,
+        l: &DLayer,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<(), ModelError> {
+        let (shape, router, w13, w2, renormalize) = match (&l.mlp, moe_shape(&l.mlp, 1, hidden)) {
+            (
+                DMlp::Moe {
+                    router,
+                    w13,
+                    w2,
+                    renormalize,
+                    ..
+                },
+                Some(s),
+            ) => (s, router, w13, w2, *renormalize),
+            _ => return Err(not_small_moe()),
+        };
+        let (e, k, i) = (shape.num_experts, shape.top_k, shape.inter);
+        cx.moe_block1(
+            shape,
+            renormalize,
+            eps,
+            MoeBlock1Buffers {
+                residual: &mut a.x,
+                delta: Some(a.proj.slice(..hidden)),
+                norm_weight: &l.post_norm,
+                router,
+                w13,
+                w2,
+                h: a.h.slice_mut(..hidden),
+                logits: a.router_logits.slice_mut(..e),
+                topk_ids: a.topk_ids.slice_mut(..k),
+                topk_weights: a.topk_weights.slice_mut(..k),
+                act: a.moe_act.slice_mut(..k * i),
+                barrier: &mut a.moe_barrier,
+            },
         )?;
         Ok(())
     }

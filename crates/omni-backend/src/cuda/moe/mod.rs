@@ -43,9 +43,13 @@
 //! `source.rs` the kernels' source (`kernels/moe/*`, with one `extern "C"` entry per tile and
 //! GEMM), in `launch.rs` the launchers. Steps of at most 8 tokens have a three-kernel path of
 //! their own, norm and routing included (`small.rs`; host emulators in `small_emu.rs`, GPU
-//! tests in `small_tests.rs`); longer steps' router logits come from `router.rs` (f32-accurate
+//! tests in `small_tests.rs`), and one-token steps on Hopper the same in one launch
+//! (`block1.rs`); longer steps' router logits come from `router.rs` (f32-accurate
 //! products on tensor cores).
 
+pub(super) mod block1;
+#[cfg(test)]
+mod block1_tests;
 mod cublas;
 mod launch;
 mod router;
@@ -64,6 +68,7 @@ mod tiles;
 mod timing_tests;
 mod tma;
 
+pub use block1::{MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers};
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;
 pub use router::RouterSplit;

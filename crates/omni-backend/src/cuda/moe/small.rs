@@ -571,7 +571,7 @@ fn check_hidden(h: usize) -> CudaResult<()> {
 }
 
 /// The shape check of every small-batch MoE launcher (see [`CudaContext::moe_small_fits`]).
-fn check_small(s: &MoeShape) -> CudaResult<()> {
+pub(super) fn check_small(s: &MoeShape) -> CudaResult<()> {
     if s.tokens == 0 || s.tokens > MOE_SMALL_MAX_TOKENS {
         return Err(shape_err(
             "small-batch moe tokens (1..=MOE_SMALL_MAX_TOKENS)",

@@ -16,25 +16,25 @@ use crate::cuda::tests::{ctx_or_skip, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, CudaError, ResidualUpdate, bf16};
 
 /// Device inputs of one small MoE layer.
-struct DevLayer {
-    nw: CudaSlice<bf16>,
-    router: CudaSlice<f32>,
-    w13: CudaSlice<bf16>,
-    w2: CudaSlice<bf16>,
+pub(super) struct DevLayer {
+    pub(super) nw: CudaSlice<bf16>,
+    pub(super) router: CudaSlice<f32>,
+    pub(super) w13: CudaSlice<bf16>,
+    pub(super) w2: CudaSlice<bf16>,
 }
 
 /// Device outputs of the small path.
-struct DevOut {
-    h: CudaSlice<bf16>,
-    logits: CudaSlice<f32>,
-    ids: CudaSlice<i32>,
-    ws: CudaSlice<f32>,
+pub(super) struct DevOut {
+    pub(super) h: CudaSlice<bf16>,
+    pub(super) logits: CudaSlice<f32>,
+    pub(super) ids: CudaSlice<i32>,
+    pub(super) ws: CudaSlice<f32>,
     counters: CudaSlice<i32>,
-    act: CudaSlice<bf16>,
+    pub(super) act: CudaSlice<bf16>,
 }
 
 impl DevOut {
-    fn new(cx: &CudaContext, s: MoeShape) -> Self {
+    pub(super) fn new(cx: &CudaContext, s: MoeShape) -> Self {
         let st = cx.stream();
         Self {
             h: cx
@@ -57,7 +57,7 @@ impl DevOut {
             .unwrap();
     }
 
-    fn route(
+    pub(super) fn route(
         &mut self,
         cx: &CudaContext,
         l: &DevLayer,
@@ -85,7 +85,7 @@ impl DevOut {
     }
 }
 
-fn dev_layer(cx: &CudaContext, s: MoeShape, seed: u64, normed0: &[f32]) -> DevLayer {
+pub(super) fn dev_layer(cx: &CudaContext, s: MoeShape, seed: u64, normed0: &[f32]) -> DevLayer {
     let (h, i, e) = (s.hidden, s.inter, s.num_experts);
     let nw: Vec<f32> = rand_bf16_f32(h, seed)
         .iter()
@@ -106,7 +106,7 @@ fn dev_layer(cx: &CudaContext, s: MoeShape, seed: u64, normed0: &[f32]) -> DevLa
     }
 }
 
-fn bits16(v: &[bf16]) -> Vec<u16> {
+pub(super) fn bits16(v: &[bf16]) -> Vec<u16> {
     v.iter().map(|b| b.to_bits()).collect()
 }
 
