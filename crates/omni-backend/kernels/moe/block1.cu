@@ -19,12 +19,19 @@
 // SM count, one CTA per SM by its shared memory) and triggers its dependents only after barrier
 // 1, when every CTA is resident, so a dependent grid cannot take an SM one of its CTAs waits
 // for. A barrier that waits longer than MB1_TIMEOUT_NS traps (a launch error) instead of hanging.
+// A later kernel's weights (L2_PREFETCH_ARGS, e.g. the next layer's QKV) are issued as bulk L2
+// prefetches once a CTA's gate_up share is done (`pf_early`: at its start instead), so they
+// stream while the grid drains its last loads, meets and runs the down phase. `stamps` (null
+// but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
 // Prepended by the Rust side: bf16.cuh, gemv_common.cuh, moe/topk_warp.cuh.
 
 #define MB1_THREADS 512
 #define MB1_MAX_TOPK 32
 #define MB1_ROUTE_UNROLL 16
 #define MB1_TIMEOUT_NS 2000000000ull
+#define MB1_STAMPS 9
+#define MB1_STAMP(i) \
+    if (stamps != nullptr && tid == 0) stamps[(size_t)c * MB1_STAMPS + (i)] = mb1_now()
 
 __device__ __forceinline__ unsigned mb1_ld_acquire(const unsigned* p) {
     unsigned v;
@@ -95,7 +102,8 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         const unsigned short* __restrict__ w2, unsigned short* __restrict__ h_out,
         float* logits, int* __restrict__ ids_out, float* __restrict__ wts_out,
         unsigned short* act, unsigned* bar, int hidden, int inter, int num_experts, int top_k,
-        int renorm, float eps, int rows_per_cta) {
+        int renorm, float eps, int rows_per_cta, L2_PREFETCH_ARGS, int pf_early,
+        unsigned long long* stamps) {
     extern __shared__ __align__(16) unsigned char mb1_smem[];
     __shared__ float sh[32];
     __shared__ int s_ids[MB1_MAX_TOPK];
@@ -110,6 +118,12 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
     float* probs = reinterpret_cast<float*>(mb1_smem + w2_bytes + xa_bytes + (size_t)hidden * 2);
     const int G = gridDim.x, c = blockIdx.x, tid = threadIdx.x;
     const int lane = tid & 31, wid = tid >> 5, warps = MB1_THREADS / 32;
+    MB1_STAMP(0);
+    (void)pf_work_blocks;  // every CTA works
+    if (pf_early) {
+        l2_prefetch_region(pf0, pf0_bytes);
+        l2_prefetch_region(pf1, pf1_bytes);
+    }
 
     // Phase 1. The router row of this warp's first expert (weights: readable before the wait).
     const int chunks4 = hidden >> 2;
@@ -124,6 +138,7 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         }
     }
     pdl_wait();
+    MB1_STAMP(1);
     // The norm of `fused_add_rmsnorm_f32res` (moe_route_r1's loops and block sum, played over
     // its own thread count), keeping residual + delta in xs.
     const int vt = gv_norm_threads(hidden);
@@ -182,7 +197,9 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
         if (lane == 0) logits[e] = acc;
     }
+    MB1_STAMP(2);
     mb1_grid_sync(bar, (unsigned)G);
+    MB1_STAMP(3);
     // Every CTA is resident: dependents may launch now (they wait for this grid to complete).
     pdl_launch_dependents();
 
@@ -198,6 +215,7 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         }
     }
     __syncthreads();
+    MB1_STAMP(4);
     // The w2 rows n0 .. n0 + rows of each routed expert into s_w2[(r * K + k) * ci + chunk].
     const int n0 = c * rows_per_cta;
     const int rows = max(0, min(rows_per_cta, hidden - n0));
@@ -251,11 +269,21 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
             if (lane == 0) act[(size_t)k * inter + j] = f2bf(g / (1.0f + expf(-g)) * up);
         }
     }
+    MB1_STAMP(5);
+    if (!pf_early) {
+        l2_prefetch_region(pf0, pf0_bytes);
+        l2_prefetch_region(pf1, pf1_bytes);
+    }
     mb1_cp_wait_all();
+    MB1_STAMP(6);
     mb1_grid_sync(bar, (unsigned)G);
+    MB1_STAMP(7);
 
     // Phase 3. act (written by every CTA) past L1 into shared memory, over xs.
-    if (rows == 0) return;
+    if (rows == 0) {
+        MB1_STAMP(8);
+        return;
+    }
     {
         const uint4* src = reinterpret_cast<const uint4*>(act);
         for (int i = tid; i < K * ci; i += MB1_THREADS) s_act[i] = __ldcg(src + i);
@@ -284,4 +312,5 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
             residual[n] = x + bf2f(f2bf(sum));
         }
     }
+    MB1_STAMP(8);
 }

@@ -7,11 +7,12 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::block1::STAMPS;
 use super::small_emu::{rms_ref, shape, test_residual};
 use super::small_tests::{DevLayer, DevOut, bits16, dev_layer};
 use super::{MoeBlock1Buffers, MoeShape};
-use crate::cuda::CudaContext;
 use crate::cuda::tests::{ctx_or_skip, graph_us};
+use crate::cuda::{CudaContext, L2Prefetch};
 
 /// The one-launch block's outputs.
 struct Block1Out {
@@ -36,34 +37,39 @@ impl Block1Out {
         }
     }
 
+    fn bufs<'a>(
+        &'a mut self,
+        l: &'a DevLayer,
+        residual: &'a mut CudaSlice<f32>,
+        delta: Option<&'a CudaSlice<f32>>,
+    ) -> MoeBlock1Buffers<'a> {
+        MoeBlock1Buffers {
+            residual,
+            delta: delta.map(|d| d.slice(..)),
+            norm_weight: &l.nw,
+            router: &l.router,
+            w13: &l.w13,
+            w2: &l.w2,
+            h: self.h.slice_mut(..),
+            logits: self.logits.slice_mut(..),
+            topk_ids: self.ids.slice_mut(..),
+            topk_weights: self.ws.slice_mut(..),
+            act: self.act.slice_mut(..),
+            barrier: &mut self.barrier,
+        }
+    }
+
+    /// One launch; `hint`: an L2 prefetch hint and whether it is issued early.
     fn run(
         &mut self,
         cx: &CudaContext,
         l: &DevLayer,
         s: MoeShape,
-        residual: &mut CudaSlice<f32>,
-        delta: Option<&CudaSlice<f32>>,
+        (residual, delta): (&mut CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        hint: (L2Prefetch, bool),
     ) {
-        cx.moe_block1(
-            s,
-            true,
-            1e-6,
-            MoeBlock1Buffers {
-                residual,
-                delta: delta.map(|d| d.slice(..)),
-                norm_weight: &l.nw,
-                router: &l.router,
-                w13: &l.w13,
-                w2: &l.w2,
-                h: self.h.slice_mut(..),
-                logits: self.logits.slice_mut(..),
-                topk_ids: self.ids.slice_mut(..),
-                topk_weights: self.ws.slice_mut(..),
-                act: self.act.slice_mut(..),
-                barrier: &mut self.barrier,
-            },
-        )
-        .unwrap();
+        let b = self.bufs(l, residual, delta);
+        cx.moe_block1(s, (true, 1e-6), b, hint.0, hint.1).unwrap();
     }
 }
 
@@ -96,7 +102,8 @@ fn case(
 /// Against `moe_route` + `moe_small_gate_up` + `moe_small_down` on the same inputs, with and
 /// without the attention output to add, over shapes from Qwen3-30B-A3B's down to 8-wide rows
 /// (fewer output rows than CTAs): the residual, h, logits, act, experts and weights bit for
-/// bit, three launches in a row from the same residual, the barrier count back at zero.
+/// bit, three launches in a row from the same residual (two of them issuing an L2 prefetch
+/// hint, late and early: the same values), the barrier count back at zero.
 #[test]
 fn moe_block1_matches_the_three_small_kernels() {
     let Some(cx) = ctx_or_skip("moe_block1_matches_the_three_small_kernels") else {
@@ -127,9 +134,10 @@ fn moe_block1_matches_the_three_small_kernels() {
         // One launch, three times from the same residual.
         let mut b = Block1Out::new(&cx, s);
         let mut x = st.clone_htod(&base).unwrap();
-        for _ in 0..3 {
+        let hint = L2Prefetch::with_budget(1 << 30).and(&l.w13, &st);
+        for h in [(L2Prefetch::NONE, false), (hint, false), (hint, true)] {
             st.memcpy_htod(&base, &mut x).unwrap();
-            b.run(&cx, &l, s, &mut x, delta.as_ref());
+            b.run(&cx, &l, s, (&mut x, delta.as_ref()), h);
         }
         let what = format!("h={h} i={i} e={e} k={k} delta={with_delta}");
         assert_eq!(bits32(&cx, &x), bits32(&cx, &x_ref), "{what}: residual");
@@ -189,7 +197,10 @@ fn moe_block1_timing() {
     });
     let mut b = Block1Out::new(&cx, s);
     let mut x1 = st.clone_htod(&base).unwrap();
-    let one = graph_us(&cx, &mut || b.run(&cx, &l, s, &mut x1, delta.as_ref()));
+    let none = (L2Prefetch::NONE, false);
+    let one = graph_us(&cx, &mut || {
+        b.run(&cx, &l, s, (&mut x1, delta.as_ref()), none)
+    });
     println!(
         "moe_block1 Qwen3-30B-A3B one token, CUDA graphs: route + gate_up + down {three:.1} µs, \
          one launch {one:.1} µs ({:.2}x)",
@@ -197,4 +208,37 @@ fn moe_block1_timing() {
     );
     assert_eq!(st.clone_dtoh(&b.barrier).unwrap()[0], 0);
     assert!(st.clone_dtoh(&x1).unwrap().iter().all(|v| v.is_finite()));
+    // Where a launch's time goes: each CTA's timestamps, after two warm launches.
+    let sms = cx.info().sm_count;
+    let mut stamps = st.alloc_zeros::<u64>(sms * STAMPS).unwrap();
+    for _ in 0..3 {
+        let bufs = b.bufs(&l, &mut x1, delta.as_ref());
+        cx.moe_block1_stamped(s, bufs, &mut stamps).unwrap();
+    }
+    let host = st.clone_dtoh(&stamps).unwrap();
+    let t0 = host.chunks(STAMPS).map(|c| c[0]).min().unwrap();
+    let names = [
+        "entry",
+        "waited",
+        "logits",
+        "barrier 1",
+        "routed",
+        "gate_up",
+        "w2 landed",
+        "barrier 2",
+        "end",
+    ];
+    for (i, name) in names.iter().enumerate() {
+        let mut v: Vec<f64> = host
+            .chunks(STAMPS)
+            .map(|c| (c[i] - t0) as f64 / 1e3)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        println!(
+            "moe_block1 stamps {name:>10}: min {:6.2} median {:6.2} max {:6.2} µs",
+            v[0],
+            v[v.len() / 2],
+            v[v.len() - 1]
+        );
+    }
 }
