@@ -19,10 +19,7 @@
 // SM count, one CTA per SM by its shared memory) and triggers its dependents only after barrier
 // 1, when every CTA is resident, so a dependent grid cannot take an SM one of its CTAs waits
 // for. A barrier that waits longer than MB1_TIMEOUT_NS traps (a launch error) instead of hanging.
-// A later kernel's weights (L2_PREFETCH_ARGS, e.g. the next layer's QKV) are issued as bulk L2
-// prefetches once a CTA's gate_up share is done (`pf_early`: at its start instead), so they
-// stream while the grid drains its last loads, meets and runs the down phase. `stamps` (null
-// but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
+// `stamps` (null but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
 // Prepended by the Rust side: bf16.cuh, gemv_common.cuh, moe/topk_warp.cuh.
 
 #define MB1_THREADS 512
@@ -102,8 +99,7 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         const unsigned short* __restrict__ w2, unsigned short* __restrict__ h_out,
         float* logits, int* __restrict__ ids_out, float* __restrict__ wts_out,
         unsigned short* act, unsigned* bar, int hidden, int inter, int num_experts, int top_k,
-        int renorm, float eps, int rows_per_cta, L2_PREFETCH_ARGS, int pf_early,
-        unsigned long long* stamps) {
+        int renorm, float eps, int rows_per_cta, unsigned long long* stamps) {
     extern __shared__ __align__(16) unsigned char mb1_smem[];
     __shared__ float sh[32];
     __shared__ int s_ids[MB1_MAX_TOPK];
@@ -119,11 +115,6 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
     const int G = gridDim.x, c = blockIdx.x, tid = threadIdx.x;
     const int lane = tid & 31, wid = tid >> 5, warps = MB1_THREADS / 32;
     MB1_STAMP(0);
-    (void)pf_work_blocks;  // every CTA works
-    if (pf_early) {
-        l2_prefetch_region(pf0, pf0_bytes);
-        l2_prefetch_region(pf1, pf1_bytes);
-    }
 
     // Phase 1. The router row of this warp's first expert (weights: readable before the wait).
     const int chunks4 = hidden >> 2;
@@ -270,10 +261,6 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         }
     }
     MB1_STAMP(5);
-    if (!pf_early) {
-        l2_prefetch_region(pf0, pf0_bytes);
-        l2_prefetch_region(pf1, pf1_bytes);
-    }
     mb1_cp_wait_all();
     MB1_STAMP(6);
     mb1_grid_sync(bar, (unsigned)G);

@@ -11,7 +11,7 @@ use omni_backend::cuda::{
 
 use super::buffers::{Activations, StepInputs};
 use super::weights::{DLayer, DLinear, DMlp};
-use super::{CudaDecoderModel, MoeOneLaunch, StepProfiler, StepShape};
+use super::{CudaDecoderModel, StepProfiler, StepShape};
 use crate::ModelError;
 
 /// One layer's attention core: q/k norm + RoPE + cache write, then paged attention into
@@ -408,18 +408,8 @@ impl CudaDecoderModel {
             Self::all_reduce(&self.all_reduce, &mut a.proj, t * h)?;
             mark!("all_reduce");
             // One-token steps: the whole MoE block in one launch, adding into x.
-            if small_moe
-                && self.moe_one_launch != MoeOneLaunch::Off
-                && Self::moe_block1_fits(&cx, &l.mlp, t, h)
-            {
-                let early = self.moe_one_launch == MoeOneLaunch::PrefetchNextQkvEarly;
-                let hint = match self.layers.get(li + 1) {
-                    Some(n) if early || self.moe_one_launch == MoeOneLaunch::PrefetchNextQkv => {
-                        LayerPrefetch::qkv_of(n, &stream)
-                    }
-                    _ => L2Prefetch::NONE,
-                };
-                Self::moe_block1(&cx, a, l, (h, eps), (hint, early))?;
+            if small_moe && self.moe_one_launch && Self::moe_block1_fits(&cx, &l.mlp, t, h) {
+                Self::moe_block1(&cx, a, l, (h, eps))?;
                 mark!("moe_block1");
                 kept = true;
                 continue;

@@ -189,40 +189,9 @@ pub struct CudaDecoderModel {
     /// ([`CudaDecoderModel::set_moe_w2_prefetch`]).
     moe_w2_prefetch: bool,
     /// Whether one-token steps run a MoE layer's block in one launch where the device takes
-    /// it, and its L2 hint ([`CudaDecoderModel::set_moe_one_launch`]).
-    moe_one_launch: MoeOneLaunch,
+    /// it ([`CudaDecoderModel::set_moe_one_launch`]).
+    moe_one_launch: bool,
 }
-
-/// How one-token steps run a MoE layer's block ([`CudaDecoderModel::set_moe_one_launch`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MoeOneLaunch {
-    /// The router, gate_up and down launches.
-    Off,
-    /// One launch ([`CudaContext::moe_block1`]) where the device takes the shape.
-    On,
-    /// One launch whose CTAs prefetch the next layer's QKV weights into L2 once their gate_up
-    /// share is done.
-    PrefetchNextQkv,
-    /// The same, issued at the CTAs' start.
-    PrefetchNextQkvEarly,
-}
-
-impl MoeOneLaunch {
-    /// `0`: off, `1`: on, `qkv`: with the next layer's QKV hint, `qkv-early`: that at the
-    /// start; `None` for anything else.
-    pub fn parse(v: &str) -> Option<Self> {
-        match v.trim() {
-            "0" => Some(Self::Off),
-            "1" => Some(Self::On),
-            "qkv" => Some(Self::PrefetchNextQkv),
-            "qkv-early" => Some(Self::PrefetchNextQkvEarly),
-            _ => None,
-        }
-    }
-}
-
-/// [`CudaDecoderModel::set_moe_one_launch`]'s default.
-pub const DEFAULT_MOE_ONE_LAUNCH: MoeOneLaunch = MoeOneLaunch::On;
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
 /// where the small-batch experts beat the grouped GEMM on an H200 (`bench/results/`).
@@ -330,11 +299,11 @@ impl CudaDecoderModel {
     /// One-token steps on the small-batch MoE path run each such layer's block (norm, router,
     /// top-k, experts, residual add) as one launch ([`moe_block1`]) where the device takes
     /// the shape, instead of the router, gate_up and down launches: the same bits. Default
-    /// [`DEFAULT_MOE_ONE_LAUNCH`]. Recapture graphs after changing it.
+    /// on. Recapture graphs after changing it.
     ///
     /// [`moe_block1`]: CudaContext::moe_block1
-    pub fn set_moe_one_launch(&mut self, mode: MoeOneLaunch) {
-        self.moe_one_launch = mode;
+    pub fn set_moe_one_launch(&mut self, on: bool) {
+        self.moe_one_launch = on;
     }
 
     /// The spec this model was built from.

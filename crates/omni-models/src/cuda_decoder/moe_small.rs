@@ -153,15 +153,12 @@ impl CudaDecoderModel {
 
     /// Layer `l`'s MoE block of a one-token step in one launch: the attention output in
     /// `a.proj` and the block's output added into the residual `a.x` (with `a.h`, the router
-    /// logits and the routing written as [`Self::small_moe_route`] writes them); its CTAs
-    /// issue `prefetch` (a later kernel's weights) into L2 after their gate_up share (`early`:
-    /// at their start).
+    /// logits and the routing written as [`Self::small_moe_route`] writes them).
     pub(super) fn moe_block1(
         cx: &CudaContext,
         a: &mut Activations,
         l: &DLayer,
         (hidden, eps): (usize, f32),
-        (prefetch, early): (L2Prefetch, bool),
     ) -> Result<(), ModelError> {
         let (shape, router, w13, w2, renormalize) = match (&l.mlp, moe_shape(&l.mlp, 1, hidden)) {
             (
@@ -194,8 +191,6 @@ impl CudaDecoderModel {
                 act: a.moe_act.slice_mut(..k * i),
                 barrier: &mut a.moe_barrier,
             },
-            prefetch,
-            early,
         )?;
         Ok(())
     }

@@ -23,12 +23,10 @@ use super::source::TOPK_WARP;
 use crate::cuda::gemv::GEMV_COMMON;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 use crate::cuda::launch::{aligned16, at_least, max_dynamic_smem, narrow, shape_err};
-use crate::cuda::{CudaContext, CudaResult, L2Prefetch, bf16};
+use crate::cuda::{CudaContext, CudaResult, bf16};
 
-/// How one-token MoE steps run on a CUDA worker: `0` on the three small-batch launches, `1` in
-/// one launch where [`CudaContext::moe_block1_fits`], `qkv` the same with the next layer's QKV
-/// weights prefetched into L2 after the gate_up loads, `qkv-early` that prefetch at the
-/// launch's start (`omni_models::cuda_decoder::MoeOneLaunch`); unset: the model's default.
+/// `0` keeps one-token MoE steps of a CUDA worker on the three small-batch launches; unset or
+/// anything else: one launch where [`CudaContext::moe_block1_fits`].
 pub const MOE_ONE_LAUNCH_ENV: &str = "OMNI_CUDA_MOE_ONE_LAUNCH";
 
 const BLOCK1: &str = kernel_file!("moe/block1.cu");
@@ -37,6 +35,7 @@ const BLOCK1_FN: &str = "moe_block1";
 const THREADS: u32 = 512;
 /// The most routed experts per token (`MB1_MAX_TOPK`, shared arrays).
 const MAX_TOPK: usize = 32;
+
 /// The dynamic shared memory a CTA may have on compute capability 9.0 (227 KiB less the
 /// kernel's ~0.4 KiB of static shared memory, rounded down).
 const SMEM_MAX: usize = 226 * 1024;
@@ -132,19 +131,14 @@ impl CudaContext {
     /// += bf16(sum_slot w * bf16(down_e(bf16(silu(gate_e(h)) * up_e(h)))))`: bit for bit what
     /// [`CudaContext::moe_route`], [`CudaContext::moe_small_gate_up`] and
     /// [`CudaContext::moe_small_down`] compute and write (h, logits, ids, weights, residual).
-    /// `prefetch` names a later kernel's weights (e.g. the next layer's QKV) for the CTAs to
-    /// issue as L2 prefetches once their gate_up share is done (with `early`, at their start),
-    /// so they stream while the grid finishes. Errors: a shape
-    /// [`CudaContext::moe_block1_fits`] refuses, short buffers.
+    /// Errors: a shape [`CudaContext::moe_block1_fits`] refuses, short buffers.
     pub fn moe_block1(
         &self,
         shape: MoeShape,
         (renormalize, eps): (bool, f32),
         b: MoeBlock1Buffers<'_>,
-        prefetch: L2Prefetch,
-        early: bool,
     ) -> CudaResult<()> {
-        self.launch_block1(shape, (renormalize, eps), b, (prefetch, early), 0)
+        self.launch_block1(shape, (renormalize, eps), b, 0)
     }
 
     /// [`CudaContext::moe_block1`] recording each CTA's [`STAMPS`] timestamps (ns) into
@@ -162,8 +156,7 @@ impl CudaContext {
             self.info.sm_count * STAMPS,
         )?;
         let (sp, _g) = stamps.device_ptr_mut(&self.stream);
-        let hint = (L2Prefetch::NONE, false);
-        self.launch_block1(shape, (true, 1e-6), b, hint, sp)
+        self.launch_block1(shape, (true, 1e-6), b, sp)
     }
 
     /// The launch; `stamps`: 0 or a device buffer of `sm_count * STAMPS` u64.
@@ -172,7 +165,6 @@ impl CudaContext {
         shape: MoeShape,
         (renormalize, eps): (bool, f32),
         b: MoeBlock1Buffers<'_>,
-        (prefetch, early): (L2Prefetch, bool),
         stamps: u64,
     ) -> CudaResult<()> {
         self.check_block1(&shape)?;
@@ -256,18 +248,15 @@ impl CudaContext {
             narrow::<i32>("moe block rows per CTA", rows)?,
         );
         let grid = narrow::<u32>("moe block CTAs", self.info.sm_count)?;
-        let (_, (mut pf0, mut pf0_bytes, mut pf1, mut pf1_bytes, mut pf_work)) =
-            prefetch.launch(grid, self.info.sm_count);
-        let (mut a19, mut a20) = (i32::from(early), stamps);
+        let mut a19 = stamps;
         let mut args = kernel_args!(
             a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
-            pf0, pf0_bytes, pf1, pf1_bytes, pf_work, a19, a20
+            a19
         );
         // SAFETY: the arguments match `moe_block1(float*, const float*, const u16*, const
         // float*, const u16*, const u16*, u16*, float*, int*, float*, u16*, unsigned*, int x4,
-        // int, float, int, L2_PREFETCH_ARGS, int, u64*)` in order and type (the prefetch
-        // regions: device addresses and byte counts only ever prefetched; `stamps` null or
-        // sm_count * MB1_STAMPS u64, checked by `moe_block1_stamped`), `delta` null or h floats. Every buffer was
+        // int, float, int, u64*)` in order and type (`stamps` null or sm_count * MB1_STAMPS
+        // u64, checked by `moe_block1_stamped`), `delta` null or h floats. Every buffer was
         // checked against the shape above (residual, delta, h: h elements; router e * h; w13
         // e * 2i * h; w2 e * h * i; logits e; ids / weights k <= MB1_MAX_TOPK; act k * i;
         // barrier 2 i32, read as unsigned); h and i are multiples of 8 and every vector-accessed

@@ -11,8 +11,8 @@ use super::block1::STAMPS;
 use super::small_emu::{rms_ref, shape, test_residual};
 use super::small_tests::{DevLayer, DevOut, bits16, dev_layer};
 use super::{MoeBlock1Buffers, MoeShape};
+use crate::cuda::CudaContext;
 use crate::cuda::tests::{ctx_or_skip, graph_us};
-use crate::cuda::{CudaContext, L2Prefetch};
 
 /// The one-launch block's outputs.
 struct Block1Out {
@@ -59,17 +59,15 @@ impl Block1Out {
         }
     }
 
-    /// One launch; `hint`: an L2 prefetch hint and whether it is issued early.
     fn run(
         &mut self,
         cx: &CudaContext,
         l: &DevLayer,
         s: MoeShape,
         (residual, delta): (&mut CudaSlice<f32>, Option<&CudaSlice<f32>>),
-        hint: (L2Prefetch, bool),
     ) {
         let b = self.bufs(l, residual, delta);
-        cx.moe_block1(s, (true, 1e-6), b, hint.0, hint.1).unwrap();
+        cx.moe_block1(s, (true, 1e-6), b).unwrap();
     }
 }
 
@@ -102,8 +100,7 @@ fn case(
 /// Against `moe_route` + `moe_small_gate_up` + `moe_small_down` on the same inputs, with and
 /// without the attention output to add, over shapes from Qwen3-30B-A3B's down to 8-wide rows
 /// (fewer output rows than CTAs): the residual, h, logits, act, experts and weights bit for
-/// bit, three launches in a row from the same residual (two of them issuing an L2 prefetch
-/// hint, late and early: the same values), the barrier count back at zero.
+/// bit, three launches in a row from the same residual, the barrier count back at zero.
 #[test]
 fn moe_block1_matches_the_three_small_kernels() {
     let Some(cx) = ctx_or_skip("moe_block1_matches_the_three_small_kernels") else {
@@ -134,10 +131,9 @@ fn moe_block1_matches_the_three_small_kernels() {
         // One launch, three times from the same residual.
         let mut b = Block1Out::new(&cx, s);
         let mut x = st.clone_htod(&base).unwrap();
-        let hint = L2Prefetch::with_budget(1 << 30).and(&l.w13, &st);
-        for h in [(L2Prefetch::NONE, false), (hint, false), (hint, true)] {
+        for _ in 0..3 {
             st.memcpy_htod(&base, &mut x).unwrap();
-            b.run(&cx, &l, s, (&mut x, delta.as_ref()), h);
+            b.run(&cx, &l, s, (&mut x, delta.as_ref()));
         }
         let what = format!("h={h} i={i} e={e} k={k} delta={with_delta}");
         assert_eq!(bits32(&cx, &x), bits32(&cx, &x_ref), "{what}: residual");
@@ -163,17 +159,16 @@ fn moe_block1_matches_the_three_small_kernels() {
             bits16(&st.clone_dtoh(&o.act.slice(..k * i)).unwrap()),
             "{what}: act"
         );
-        assert_eq!(
-            st.clone_dtoh(&b.barrier).unwrap()[0],
-            0,
-            "{what}: barrier count"
-        );
+        let bar = st.clone_dtoh(&b.barrier).unwrap();
+        assert_eq!(bar[0], 0, "{what}: barrier count");
+        assert_eq!(bar[1], 6, "{what}: barrier generations");
     }
 }
 
 /// Qwen3-30B-A3B's MoE block of one token in CUDA graphs (20 launches a graph, every one
 /// adding into the same residual): the three small kernels against the one launch, and after
-/// the graphs the barrier count back at zero and the residual finite.
+/// the graphs the barrier count back at zero and the residual finite; then where a launch's
+/// time goes (each CTA's timestamps).
 #[test]
 fn moe_block1_timing() {
     let Some(cx) = ctx_or_skip("moe_block1_timing") else {
@@ -197,10 +192,7 @@ fn moe_block1_timing() {
     });
     let mut b = Block1Out::new(&cx, s);
     let mut x1 = st.clone_htod(&base).unwrap();
-    let none = (L2Prefetch::NONE, false);
-    let one = graph_us(&cx, &mut || {
-        b.run(&cx, &l, s, (&mut x1, delta.as_ref()), none)
-    });
+    let one = graph_us(&cx, &mut || b.run(&cx, &l, s, (&mut x1, delta.as_ref())));
     println!(
         "moe_block1 Qwen3-30B-A3B one token, CUDA graphs: route + gate_up + down {three:.1} µs, \
          one launch {one:.1} µs ({:.2}x)",
