@@ -20,6 +20,10 @@
 // 1, when every CTA is resident, so a dependent grid cannot take an SM one of its CTAs waits
 // for. A barrier that waits longer than MB1_TIMEOUT_NS traps (a launch error) instead of hanging.
 // `stamps` (null but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
+// The router, gate_up and down loops repeat small.cu's text on purpose: the same statements in
+// the same order give the same bits, which `moe_block1_matches_the_three_small_kernels` checks.
+// Moving them into shared helpers kept small.cu's SASS byte for byte but changed this kernel's
+// (sm_90 CUBINs compared on the CPU), so that waits for a GPU to measure it on.
 // Prepended by the Rust side: bf16.cuh, gemv_common.cuh, moe/topk_warp.cuh.
 
 #define MB1_THREADS 512
