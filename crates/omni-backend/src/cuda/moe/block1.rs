@@ -270,3 +270,30 @@ impl CudaContext {
         unsafe { self.launch_programmatic(&f, (grid, THREADS, smem), &mut args) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen3-30B-A3B's block: 16 output rows a CTA and ~209 KiB of shared memory on the 132
+    /// SMs of an H100 SXM / H200, within the limit; on 114 SMs (H100 PCIe) 18 rows no longer
+    /// fit, so such a device keeps the three launches.
+    #[test]
+    fn launch_shape_of_the_30b_block() {
+        let s = MoeShape {
+            tokens: 1,
+            hidden: 2048,
+            inter: 768,
+            num_experts: 128,
+            top_k: 8,
+        };
+        let (rows, smem) = block1_launch(&s, 132);
+        assert_eq!(rows, 16);
+        assert_eq!(smem, 16 * 8 * 768 * 2 + 8 * 768 * 2 + 2048 * 2 + 128 * 4);
+        assert!(smem <= SMEM_MAX);
+        let (rows, smem) = block1_launch(&s, 114);
+        assert_eq!(rows, 18);
+        assert!(smem > SMEM_MAX);
+        assert!(check_small(&s).is_ok());
+    }
+}
