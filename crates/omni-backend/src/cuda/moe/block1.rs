@@ -32,7 +32,7 @@ pub const MOE_ONE_LAUNCH_ENV: &str = "OMNI_CUDA_MOE_ONE_LAUNCH";
 const BLOCK1: &str = kernel_file!("moe/block1.cu");
 const BLOCK1_FN: &str = "moe_block1";
 /// Threads per CTA (`MB1_THREADS`).
-const THREADS: u32 = 512;
+pub(super) const THREADS: u32 = 512;
 /// The most routed experts per token (`MB1_MAX_TOPK`, shared arrays).
 const MAX_TOPK: usize = 32;
 
@@ -86,7 +86,7 @@ pub struct MoeBlock1Buffers<'a> {
 
 /// The launch of [`CudaContext::moe_block1`] on a device of `sms` SMs: output rows per CTA
 /// and dynamic shared bytes.
-fn block1_launch(s: &MoeShape, sms: usize) -> (usize, usize) {
+pub(super) fn block1_launch(s: &MoeShape, sms: usize) -> (usize, usize) {
     let rows = s.hidden.div_ceil(sms.max(1));
     let w2 = rows * s.top_k * s.inter * 2;
     let xa = (s.hidden * 4)

@@ -49,6 +49,8 @@
 
 pub(super) mod block1;
 #[cfg(test)]
+mod block1_emu;
+#[cfg(test)]
 mod block1_tests;
 mod cublas;
 mod launch;

@@ -51,7 +51,7 @@ fn dot8(x: &[f32], w: &[f32]) -> f32 {
 
 /// One warp's dot product of two rows of `k` (a multiple of 8) in the GEMV order: each lane
 /// sums its 8-wide chunks in `gemv_lane_chunks` order, then the warp reduction.
-fn warp_dot(x: &[f32], w: &[f32]) -> f32 {
+pub(super) fn warp_dot(x: &[f32], w: &[f32]) -> f32 {
     let mut lanes = [0f32; 32];
     for (lane, acc) in lanes.iter_mut().enumerate() {
         for c in gemv_lane_chunks(lane, x.len()) {
@@ -66,7 +66,7 @@ pub(super) fn bf(x: f32) -> f32 {
 }
 
 /// `moe_topk_warp` on one row of logits.
-fn emu_topk_warp(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
+pub(super) fn emu_topk_warp(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
     let e_n = row.len();
     let mut probs = row.to_vec();
     let mut mx = [f32::NEG_INFINITY; 32];
@@ -125,21 +125,21 @@ fn emu_topk_warp(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
 }
 
 /// What `moe_route` writes.
-struct Routed {
-    h: Vec<f32>,
-    logits: Vec<f32>,
-    ids: Vec<i32>,
-    ws: Vec<f32>,
+pub(super) struct Routed {
+    pub(super) h: Vec<f32>,
+    pub(super) logits: Vec<f32>,
+    pub(super) ids: Vec<i32>,
+    pub(super) ws: Vec<f32>,
     counters: Vec<i32>,
     /// The residual after the call (the sum with `delta`, when given).
-    residual: Vec<f32>,
+    pub(super) residual: Vec<f32>,
 }
 
 /// `moe_route`, its blocks run in the order `order` (a permutation of the grid); with `delta`
 /// the rows normalised are residual + delta, written back by each tile's last block (asserted:
 /// only after every block of the tile read the rows).
 #[allow(clippy::too_many_arguments)]
-fn emu_route(
+pub(super) fn emu_route(
     s: MoeShape,
     residual: &[f32],
     delta: Option<&[f32]>,
@@ -240,7 +240,7 @@ fn emu_route(
 }
 
 /// `moe_small_gate_up`: act (NaN where not written) and the write count per element.
-fn emu_gate_up(s: MoeShape, x: &[f32], w13: &[f32], ids: &[i32]) -> (Vec<f32>, Vec<u8>) {
+pub(super) fn emu_gate_up(s: MoeShape, x: &[f32], w13: &[f32], ids: &[i32]) -> (Vec<f32>, Vec<u8>) {
     let (h, i_n, k) = (s.hidden, s.inter, s.top_k);
     let pairs = s.tokens * k;
     let cb = gate_up_col_blocks(i_n);
@@ -271,7 +271,7 @@ fn emu_gate_up(s: MoeShape, x: &[f32], w13: &[f32], ids: &[i32]) -> (Vec<f32>, V
 }
 
 /// `moe_small_down` into `residual`; returns the add count per residual element.
-fn emu_down(
+pub(super) fn emu_down(
     s: MoeShape,
     act: &[f32],
     w2: &[f32],
