@@ -18,7 +18,7 @@
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::MoeShape;
-use super::small::check_small;
+use super::small::{check_small, optional_ptr};
 use super::source::TOPK_WARP;
 use crate::cuda::gemv::GEMV_COMMON;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
@@ -206,13 +206,7 @@ impl CudaContext {
         let (rows, smem) = block1_launch(&shape, self.info.sm_count);
         let s = &self.stream;
         let (res, _g0) = residual.device_ptr_mut(s);
-        let (dp, _g1) = match &delta {
-            Some(d) => {
-                let (p, g) = d.device_ptr(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
+        let (dp, _g1) = optional_ptr(delta.as_ref(), s);
         let (nw, _g2) = norm_weight.device_ptr(s);
         let (rw, _g3) = router.device_ptr(s);
         let (w13p, _g4) = w13.device_ptr(s);

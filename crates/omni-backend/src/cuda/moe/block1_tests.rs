@@ -71,6 +71,20 @@ impl Block1Out {
     }
 }
 
+/// `moe_route` (adding `delta`), `moe_small_gate_up` and `moe_small_down` into `residual`.
+fn three_kernels(
+    cx: &CudaContext,
+    (o, l): (&mut DevOut, &DevLayer),
+    s: MoeShape,
+    (residual, delta): (&mut CudaSlice<f32>, Option<&CudaSlice<f32>>),
+) {
+    o.route(cx, l, s, residual, delta);
+    cx.moe_small_gate_up(s, &o.h, &l.w13, &o.ids, &mut o.act)
+        .unwrap();
+    cx.moe_small_down(s, &o.act, &l.w2, &o.ids, &o.ws, residual)
+        .unwrap();
+}
+
 fn bits32(cx: &CudaContext, v: &CudaSlice<f32>) -> Vec<u32> {
     let host = cx.stream().clone_dtoh(v).unwrap();
     host.iter().map(|f| f.to_bits()).collect()
@@ -123,11 +137,7 @@ fn moe_block1_matches_the_three_small_kernels() {
         // The three kernels.
         let mut o = DevOut::new(&cx, s);
         let mut x_ref = st.clone_htod(&base).unwrap();
-        o.route(&cx, &l, s, &mut x_ref, delta.as_ref());
-        cx.moe_small_gate_up(s, &o.h, &l.w13, &o.ids, &mut o.act)
-            .unwrap();
-        cx.moe_small_down(s, &o.act, &l.w2, &o.ids, &o.ws, &mut x_ref)
-            .unwrap();
+        three_kernels(&cx, (&mut o, &l), s, (&mut x_ref, delta.as_ref()));
         // One launch, three times from the same residual.
         let mut b = Block1Out::new(&cx, s);
         let mut x = st.clone_htod(&base).unwrap();
@@ -184,11 +194,7 @@ fn moe_block1_timing() {
     let mut o = DevOut::new(&cx, s);
     let mut x3 = st.clone_htod(&base).unwrap();
     let three = graph_us(&cx, &mut || {
-        o.route(&cx, &l, s, &mut x3, delta.as_ref());
-        cx.moe_small_gate_up(s, &o.h, &l.w13, &o.ids, &mut o.act)
-            .unwrap();
-        cx.moe_small_down(s, &o.act, &l.w2, &o.ids, &o.ws, &mut x3)
-            .unwrap();
+        three_kernels(&cx, (&mut o, &l), s, (&mut x3, delta.as_ref()))
     });
     let mut b = Block1Out::new(&cx, s);
     let mut x1 = st.clone_htod(&base).unwrap();

@@ -28,7 +28,9 @@
 //! Beside the launch shapes, test-only functions mirror the kernels' de-duplication of experts
 //! on the host; the tests' emulators (`small_tests.rs`) run the kernels' loops with them.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop,
+};
 
 #[cfg(doc)]
 use super::MOE_MAX_EXPERTS;
@@ -281,13 +283,7 @@ impl CudaContext {
         let l = route_launch(t, h, e);
         let s = &self.stream;
         let (res, _g0) = residual.device_ptr_mut(s);
-        let (dp, _g9) = match &delta {
-            Some(d) => {
-                let (p, g) = d.device_ptr(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
+        let (dp, _g9) = optional_ptr(delta.as_ref(), s);
         let (nw, _g1) = norm_weight.device_ptr(s);
         let (rw, _g2) = router.device_ptr(s);
         let (hp, _g3) = h_out.device_ptr_mut(s);
@@ -544,6 +540,21 @@ impl CudaContext {
                 &mut args,
             )
         }
+    }
+}
+
+/// The device address of an optional buffer (0 for none) and the guard that keeps its stream
+/// order.
+pub(super) fn optional_ptr<'a>(
+    v: Option<&'a CudaView<'_, f32>>,
+    s: &'a CudaStream,
+) -> (u64, Option<SyncOnDrop<'a>>) {
+    match v {
+        Some(d) => {
+            let (p, g) = d.device_ptr(s);
+            (p, Some(g))
+        }
+        None => (0, None),
     }
 }
 
