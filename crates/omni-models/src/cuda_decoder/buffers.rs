@@ -64,7 +64,8 @@ pub(super) struct Activations {
     pub(super) moe_counters: CudaSlice<i32>,
     /// The small-batch MoE path's `[tokens * top_k, inter]` expert activations.
     pub(super) moe_act: CudaSlice<bf16>,
-    /// The one-launch MoE block's grid barrier (two counters, zero between launches).
+    /// The one-launch MoE block's grid barrier state (an arrival count, zero between
+    /// launches, and a generation).
     pub(super) moe_barrier: CudaSlice<i32>,
 }
 

@@ -136,9 +136,7 @@ impl CudaDecoderModel {
         )?;
         Ok(())
     }
-}
 
-impl CudaDecoderModel {
     /// Whether layer `l`'s MoE block at `tokens` tokens runs as one launch
     /// ([`CudaContext::moe_block1_fits`]: one token, no shared expert, a device and shape it
     /// takes).

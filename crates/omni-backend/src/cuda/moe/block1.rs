@@ -103,7 +103,9 @@ impl CudaContext {
         self.check_block1(shape).is_ok()
     }
 
-    fn check_block1(&self, s: &MoeShape) -> CudaResult<()> {
+    /// The shape check of [`CudaContext::moe_block1_fits`]; the launch's rows per CTA and
+    /// dynamic shared bytes when it passes.
+    fn check_block1(&self, s: &MoeShape) -> CudaResult<(usize, usize)> {
         if s.tokens != 1 {
             return Err(shape_err("one-launch moe tokens", 1, s.tokens));
         }
@@ -118,11 +120,11 @@ impl CudaContext {
             ))
             .into());
         }
-        let (_, smem) = block1_launch(s, self.info.sm_count);
+        let (rows, smem) = block1_launch(s, self.info.sm_count);
         if smem > SMEM_MAX {
             return Err(shape_err("one-launch moe shared bytes", SMEM_MAX, smem));
         }
-        Ok(())
+        Ok((rows, smem))
     }
 
     /// The MoE block of one token in one launch: `residual += delta` (when given), `h =
@@ -167,7 +169,7 @@ impl CudaContext {
         b: MoeBlock1Buffers<'_>,
         stamps: u64,
     ) -> CudaResult<()> {
-        self.check_block1(&shape)?;
+        let (rows, smem) = self.check_block1(&shape)?;
         let MoeShape {
             hidden: h,
             inter: i,
@@ -203,7 +205,6 @@ impl CudaContext {
         at_least("moe block topk weights", topk_weights.len(), k)?;
         at_least("moe block act", act.len(), k * i)?;
         at_least("moe block barrier", barrier.len(), 2)?;
-        let (rows, smem) = block1_launch(&shape, self.info.sm_count);
         let s = &self.stream;
         let (res, _g0) = residual.device_ptr_mut(s);
         let (dp, _g1) = optional_ptr(delta.as_ref(), s);
