@@ -15,7 +15,7 @@ use omni_backend::cuda::{
     CudaContext, CudaError, DeviceAllReduce, DeviceSamplingParams, MOE_ONE_LAUNCH_ENV,
     NcclAllReduce, NcclComm,
 };
-use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, StepLimits};
+use omni_models::cuda_decoder::{CudaDecoderModel, DeviceWeightInit, MoeOneLaunch, StepLimits};
 use omni_models::cuda_encoders::{DeviceTowers, TowerWeights};
 use omni_models::gguf::GgufWeights;
 use omni_models::hf_dir::SafetensorsDir;
@@ -171,7 +171,12 @@ pub fn load_cuda_model(
         std::env::var(L2_PREFETCH_QKV_EARLY_ENV).is_ok_and(|v| v == "1"),
     );
     model.set_moe_w2_prefetch(std::env::var(MOE_W2_PREFETCH_ENV).is_ok_and(|v| v == "1"));
-    model.set_moe_one_launch(std::env::var(MOE_ONE_LAUNCH_ENV).map_or(true, |v| v != "0"));
+    if let Some(mode) = std::env::var(MOE_ONE_LAUNCH_ENV)
+        .ok()
+        .and_then(|v| MoeOneLaunch::parse(&v))
+    {
+        model.set_moe_one_launch(mode);
+    }
     Ok(CudaStepModel {
         model,
         mm,

@@ -20,6 +20,14 @@
 // 1, when every CTA is resident, so a dependent grid cannot take an SM one of its CTAs waits
 // for. A barrier that waits longer than MB1_TIMEOUT_NS traps (a launch error) instead of hanging.
 // `stamps` (null but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
+//
+// L2 hints (`moe_block1_ef`, the same code with EF): the routed experts' gate/up and down rows
+// are read with the evict-first L2 policy (each is read once a step, and its lines are then
+// the first to go), and `pf` (`pf_bytes`, e.g. the next layer's QKV weights, which no kernel of
+// the step writes) is prefetched into L2 at the launch's start, before the dependency wait,
+// CTA c issuing the c-th of G equal slices (evict-last when `pf_last`): it streams while the
+// memory bus would idle under the norm, the router and the top-k, and the experts' stream then
+// passes through L2 without evicting it.
 // The router, gate_up and down loops repeat small.cu's text on purpose: the same statements in
 // the same order give the same bits, which `moe_block1_matches_the_three_small_kernels` checks.
 // Moving them into shared helpers kept small.cu's SASS byte for byte but changed this kernel's
@@ -85,6 +93,66 @@ __device__ __forceinline__ void mb1_cp16(void* smem, const void* gmem) {
 #endif
 }
 
+// The same copy, evict-first in L2 under `pol` (a createpolicy value).
+__device__ __forceinline__ void mb1_cp16_ef(void* smem, const void* gmem, unsigned long long pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                 :: "r"(s), "l"(gmem), "l"(pol) : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+// A read-only 16-byte load under the L2 policy `pol`, not kept in L1.
+__device__ __forceinline__ uint4 mb1_ld_hint(const uint4* p, unsigned long long pol) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+    return v;
+#else
+    return *p;
+#endif
+}
+
+// An L2 policy value: every line evict-first (`last` false) or evict-last.
+__device__ __forceinline__ unsigned long long mb1_policy(bool last) {
+    unsigned long long pol = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (last)
+        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    else
+        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#endif
+    return pol;
+}
+
+// CTA c's slice of the region (bytes a multiple of 16, 16-byte aligned): slice c of G, rounded
+// up to 16 bytes, issued in L2_PREFETCH_CHUNK pieces, one per thread (bulk L2 prefetches,
+// sm_90; fire and forget: nothing waits for them). `last`: with the evict-last policy.
+__device__ __forceinline__ void mb1_prefetch(const void* p, unsigned long long bytes, bool last) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (p == nullptr || bytes == 0) return;
+    const unsigned long long G = gridDim.x;
+    const unsigned long long per = ((bytes + G - 1) / G + 15) & ~15ull;
+    const unsigned long long b0 = per * blockIdx.x;
+    const unsigned long long b1 = b0 + per < bytes ? b0 + per : bytes;
+    const unsigned long long off = b0 + (unsigned long long)threadIdx.x * L2_PREFETCH_CHUNK;
+    if (b0 >= bytes || off >= b1) return;
+    const unsigned long long left = b1 - off;
+    const unsigned sz = (unsigned)(left < L2_PREFETCH_CHUNK ? left : L2_PREFETCH_CHUNK);
+    const char* a = static_cast<const char*>(p) + off;
+    if (last) {
+        const unsigned long long pol = mb1_policy(true);
+        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
+                     :: "l"(a), "r"(sz), "l"(pol) : "memory");
+    } else {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"(sz) : "memory");
+    }
+#endif
+}
+
 __device__ __forceinline__ void mb1_cp_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -97,14 +165,24 @@ __device__ __forceinline__ void mb1_cp_wait_all() {
 // inter bf16 (w2 rows), max(hidden f32, K * inter bf16) (the normed row, then act), hidden
 // bf16 (h), num_experts floats (probabilities). `bar`: two unsigned, zero before the first
 // launch, left with bar[0] = 0. `act` ([K, inter] bf16) is scratch between the phases.
-extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
-        float* residual, const float* __restrict__ delta, const unsigned short* __restrict__ norm_w,
-        const float* __restrict__ router, const unsigned short* __restrict__ w13,
-        const unsigned short* __restrict__ w2, unsigned short* __restrict__ h_out,
-        float* logits, int* __restrict__ ids_out, float* __restrict__ wts_out,
-        unsigned short* act, unsigned* bar, int hidden, int inter, int num_experts, int top_k,
-        int renorm, float eps, int rows_per_cta, unsigned long long* stamps) {
-    extern __shared__ __align__(16) unsigned char mb1_smem[];
+#define MB1_PARAMS                                                                            \
+    float *residual, const float *__restrict__ delta, const unsigned short *__restrict__ norm_w, \
+        const float *__restrict__ router, const unsigned short *__restrict__ w13,               \
+        const unsigned short *__restrict__ w2, unsigned short *__restrict__ h_out,              \
+        float *logits, int *__restrict__ ids_out, float *__restrict__ wts_out,                  \
+        unsigned short *act, unsigned *bar, int hidden, int inter, int num_experts, int top_k,  \
+        int renorm, float eps, int rows_per_cta, const void *__restrict__ pf,                   \
+        unsigned long long pf_bytes, int pf_last, unsigned long long *stamps
+#define MB1_ARGS                                                                              \
+    residual, delta, norm_w, router, w13, w2, h_out, logits, ids_out, wts_out, act, bar, hidden, \
+        inter, num_experts, top_k, renorm, eps, rows_per_cta, pf, pf_bytes, pf_last, stamps
+
+extern __shared__ __align__(16) unsigned char mb1_smem[];
+
+// EF: the L2 hints (the experts' rows evict-first, `pf` prefetched); without it `pf` is
+// ignored and every load is the plain one.
+template <bool EF>
+__device__ __forceinline__ void mb1_block(MB1_PARAMS) {
     __shared__ float sh[32];
     __shared__ int s_ids[MB1_MAX_TOPK];
     __shared__ float s_wts[MB1_MAX_TOPK];
@@ -119,6 +197,7 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
     const int G = gridDim.x, c = blockIdx.x, tid = threadIdx.x;
     const int lane = tid & 31, wid = tid >> 5, warps = MB1_THREADS / 32;
     MB1_STAMP(0);
+    if constexpr (EF) mb1_prefetch(pf, pf_bytes, pf_last != 0);
 
     // Phase 1. The router row of this warp's first expert (weights: readable before the wait).
     const int chunks4 = hidden >> 2;
@@ -211,6 +290,7 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
     }
     __syncthreads();
     MB1_STAMP(4);
+    const unsigned long long pol = EF ? mb1_policy(false) : 0ull;
     // The w2 rows n0 .. n0 + rows of each routed expert into s_w2[(r * K + k) * ci + chunk].
     const int n0 = c * rows_per_cta;
     const int rows = max(0, min(rows_per_cta, hidden - n0));
@@ -219,7 +299,11 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         const int r = rk / K, k = rk - r * K;
         const int e = s_ids[k];
         if (e < 0 || e >= num_experts) continue;
-        mb1_cp16(s_w2 + i, w2 + ((size_t)e * hidden + n0 + r) * inter + (size_t)ch * 8);
+        const unsigned short* src = w2 + ((size_t)e * hidden + n0 + r) * inter + (size_t)ch * 8;
+        if constexpr (EF)
+            mb1_cp16_ef(s_w2 + i, src, pol);
+        else
+            mb1_cp16(s_w2 + i, src);
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -242,8 +326,13 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
                 for (int u = 0; u < GV_UNROLL; ++u) {
                     const int cc = base + lane + 32 * u;
                     if (cc < hc) {
-                        wa[u] = wg[cc];
-                        wb[u] = wu[cc];
+                        if constexpr (EF) {
+                            wa[u] = mb1_ld_hint(wg + cc, pol);
+                            wb[u] = mb1_ld_hint(wu + cc, pol);
+                        } else {
+                            wa[u] = wg[cc];
+                            wb[u] = wu[cc];
+                        }
                     }
                 }
 #pragma unroll
@@ -304,4 +393,11 @@ extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(
         }
     }
     MB1_STAMP(8);
+}
+
+extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1(MB1_PARAMS) {
+    mb1_block<false>(MB1_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(MB1_THREADS, 1) moe_block1_ef(MB1_PARAMS) {
+    mb1_block<true>(MB1_ARGS);
 }

@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use omni_backend::cuda::{
-    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch, MoeShape,
-    MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, bf16,
+    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch,
+    MoeBlock1Hints, MoeShape, MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, bf16,
 };
 
 use super::buffers::{Activations, StepInputs};
 use super::weights::{DLayer, DLinear, DMlp};
-use super::{CudaDecoderModel, StepProfiler, StepShape};
+use super::{CudaDecoderModel, MoeOneLaunch, StepProfiler, StepShape};
 use crate::ModelError;
 
 /// One layer's attention core: q/k norm + RoPE + cache write, then paged attention into
@@ -408,8 +408,27 @@ impl CudaDecoderModel {
             Self::all_reduce(&self.all_reduce, &mut a.proj, t * h)?;
             mark!("all_reduce");
             // One-token steps: the whole MoE block in one launch, adding into x.
-            if small_moe && self.moe_one_launch && Self::moe_block1_fits(&cx, &l.mlp, t, h) {
-                Self::moe_block1(&cx, a, l, (h, eps))?;
+            if small_moe
+                && self.moe_one_launch != MoeOneLaunch::Off
+                && Self::moe_block1_fits(&cx, &l.mlp, t, h)
+            {
+                let mode = self.moe_one_launch;
+                let hints = MoeBlock1Hints {
+                    evict_first: mode != MoeOneLaunch::On,
+                    prefetch: match self.layers.get(li + 1) {
+                        Some(n)
+                            if matches!(
+                                mode,
+                                MoeOneLaunch::NextQkv | MoeOneLaunch::NextQkvLast
+                            ) =>
+                        {
+                            Some(&n.qkv.w)
+                        }
+                        _ => None,
+                    },
+                    prefetch_evict_last: mode == MoeOneLaunch::NextQkvLast,
+                };
+                Self::moe_block1(&cx, a, l, (h, eps), hints)?;
                 mark!("moe_block1");
                 kept = true;
                 continue;

@@ -186,7 +186,7 @@ impl CudaDecoderModel {
             l2_prefetch_tokens: super::DEFAULT_L2_PREFETCH_TOKENS,
             l2_prefetch_qkv_early: false,
             moe_w2_prefetch: false,
-            moe_one_launch: true,
+            moe_one_launch: super::DEFAULT_MOE_ONE_LAUNCH,
         })
     }
 }

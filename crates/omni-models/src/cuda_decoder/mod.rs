@@ -189,9 +189,42 @@ pub struct CudaDecoderModel {
     /// ([`CudaDecoderModel::set_moe_w2_prefetch`]).
     moe_w2_prefetch: bool,
     /// Whether one-token steps run a MoE layer's block in one launch where the device takes
-    /// it ([`CudaDecoderModel::set_moe_one_launch`]).
-    moe_one_launch: bool,
+    /// it, and its L2 hints ([`CudaDecoderModel::set_moe_one_launch`]).
+    moe_one_launch: MoeOneLaunch,
 }
+
+/// How one-token steps run a MoE layer's block ([`CudaDecoderModel::set_moe_one_launch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeOneLaunch {
+    /// The router, gate_up and down launches.
+    Off,
+    /// One launch ([`CudaContext::moe_block1`]) where the device takes the shape.
+    On,
+    /// One launch reading the experts' rows evict-first in L2.
+    EvictFirst,
+    /// That, and the next layer's QKV weights prefetched into L2 at the launch's start (the
+    /// experts' stream then passes by without evicting them).
+    NextQkv,
+    /// The same with the prefetch evict-last.
+    NextQkvLast,
+}
+
+impl MoeOneLaunch {
+    /// `0`, `1`, `ef`, `qkv`, `qkv-last` (the variants in order); `None` for anything else.
+    pub fn parse(v: &str) -> Option<Self> {
+        match v.trim() {
+            "0" => Some(Self::Off),
+            "1" => Some(Self::On),
+            "ef" => Some(Self::EvictFirst),
+            "qkv" => Some(Self::NextQkv),
+            "qkv-last" => Some(Self::NextQkvLast),
+            _ => None,
+        }
+    }
+}
+
+/// [`CudaDecoderModel::set_moe_one_launch`]'s default.
+pub const DEFAULT_MOE_ONE_LAUNCH: MoeOneLaunch = MoeOneLaunch::On;
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
 /// where the small-batch experts beat the grouped GEMM on an H200 (`bench/results/`).
@@ -298,12 +331,13 @@ impl CudaDecoderModel {
 
     /// One-token steps on the small-batch MoE path run each such layer's block (norm, router,
     /// top-k, experts, residual add) as one launch ([`moe_block1`]) where the device takes
-    /// the shape, instead of the router, gate_up and down launches: the same bits. Default
-    /// on. Recapture graphs after changing it.
+    /// the shape, instead of the router, gate_up and down launches: the same bits, whatever
+    /// L2 hints `mode` adds. Default [`DEFAULT_MOE_ONE_LAUNCH`]. Recapture graphs after
+    /// changing it.
     ///
     /// [`moe_block1`]: CudaContext::moe_block1
-    pub fn set_moe_one_launch(&mut self, on: bool) {
-        self.moe_one_launch = on;
+    pub fn set_moe_one_launch(&mut self, mode: MoeOneLaunch) {
+        self.moe_one_launch = mode;
     }
 
     /// The spec this model was built from.

@@ -25,12 +25,17 @@ use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 use crate::cuda::launch::{aligned16, at_least, max_dynamic_smem, narrow, shape_err};
 use crate::cuda::{CudaContext, CudaResult, bf16};
 
-/// `0` keeps one-token MoE steps of a CUDA worker on the three small-batch launches; unset or
-/// anything else: one launch where [`CudaContext::moe_block1_fits`].
+/// How one-token MoE steps of a CUDA worker run (`omni_models::cuda_decoder::MoeOneLaunch`):
+/// `0` on the three small-batch launches, `1` in one launch where
+/// [`CudaContext::moe_block1_fits`], `ef` that with the experts' rows read evict-first in L2,
+/// `qkv` that and the next layer's QKV weights prefetched into L2 at the launch's start,
+/// `qkv-last` the same prefetch evict-last; unset: the model's default.
 pub const MOE_ONE_LAUNCH_ENV: &str = "OMNI_CUDA_MOE_ONE_LAUNCH";
 
 const BLOCK1: &str = kernel_file!("moe/block1.cu");
 const BLOCK1_FN: &str = "moe_block1";
+/// The entry with [`MoeBlock1Hints`] (`EF`).
+const BLOCK1_EF_FN: &str = "moe_block1_ef";
 /// Threads per CTA (`MB1_THREADS`).
 pub(super) const THREADS: u32 = 512;
 /// The most routed experts per token (`MB1_MAX_TOPK`, shared arrays).
@@ -84,6 +89,19 @@ pub struct MoeBlock1Buffers<'a> {
     pub barrier: &'a mut CudaSlice<i32>,
 }
 
+/// L2 cache hints of [`CudaContext::moe_block1`] (values unchanged either way).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoeBlock1Hints<'a> {
+    /// Read the routed experts' gate/up and down rows with the evict-first L2 policy (and
+    /// issue `prefetch`); `false`: plain loads, `prefetch` ignored.
+    pub evict_first: bool,
+    /// Weights a later kernel of the step reads (e.g. the next layer's QKV projection), which no
+    /// kernel of the step writes: prefetched into L2 at the launch's start, a slice per CTA.
+    pub prefetch: Option<&'a CudaSlice<bf16>>,
+    /// Prefetch with the evict-last policy rather than the default one.
+    pub prefetch_evict_last: bool,
+}
+
 /// The launch of [`CudaContext::moe_block1`] on a device of `sms` SMs: output rows per CTA
 /// and dynamic shared bytes.
 pub(super) fn block1_launch(s: &MoeShape, sms: usize) -> (usize, usize) {
@@ -133,14 +151,16 @@ impl CudaContext {
     /// += bf16(sum_slot w * bf16(down_e(bf16(silu(gate_e(h)) * up_e(h)))))`: bit for bit what
     /// [`CudaContext::moe_route`], [`CudaContext::moe_small_gate_up`] and
     /// [`CudaContext::moe_small_down`] compute and write (h, logits, ids, weights, residual).
-    /// Errors: a shape [`CudaContext::moe_block1_fits`] refuses, short buffers.
+    /// `hints` only steer L2 (the same values either way). Errors: a shape
+    /// [`CudaContext::moe_block1_fits`] refuses, short buffers.
     pub fn moe_block1(
         &self,
         shape: MoeShape,
         (renormalize, eps): (bool, f32),
         b: MoeBlock1Buffers<'_>,
+        hints: MoeBlock1Hints<'_>,
     ) -> CudaResult<()> {
-        self.launch_block1(shape, (renormalize, eps), b, 0)
+        self.launch_block1(shape, (renormalize, eps), b, hints, 0)
     }
 
     /// [`CudaContext::moe_block1`] recording each CTA's [`STAMPS`] timestamps (ns) into
@@ -158,7 +178,7 @@ impl CudaContext {
             self.info.sm_count * STAMPS,
         )?;
         let (sp, _g) = stamps.device_ptr_mut(&self.stream);
-        self.launch_block1(shape, (true, 1e-6), b, sp)
+        self.launch_block1(shape, (true, 1e-6), b, MoeBlock1Hints::default(), sp)
     }
 
     /// The launch; `stamps`: 0 or a device buffer of `sm_count * STAMPS` u64.
@@ -167,6 +187,7 @@ impl CudaContext {
         shape: MoeShape,
         (renormalize, eps): (bool, f32),
         b: MoeBlock1Buffers<'_>,
+        hints: MoeBlock1Hints<'_>,
         stamps: u64,
     ) -> CudaResult<()> {
         let (rows, smem) = self.check_block1(&shape)?;
@@ -229,7 +250,24 @@ impl CudaContext {
         ] {
             aligned16(what, p)?;
         }
-        let f = self.function(moe_block1_source, BLOCK1_FN)?;
+        // The prefetch region: a device address and its bytes, only ever prefetched.
+        let pf = hints.prefetch.filter(|_| hints.evict_first);
+        let (pfp, _g12) = match pf {
+            Some(w) => {
+                let (p, g) = w.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        aligned16("moe block prefetch", pfp)?;
+        // Whole 16-byte pieces (the bulk prefetch's unit).
+        let pf_len = pf.map_or(0, |w| (w.len() * 2) & !15) as u64;
+        let name = if hints.evict_first {
+            BLOCK1_EF_FN
+        } else {
+            BLOCK1_FN
+        };
+        let f = self.function(moe_block1_source, name)?;
         let smem = max_dynamic_smem(&f, "moe block shared bytes", smem)?;
         let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (res, dp, nw, rw, w13p, w2p);
         let (mut a6, mut a7, mut a8, mut a9, mut a10, mut a11) = (hp, lp, ip, wp, ap, bp);
@@ -243,15 +281,20 @@ impl CudaContext {
             narrow::<i32>("moe block rows per CTA", rows)?,
         );
         let grid = narrow::<u32>("moe block CTAs", self.info.sm_count)?;
-        let mut a19 = stamps;
+        let (mut a19, mut a20, mut a21) = (pfp, pf_len, i32::from(hints.prefetch_evict_last));
+        let mut a22 = stamps;
         let mut args = kernel_args!(
             a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
-            a19
+            a19, a20, a21, a22
         );
-        // SAFETY: the arguments match `moe_block1(float*, const float*, const u16*, const
-        // float*, const u16*, const u16*, u16*, float*, int*, float*, u16*, unsigned*, int x4,
-        // int, float, int, u64*)` in order and type (`stamps` null or sm_count * MB1_STAMPS
-        // u64, checked by `moe_block1_stamped`), `delta` null or h floats. Every buffer was
+        // SAFETY: the arguments match `moe_block1` / `moe_block1_ef` (MB1_PARAMS: float*,
+        // const float*, const u16*, const float*, const u16*, const u16*, u16*, float*, int*,
+        // float*, u16*, unsigned*, int x4, int, float, int, const void*, u64, int, u64*) in order
+        // and type (`stamps` null or sm_count * MB1_STAMPS u64, checked by
+        // `moe_block1_stamped`; the prefetch region null or a live 16-byte aligned buffer of
+        // at least pf_len bytes, a multiple of 16 that the kernel cuts into 16-byte multiples,
+        // only ever prefetched, never dereferenced), `delta` null or
+        // h floats. Every buffer was
         // checked against the shape above (residual, delta, h: h elements; router e * h; w13
         // e * 2i * h; w2 e * h * i; logits e; ids / weights k <= MB1_MAX_TOPK; act k * i;
         // barrier 2 i32, read as unsigned); h and i are multiples of 8 and every vector-accessed

@@ -10,7 +10,7 @@ use cudarc::driver::CudaSlice;
 use super::block1::STAMPS;
 use super::small_emu::{rms_ref, shape, test_residual};
 use super::small_tests::{DevLayer, DevOut, bits16, dev_layer};
-use super::{MoeBlock1Buffers, MoeShape};
+use super::{MoeBlock1Buffers, MoeBlock1Hints, MoeShape};
 use crate::cuda::CudaContext;
 use crate::cuda::tests::{ctx_or_skip, graph_us};
 
@@ -62,12 +62,12 @@ impl Block1Out {
     fn run(
         &mut self,
         cx: &CudaContext,
-        l: &DevLayer,
+        (l, hints): (&DevLayer, MoeBlock1Hints<'_>),
         s: MoeShape,
         (residual, delta): (&mut CudaSlice<f32>, Option<&CudaSlice<f32>>),
     ) {
         let b = self.bufs(l, residual, delta);
-        cx.moe_block1(s, (true, 1e-6), b).unwrap();
+        cx.moe_block1(s, (true, 1e-6), b, hints).unwrap();
     }
 }
 
@@ -138,15 +138,34 @@ fn moe_block1_matches_the_three_small_kernels() {
         let mut o = DevOut::new(&cx, s);
         let mut x_ref = st.clone_htod(&base).unwrap();
         three_kernels(&cx, (&mut o, &l), s, (&mut x_ref, delta.as_ref()));
-        // One launch, three times from the same residual.
+        // One launch, three times from the same residual: plain, with the experts' rows
+        // evict-first, and with that and a prefetch (evict-last) of another layer's weights.
+        let other = dev_layer(&cx, s, 73, &[]);
+        let hints = [
+            MoeBlock1Hints::default(),
+            MoeBlock1Hints {
+                evict_first: true,
+                ..MoeBlock1Hints::default()
+            },
+            MoeBlock1Hints {
+                evict_first: true,
+                prefetch: Some(&other.w13),
+                prefetch_evict_last: true,
+            },
+        ];
         let mut b = Block1Out::new(&cx, s);
         let mut x = st.clone_htod(&base).unwrap();
-        for _ in 0..3 {
-            st.memcpy_htod(&base, &mut x).unwrap();
-            b.run(&cx, &l, s, (&mut x, delta.as_ref()));
-        }
         let what = format!("h={h} i={i} e={e} k={k} delta={with_delta}");
-        assert_eq!(bits32(&cx, &x), bits32(&cx, &x_ref), "{what}: residual");
+        for (n, hint) in hints.into_iter().enumerate() {
+            st.memcpy_htod(&base, &mut x).unwrap();
+            b.run(&cx, (&l, hint), s, (&mut x, delta.as_ref()));
+            let r = bits32(&cx, &x);
+            assert_eq!(
+                r,
+                bits32(&cx, &x_ref),
+                "{what}: residual, launch {n} ({hint:?})"
+            );
+        }
         assert_ne!(bits32(&cx, &x), bits32(&cx, &st.clone_htod(&base).unwrap()));
         assert_eq!(
             bits16(&st.clone_dtoh(&b.h).unwrap()),
@@ -198,10 +217,20 @@ fn moe_block1_timing() {
     });
     let mut b = Block1Out::new(&cx, s);
     let mut x1 = st.clone_htod(&base).unwrap();
-    let one = graph_us(&cx, &mut || b.run(&cx, &l, s, (&mut x1, delta.as_ref())));
+    let plain = MoeBlock1Hints::default();
+    let one = graph_us(&cx, &mut || {
+        b.run(&cx, (&l, plain), s, (&mut x1, delta.as_ref()))
+    });
+    let ef = MoeBlock1Hints {
+        evict_first: true,
+        ..plain
+    };
+    let one_ef = graph_us(&cx, &mut || {
+        b.run(&cx, (&l, ef), s, (&mut x1, delta.as_ref()))
+    });
     println!(
         "moe_block1 Qwen3-30B-A3B one token, CUDA graphs: route + gate_up + down {three:.1} µs, \
-         one launch {one:.1} µs ({:.2}x)",
+         one launch {one:.1} µs ({:.2}x), evict-first {one_ef:.1} µs",
         three / one
     );
     assert_eq!(st.clone_dtoh(&b.barrier).unwrap()[0], 0);
