@@ -767,3 +767,25 @@ impl CudaDecoderModel {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::MoeOneLaunch;
+
+    /// The worker's `OMNI_CUDA_MOE_ONE_LAUNCH` values, and anything else left to the default.
+    #[test]
+    fn moe_one_launch_values() {
+        let cases = [
+            ("0", Some(MoeOneLaunch::Off)),
+            ("1", Some(MoeOneLaunch::On)),
+            (" ef ", Some(MoeOneLaunch::EvictFirst)),
+            ("qkv", Some(MoeOneLaunch::NextQkv)),
+            ("qkv-last", Some(MoeOneLaunch::NextQkvLast)),
+            ("qkv-early", None),
+            ("", None),
+        ];
+        for (v, want) in cases {
+            assert_eq!(MoeOneLaunch::parse(v), want, "{v:?}");
+        }
+    }
+}
