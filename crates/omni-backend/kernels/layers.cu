@@ -26,11 +26,13 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // Launched with programmatic dependent launch: lets dependents launch, issues the L2 prefetch of
 // a later kernel's weights (`l2_prefetch`, before the wait: weights only; blocks past the rows
 // only prefetch), then waits.
+// float4s a thread keeps in registers (rows of up to 4 FAN_REG blockDim elements).
+#define FAN_REG 4
 extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
         const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
         const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
         float* __restrict__ out32, unsigned short* __restrict__ out_lo, int dim, float eps,
-        L2_PREFETCH_ARGS) {
+        int vec, L2_PREFETCH_ARGS) {
     __shared__ float sh[32];
     pdl_launch_dependents();
     if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
@@ -39,6 +41,62 @@ extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual
     float* x = residual + base;
     unsigned short* y = out + base;
     float ss = 0.f;
+    if (vec && (dim & 3) == 0 && dim <= 4 * FAN_REG * (int)blockDim.x) {
+        // The row in registers (FAN_REG float4 a thread at most), stored 4 elements at a time
+        // (`vec`: w, out, out_lo 8-byte and out32 16-byte aligned): the same values, sums and
+        // bits as the loops below, without reading the row back.
+        float4 vr[FAN_REG];
+#pragma unroll
+        for (int k = 0; k < FAN_REG; ++k) {
+            const int i = (threadIdx.x + k * blockDim.x) * 4;
+            if (i >= dim) break;
+            float4 v;
+            if (mode == 1) {
+                const unsigned short* s = init + base + i;
+                v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
+            } else {
+                v = *reinterpret_cast<const float4*>(x + i);
+                if (mode == 2) {
+                    float4 d = *reinterpret_cast<const float4*>(delta + base + i);
+                    v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+                }
+            }
+            *reinterpret_cast<float4*>(x + i) = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            vr[k] = v;
+        }
+        const float inv = rsqrtf(block_sum(ss, sh) / (float)dim + eps);
+#pragma unroll
+        for (int k = 0; k < FAN_REG; ++k) {
+            const int i = (threadIdx.x + k * blockDim.x) * 4;
+            if (i >= dim) break;
+            const float xv[4] = {vr[k].x, vr[k].y, vr[k].z, vr[k].w};
+            const uint2 wv = *reinterpret_cast<const uint2*>(w + i);
+            const unsigned short ws[4] = {(unsigned short)(wv.x & 0xffffu), (unsigned short)(wv.x >> 16),
+                                          (unsigned short)(wv.y & 0xffffu), (unsigned short)(wv.y >> 16)};
+            float v[4];
+            unsigned short hi[4], mid[4], lo[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                v[j] = bf2f(ws[j]) * (xv[j] * inv);
+                hi[j] = f2bf(v[j]);
+                const float r = v[j] - bf2f(hi[j]);
+                mid[j] = f2bf(r);
+                lo[j] = f2bf(r - bf2f(mid[j]));
+            }
+            auto pack4 = [](const unsigned short* q) {
+                return make_uint2((unsigned)q[0] | ((unsigned)q[1] << 16),
+                                  (unsigned)q[2] | ((unsigned)q[3] << 16));
+            };
+            *reinterpret_cast<uint2*>(y + i) = pack4(hi);
+            if (out32) *reinterpret_cast<float4*>(out32 + base + i) = make_float4(v[0], v[1], v[2], v[3]);
+            if (out_lo) {
+                *reinterpret_cast<uint2*>(out_lo + 2 * base + i) = pack4(mid);
+                *reinterpret_cast<uint2*>(out_lo + 2 * base + dim + i) = pack4(lo);
+            }
+        }
+        return;
+    }
     if ((dim & 3) == 0) {
         for (int i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
             float4 v;

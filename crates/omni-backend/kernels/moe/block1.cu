@@ -21,17 +21,10 @@
 // for. A barrier that waits longer than MB1_TIMEOUT_NS traps (a launch error) instead of hanging.
 // `stamps` (null but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
 //
-// L2 hints (`moe_block1_ef`, the same code with EF): the routed experts' gate/up and down rows
-// are read with the evict-first L2 policy (each is read once a step, and its lines are then
-// the first to go), and `pf` (`pf_bytes`, e.g. the next layer's QKV weights, which no kernel of
-// the step writes) is prefetched into L2 at the launch's start, before the dependency wait,
-// CTA c issuing the c-th of G equal slices (evict-last when `pf_last`): it streams while the
-// memory bus would idle under the norm, the router and the top-k, and the experts' stream then
-// passes through L2 without evicting it.
-// The router, gate_up and down loops repeat small.cu's text on purpose: the same statements in
-// the same order give the same bits, which `moe_block1_matches_the_three_small_kernels` checks.
-// Moving them into shared helpers kept small.cu's SASS byte for byte but changed this kernel's
-// (sm_90 CUBINs compared on the CPU), so that waits for a GPU to measure it on.
+// `moe_block1_ef` (the same code with EF) reads the routed experts' gate/up and down rows with
+// the evict-first L2 policy: each is read once a step, so its lines are the first to go and the
+// rest of L2 (the next kernels' weights and activations) stays (H200: 34.9 -> 34.3 µs a launch,
+// +1.4% at batch 1 in the engine).
 // Prepended by the Rust side: bf16.cuh, gemv_common.cuh, moe/topk_warp.cuh.
 
 #define MB1_THREADS 512
@@ -116,41 +109,13 @@ __device__ __forceinline__ uint4 mb1_ld_hint(const uint4* p, unsigned long long 
 #endif
 }
 
-// An L2 policy value: every line evict-first (`last` false) or evict-last.
-__device__ __forceinline__ unsigned long long mb1_policy(bool last) {
+// The L2 policy value "every line evict-first".
+__device__ __forceinline__ unsigned long long mb1_evict_first() {
     unsigned long long pol = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if (last)
-        asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-    else
-        asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
 #endif
     return pol;
-}
-
-// CTA c's slice of the region (bytes a multiple of 16, 16-byte aligned): slice c of G, rounded
-// up to 16 bytes, issued in L2_PREFETCH_CHUNK pieces, one per thread (bulk L2 prefetches,
-// sm_90; fire and forget: nothing waits for them). `last`: with the evict-last policy.
-__device__ __forceinline__ void mb1_prefetch(const void* p, unsigned long long bytes, bool last) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (p == nullptr || bytes == 0) return;
-    const unsigned long long G = gridDim.x;
-    const unsigned long long per = ((bytes + G - 1) / G + 15) & ~15ull;
-    const unsigned long long b0 = per * blockIdx.x;
-    const unsigned long long b1 = b0 + per < bytes ? b0 + per : bytes;
-    const unsigned long long off = b0 + (unsigned long long)threadIdx.x * L2_PREFETCH_CHUNK;
-    if (b0 >= bytes || off >= b1) return;
-    const unsigned long long left = b1 - off;
-    const unsigned sz = (unsigned)(left < L2_PREFETCH_CHUNK ? left : L2_PREFETCH_CHUNK);
-    const char* a = static_cast<const char*>(p) + off;
-    if (last) {
-        const unsigned long long pol = mb1_policy(true);
-        asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;"
-                     :: "l"(a), "r"(sz), "l"(pol) : "memory");
-    } else {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"(sz) : "memory");
-    }
-#endif
 }
 
 __device__ __forceinline__ void mb1_cp_wait_all() {
@@ -171,16 +136,14 @@ __device__ __forceinline__ void mb1_cp_wait_all() {
         const unsigned short *__restrict__ w2, unsigned short *__restrict__ h_out,              \
         float *logits, int *__restrict__ ids_out, float *__restrict__ wts_out,                  \
         unsigned short *act, unsigned *bar, int hidden, int inter, int num_experts, int top_k,  \
-        int renorm, float eps, int rows_per_cta, const void *__restrict__ pf,                   \
-        unsigned long long pf_bytes, int pf_last, unsigned long long *stamps
+        int renorm, float eps, int rows_per_cta, unsigned long long *stamps
 #define MB1_ARGS                                                                              \
     residual, delta, norm_w, router, w13, w2, h_out, logits, ids_out, wts_out, act, bar, hidden, \
-        inter, num_experts, top_k, renorm, eps, rows_per_cta, pf, pf_bytes, pf_last, stamps
+        inter, num_experts, top_k, renorm, eps, rows_per_cta, stamps
 
 extern __shared__ __align__(16) unsigned char mb1_smem[];
 
-// EF: the L2 hints (the experts' rows evict-first, `pf` prefetched); without it `pf` is
-// ignored and every load is the plain one.
+// EF: the experts' rows evict-first in L2; without it every load is the plain one.
 template <bool EF>
 __device__ __forceinline__ void mb1_block(MB1_PARAMS) {
     __shared__ float sh[32];
@@ -197,7 +160,6 @@ __device__ __forceinline__ void mb1_block(MB1_PARAMS) {
     const int G = gridDim.x, c = blockIdx.x, tid = threadIdx.x;
     const int lane = tid & 31, wid = tid >> 5, warps = MB1_THREADS / 32;
     MB1_STAMP(0);
-    if constexpr (EF) mb1_prefetch(pf, pf_bytes, pf_last != 0);
 
     // Phase 1. The router row of this warp's first expert (weights: readable before the wait).
     const int chunks4 = hidden >> 2;
@@ -290,7 +252,7 @@ __device__ __forceinline__ void mb1_block(MB1_PARAMS) {
     }
     __syncthreads();
     MB1_STAMP(4);
-    const unsigned long long pol = EF ? mb1_policy(false) : 0ull;
+    const unsigned long long pol = EF ? mb1_evict_first() : 0ull;
     // The w2 rows n0 .. n0 + rows of each routed expert into s_w2[(r * K + k) * ci + chunk].
     const int n0 = c * rows_per_cta;
     const int rows = max(0, min(rows_per_cta, hidden - n0));

@@ -281,14 +281,23 @@ impl CudaContext {
         let (mut w, _gw) = weight.device_ptr(s);
         let (mut y, _gy) = out.device_ptr_mut(s);
         let (mut init, mut delta, mut mode, mut eps) = (init, delta, mode, eps);
+        // The register path's 4-element stores: w, out and out_lo 8-byte, out32 16-byte aligned
+        // (rows start at multiples of dim, a multiple of 4).
+        let mut vec = i32::from(
+            dim.is_multiple_of(4)
+                && w.is_multiple_of(8)
+                && y.is_multiple_of(8)
+                && olo.is_multiple_of(8)
+                && o32.is_multiple_of(16),
+        );
         let (grid, (mut pf0, mut pf0_bytes, mut pf1, mut pf1_bytes, mut pf_work)) =
             prefetch.launch(grid, self.info.sm_count);
         let mut args = kernel_args!(
-            x, init, delta, mode, w, y, o32, olo, dim_i, eps, pf0, pf0_bytes, pf1, pf1_bytes,
+            x, init, delta, mode, w, y, o32, olo, dim_i, eps, vec, pf0, pf0_bytes, pf1, pf1_bytes,
             pf_work
         );
         // SAFETY: the arguments match `fused_add_rmsnorm_f32res(float*, const u16*, const
-        // float*, int, const u16*, u16*, float*, u16*, int, float, L2_PREFETCH_ARGS)` (the
+        // float*, int, const u16*, u16*, float*, u16*, int, float, int, L2_PREFETCH_ARGS)` (the
         // prefetch regions: `L2Prefetch`'s aligned read-only device ranges, or null / 0, only
         // prefetched, never dereferenced); residual, out, out32 (or null)
         // and the buffer of the mode (the others are null and unread) hold at least rows * dim
@@ -297,7 +306,8 @@ impl CudaContext {
         // there is a region to prefetch, only prefetch and exit), block size a multiple of
         // 32 and at most 1024 as `block_sum` requires. float4 accesses are only taken when dim
         // is a multiple of 4, so rows start 16-byte aligned in the (256-byte aligned) f32
-        // allocations. The kernel touches nothing before its wait but the prefetch regions,
+        // allocations; the 4-element bf16 and out32 stores only with `vec`, whose alignments
+        // were checked on the pointers just above. The kernel touches nothing before its wait but the prefetch regions,
         // which no kernel writes, as a programmatic launch requires.
         unsafe { self.launch_programmatic(&f, (grid, threads, 0), &mut args) }
     }

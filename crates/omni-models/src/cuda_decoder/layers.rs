@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use omni_backend::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use omni_backend::cuda::{
-    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch,
-    MoeBlock1Hints, MoeShape, MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, bf16,
+    AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch, MoeShape,
+    MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, bf16,
 };
 
 use super::buffers::{Activations, StepInputs};
@@ -412,23 +412,8 @@ impl CudaDecoderModel {
                 && self.moe_one_launch != MoeOneLaunch::Off
                 && Self::moe_block1_fits(&cx, &l.mlp, t, h)
             {
-                let mode = self.moe_one_launch;
-                let hints = MoeBlock1Hints {
-                    evict_first: mode != MoeOneLaunch::On,
-                    prefetch: match self.layers.get(li + 1) {
-                        Some(n)
-                            if matches!(
-                                mode,
-                                MoeOneLaunch::NextQkv | MoeOneLaunch::NextQkvLast
-                            ) =>
-                        {
-                            Some(&n.qkv.w)
-                        }
-                        _ => None,
-                    },
-                    prefetch_evict_last: mode == MoeOneLaunch::NextQkvLast,
-                };
-                Self::moe_block1(&cx, a, l, (h, eps), hints)?;
+                let evict_first = self.moe_one_launch == MoeOneLaunch::EvictFirst;
+                Self::moe_block1(&cx, a, l, (h, eps), evict_first)?;
                 mark!("moe_block1");
                 kept = true;
                 continue;

@@ -199,32 +199,26 @@ pub enum MoeOneLaunch {
     /// The router, gate_up and down launches.
     Off,
     /// One launch ([`CudaContext::moe_block1`]) where the device takes the shape.
-    On,
-    /// One launch reading the experts' rows evict-first in L2.
+    Plain,
+    /// One launch reading the routed experts' rows evict-first in L2 (the default).
     EvictFirst,
-    /// That, and the next layer's QKV weights prefetched into L2 at the launch's start (the
-    /// experts' stream then passes by without evicting them).
-    NextQkv,
-    /// The same with the prefetch evict-last.
-    NextQkvLast,
 }
 
 impl MoeOneLaunch {
-    /// `0`, `1`, `ef`, `qkv`, `qkv-last` (the variants in order); `None` for anything else.
+    /// `0`: off, `plain`, `1` or `ef`: evict-first; `None` for anything else.
     pub fn parse(v: &str) -> Option<Self> {
         match v.trim() {
             "0" => Some(Self::Off),
-            "1" => Some(Self::On),
-            "ef" => Some(Self::EvictFirst),
-            "qkv" => Some(Self::NextQkv),
-            "qkv-last" => Some(Self::NextQkvLast),
+            "plain" => Some(Self::Plain),
+            "1" | "ef" => Some(Self::EvictFirst),
             _ => None,
         }
     }
 }
 
-/// [`CudaDecoderModel::set_moe_one_launch`]'s default.
-pub const DEFAULT_MOE_ONE_LAUNCH: MoeOneLaunch = MoeOneLaunch::On;
+/// [`CudaDecoderModel::set_moe_one_launch`]'s default: one launch, evict-first (H200, batch 1:
+/// +1.4% on the plain launch, `bench/results/gpu-h200-2026-12-07.md`).
+pub const DEFAULT_MOE_ONE_LAUNCH: MoeOneLaunch = MoeOneLaunch::EvictFirst;
 
 /// [`CudaDecoderModel::set_small_moe_tokens`]'s default: one-token steps (decode at batch 1),
 /// where the small-batch experts beat the grouped GEMM on an H200 (`bench/results/`).
@@ -777,11 +771,10 @@ mod tests {
     fn moe_one_launch_values() {
         let cases = [
             ("0", Some(MoeOneLaunch::Off)),
-            ("1", Some(MoeOneLaunch::On)),
-            (" ef ", Some(MoeOneLaunch::EvictFirst)),
-            ("qkv", Some(MoeOneLaunch::NextQkv)),
-            ("qkv-last", Some(MoeOneLaunch::NextQkvLast)),
-            ("qkv-early", None),
+            ("plain", Some(MoeOneLaunch::Plain)),
+            (" 1 ", Some(MoeOneLaunch::EvictFirst)),
+            ("ef", Some(MoeOneLaunch::EvictFirst)),
+            ("qkv", None),
             ("", None),
         ];
         for (v, want) in cases {

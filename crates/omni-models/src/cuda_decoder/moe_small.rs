@@ -10,9 +10,7 @@
 //! [`CudaContext::moe_route`] too, adding the attention output into the residual first: one
 //! launch instead of the norm, the router GEMM and the top-k.
 
-use omni_backend::cuda::{
-    CudaContext, L2Prefetch, MoeBlock1Buffers, MoeBlock1Hints, MoeRouteBuffers, MoeShape,
-};
+use omni_backend::cuda::{CudaContext, L2Prefetch, MoeBlock1Buffers, MoeRouteBuffers, MoeShape};
 
 use super::CudaDecoderModel;
 use super::buffers::Activations;
@@ -153,14 +151,14 @@ impl CudaDecoderModel {
 
     /// Layer `l`'s MoE block of a one-token step in one launch: the attention output in
     /// `a.proj` and the block's output added into the residual `a.x` (with `a.h`, the router
-    /// logits and the routing written as [`Self::small_moe_route`] writes them), with `hints`
-    /// for L2.
+    /// logits and the routing written as [`Self::small_moe_route`] writes them); the experts'
+    /// rows evict-first in L2 with `evict_first`.
     pub(super) fn moe_block1(
         cx: &CudaContext,
         a: &mut Activations,
         l: &DLayer,
         (hidden, eps): (usize, f32),
-        hints: MoeBlock1Hints<'_>,
+        evict_first: bool,
     ) -> Result<(), ModelError> {
         let (shape, router, w13, w2, renormalize) = match (&l.mlp, moe_shape(&l.mlp, 1, hidden)) {
             (
@@ -193,7 +191,7 @@ impl CudaDecoderModel {
                 act: a.moe_act.slice_mut(..k * i),
                 barrier: &mut a.moe_barrier,
             },
-            hints,
+            evict_first,
         )?;
         Ok(())
     }

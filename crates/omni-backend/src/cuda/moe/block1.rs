@@ -26,15 +26,14 @@ use crate::cuda::launch::{aligned16, at_least, max_dynamic_smem, narrow, shape_e
 use crate::cuda::{CudaContext, CudaResult, bf16};
 
 /// How one-token MoE steps of a CUDA worker run (`omni_models::cuda_decoder::MoeOneLaunch`):
-/// `0` on the three small-batch launches, `1` in one launch where
-/// [`CudaContext::moe_block1_fits`], `ef` that with the experts' rows read evict-first in L2,
-/// `qkv` that and the next layer's QKV weights prefetched into L2 at the launch's start,
-/// `qkv-last` the same prefetch evict-last; unset: the model's default.
+/// `0` on the three small-batch launches, `plain` in one launch where
+/// [`CudaContext::moe_block1_fits`], `1` or `ef` that with the experts' rows read evict-first
+/// in L2; unset: the model's default (`ef`).
 pub const MOE_ONE_LAUNCH_ENV: &str = "OMNI_CUDA_MOE_ONE_LAUNCH";
 
 const BLOCK1: &str = kernel_file!("moe/block1.cu");
 const BLOCK1_FN: &str = "moe_block1";
-/// The entry with [`MoeBlock1Hints`] (`EF`).
+/// The entry reading the experts' rows evict-first in L2 (`EF`).
 const BLOCK1_EF_FN: &str = "moe_block1_ef";
 /// Threads per CTA (`MB1_THREADS`).
 pub(super) const THREADS: u32 = 512;
@@ -89,19 +88,6 @@ pub struct MoeBlock1Buffers<'a> {
     pub barrier: &'a mut CudaSlice<i32>,
 }
 
-/// L2 cache hints of [`CudaContext::moe_block1`] (values unchanged either way).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct MoeBlock1Hints<'a> {
-    /// Read the routed experts' gate/up and down rows with the evict-first L2 policy (and
-    /// issue `prefetch`); `false`: plain loads, `prefetch` ignored.
-    pub evict_first: bool,
-    /// Weights a later kernel of the step reads (e.g. the next layer's QKV projection), which no
-    /// kernel of the step writes: prefetched into L2 at the launch's start, a slice per CTA.
-    pub prefetch: Option<&'a CudaSlice<bf16>>,
-    /// Prefetch with the evict-last policy rather than the default one.
-    pub prefetch_evict_last: bool,
-}
-
 /// The launch of [`CudaContext::moe_block1`] on a device of `sms` SMs: output rows per CTA
 /// and dynamic shared bytes.
 pub(super) fn block1_launch(s: &MoeShape, sms: usize) -> (usize, usize) {
@@ -151,16 +137,17 @@ impl CudaContext {
     /// += bf16(sum_slot w * bf16(down_e(bf16(silu(gate_e(h)) * up_e(h)))))`: bit for bit what
     /// [`CudaContext::moe_route`], [`CudaContext::moe_small_gate_up`] and
     /// [`CudaContext::moe_small_down`] compute and write (h, logits, ids, weights, residual).
-    /// `hints` only steer L2 (the same values either way). Errors: a shape
-    /// [`CudaContext::moe_block1_fits`] refuses, short buffers.
+    /// With `evict_first` the routed experts' rows are read with the evict-first L2 policy
+    /// (the same values). Errors: a shape [`CudaContext::moe_block1_fits`] refuses, short
+    /// buffers.
     pub fn moe_block1(
         &self,
         shape: MoeShape,
         (renormalize, eps): (bool, f32),
         b: MoeBlock1Buffers<'_>,
-        hints: MoeBlock1Hints<'_>,
+        evict_first: bool,
     ) -> CudaResult<()> {
-        self.launch_block1(shape, (renormalize, eps), b, hints, 0)
+        self.launch_block1(shape, (renormalize, eps), b, evict_first, 0)
     }
 
     /// [`CudaContext::moe_block1`] recording each CTA's [`STAMPS`] timestamps (ns) into
@@ -178,7 +165,7 @@ impl CudaContext {
             self.info.sm_count * STAMPS,
         )?;
         let (sp, _g) = stamps.device_ptr_mut(&self.stream);
-        self.launch_block1(shape, (true, 1e-6), b, MoeBlock1Hints::default(), sp)
+        self.launch_block1(shape, (true, 1e-6), b, false, sp)
     }
 
     /// The launch; `stamps`: 0 or a device buffer of `sm_count * STAMPS` u64.
@@ -187,7 +174,7 @@ impl CudaContext {
         shape: MoeShape,
         (renormalize, eps): (bool, f32),
         b: MoeBlock1Buffers<'_>,
-        hints: MoeBlock1Hints<'_>,
+        evict_first: bool,
         stamps: u64,
     ) -> CudaResult<()> {
         let (rows, smem) = self.check_block1(&shape)?;
@@ -250,23 +237,7 @@ impl CudaContext {
         ] {
             aligned16(what, p)?;
         }
-        // The prefetch region: a device address and its bytes, only ever prefetched.
-        let pf = hints.prefetch.filter(|_| hints.evict_first);
-        let (pfp, _g12) = match pf {
-            Some(w) => {
-                let (p, g) = w.device_ptr(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
-        aligned16("moe block prefetch", pfp)?;
-        // Whole 16-byte pieces (the bulk prefetch's unit).
-        let pf_len = pf.map_or(0, |w| (w.len() * 2) & !15) as u64;
-        let name = if hints.evict_first {
-            BLOCK1_EF_FN
-        } else {
-            BLOCK1_FN
-        };
+        let name = if evict_first { BLOCK1_EF_FN } else { BLOCK1_FN };
         let f = self.function(moe_block1_source, name)?;
         let smem = max_dynamic_smem(&f, "moe block shared bytes", smem)?;
         let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (res, dp, nw, rw, w13p, w2p);
@@ -281,19 +252,15 @@ impl CudaContext {
             narrow::<i32>("moe block rows per CTA", rows)?,
         );
         let grid = narrow::<u32>("moe block CTAs", self.info.sm_count)?;
-        let (mut a19, mut a20, mut a21) = (pfp, pf_len, i32::from(hints.prefetch_evict_last));
-        let mut a22 = stamps;
+        let mut a19 = stamps;
         let mut args = kernel_args!(
             a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
-            a19, a20, a21, a22
+            a19
         );
         // SAFETY: the arguments match `moe_block1` / `moe_block1_ef` (MB1_PARAMS: float*,
         // const float*, const u16*, const float*, const u16*, const u16*, u16*, float*, int*,
-        // float*, u16*, unsigned*, int x4, int, float, int, const void*, u64, int, u64*) in order
-        // and type (`stamps` null or sm_count * MB1_STAMPS u64, checked by
-        // `moe_block1_stamped`; the prefetch region null or a live 16-byte aligned buffer of
-        // at least pf_len bytes, a multiple of 16 that the kernel cuts into 16-byte multiples,
-        // only ever prefetched, never dereferenced), `delta` null or
+        // float*, u16*, unsigned*, int x4, int, float, int, u64*) in order and type (`stamps`
+        // null or sm_count * MB1_STAMPS u64, checked by `moe_block1_stamped`), `delta` null or
         // h floats. Every buffer was
         // checked against the shape above (residual, delta, h: h elements; router e * h; w13
         // e * 2i * h; w2 e * h * i; logits e; ids / weights k <= MB1_MAX_TOPK; act k * i;

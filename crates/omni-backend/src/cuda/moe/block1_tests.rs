@@ -10,7 +10,7 @@ use cudarc::driver::CudaSlice;
 use super::block1::STAMPS;
 use super::small_emu::{rms_ref, shape, test_residual};
 use super::small_tests::{DevLayer, DevOut, bits16, dev_layer};
-use super::{MoeBlock1Buffers, MoeBlock1Hints, MoeShape};
+use super::{MoeBlock1Buffers, MoeShape};
 use crate::cuda::CudaContext;
 use crate::cuda::tests::{ctx_or_skip, graph_us};
 
@@ -62,12 +62,12 @@ impl Block1Out {
     fn run(
         &mut self,
         cx: &CudaContext,
-        (l, hints): (&DevLayer, MoeBlock1Hints<'_>),
+        (l, evict_first): (&DevLayer, bool),
         s: MoeShape,
         (residual, delta): (&mut CudaSlice<f32>, Option<&CudaSlice<f32>>),
     ) {
         let b = self.bufs(l, residual, delta);
-        cx.moe_block1(s, (true, 1e-6), b, hints).unwrap();
+        cx.moe_block1(s, (true, 1e-6), b, evict_first).unwrap();
     }
 }
 
@@ -139,31 +139,18 @@ fn moe_block1_matches_the_three_small_kernels() {
         let mut x_ref = st.clone_htod(&base).unwrap();
         three_kernels(&cx, (&mut o, &l), s, (&mut x_ref, delta.as_ref()));
         // One launch, three times from the same residual: plain, with the experts' rows
-        // evict-first, and with that and a prefetch (evict-last) of another layer's weights.
-        let other = dev_layer(&cx, s, 73, &[]);
-        let hints = [
-            MoeBlock1Hints::default(),
-            MoeBlock1Hints {
-                evict_first: true,
-                ..MoeBlock1Hints::default()
-            },
-            MoeBlock1Hints {
-                evict_first: true,
-                prefetch: Some(&other.w13),
-                prefetch_evict_last: true,
-            },
-        ];
+        // evict-first, plain again.
         let mut b = Block1Out::new(&cx, s);
         let mut x = st.clone_htod(&base).unwrap();
         let what = format!("h={h} i={i} e={e} k={k} delta={with_delta}");
-        for (n, hint) in hints.into_iter().enumerate() {
+        for (n, ef) in [false, true, false].into_iter().enumerate() {
             st.memcpy_htod(&base, &mut x).unwrap();
-            b.run(&cx, (&l, hint), s, (&mut x, delta.as_ref()));
+            b.run(&cx, (&l, ef), s, (&mut x, delta.as_ref()));
             let r = bits32(&cx, &x);
             assert_eq!(
                 r,
                 bits32(&cx, &x_ref),
-                "{what}: residual, launch {n} ({hint:?})"
+                "{what}: residual, launch {n} (evict-first {ef})"
             );
         }
         assert_ne!(bits32(&cx, &x), bits32(&cx, &st.clone_htod(&base).unwrap()));
@@ -217,16 +204,11 @@ fn moe_block1_timing() {
     });
     let mut b = Block1Out::new(&cx, s);
     let mut x1 = st.clone_htod(&base).unwrap();
-    let plain = MoeBlock1Hints::default();
     let one = graph_us(&cx, &mut || {
-        b.run(&cx, (&l, plain), s, (&mut x1, delta.as_ref()))
+        b.run(&cx, (&l, false), s, (&mut x1, delta.as_ref()))
     });
-    let ef = MoeBlock1Hints {
-        evict_first: true,
-        ..plain
-    };
     let one_ef = graph_us(&cx, &mut || {
-        b.run(&cx, (&l, ef), s, (&mut x1, delta.as_ref()))
+        b.run(&cx, (&l, true), s, (&mut x1, delta.as_ref()))
     });
     println!(
         "moe_block1 Qwen3-30B-A3B one token, CUDA graphs: route + gate_up + down {three:.1} µs, \

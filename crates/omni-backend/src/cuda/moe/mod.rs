@@ -70,7 +70,7 @@ mod tiles;
 mod timing_tests;
 mod tma;
 
-pub use block1::{MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers, MoeBlock1Hints};
+pub use block1::{MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers};
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;
 pub use router::RouterSplit;

@@ -172,6 +172,16 @@ fn moe_topk_softmax_matches_cpu() {
                 *v = f32::NEG_INFINITY;
             }
         }
+        if t > 2 {
+            // Ties: a row of equal logits routes to the lowest ids, and equal pairs across
+            // lanes (expert i and i + 33) in another go to the lower id first.
+            logits[2 * e..3 * e].fill(0.25);
+            if t > 3 && e > 40 {
+                let r = &mut logits[3 * e..4 * e];
+                r[7] = 4.0;
+                r[40] = 4.0;
+            }
+        }
         for renorm in [false, true] {
             let (want_i, want_w) = cpu_topk(&logits, e, k, renorm);
             let (got_i, got_w) = run_topk(&cx, &logits, t, e, k, renorm);
