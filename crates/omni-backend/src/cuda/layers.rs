@@ -43,6 +43,21 @@ const QKV_ROPE_HEADS: usize = 8;
 const _: () = assert!(QKV_ROPE_HEADS <= 8, "QKR_MAX_HEADS of kernels/layers.cu");
 /// Steps of at least this many tokens group [`QKV_ROPE_HEADS`] heads a warp.
 const QKV_ROPE_GROUP_TOKENS: usize = 256;
+/// Heads a warp of long prefills takes instead of [`QKV_ROPE_HEADS`] (1 to 8; read once per
+/// process): a tuning knob for measuring the grouping on a device.
+pub const QKV_ROPE_HEADS_ENV: &str = "OMNI_CUDA_QKV_ROPE_HEADS";
+
+/// [`QKV_ROPE_HEADS`], or [`QKV_ROPE_HEADS_ENV`] when it holds 1 to 8.
+fn qkv_rope_heads() -> usize {
+    static HEADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *HEADS.get_or_init(|| {
+        std::env::var(QKV_ROPE_HEADS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|n| (1..=QKV_ROPE_HEADS).contains(n))
+            .unwrap_or(QKV_ROPE_HEADS)
+    })
+}
 /// Largest head_dim of `qkv_rope_cache_bf16` (`QKR_MAX_PAIRS` rotary pairs a lane).
 const QKV_ROPE_MAX_HEAD_DIM: usize = 256;
 const EMBEDDING_IDS_FN: &str = "embedding_ids_bf16";
@@ -389,7 +404,7 @@ impl CudaContext {
             tokens * q_heads * head_dim,
         )?;
         let hpw = if tokens >= QKV_ROPE_GROUP_TOKENS {
-            QKV_ROPE_HEADS
+            qkv_rope_heads()
         } else {
             1
         };
