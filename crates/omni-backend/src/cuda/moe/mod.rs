@@ -69,6 +69,8 @@ mod tiles;
 #[cfg(test)]
 mod timing_tests;
 mod tma;
+#[cfg(test)]
+mod topk_emu;
 
 pub use block1::{MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers};
 pub use cublas::MOE_CUBLAS_ENV;
