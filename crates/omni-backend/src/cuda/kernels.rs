@@ -209,6 +209,31 @@ mod tests {
             ),
             ("moe small".to_string(), moe::small::moe_small_source()),
             ("moe block1".to_string(), moe::block1::moe_block1_source()),
+            // The register top-k (opt-in) in the modules that route.
+            (
+                "moe block1 top-k regs".to_string(),
+                format!(
+                    "{}{}",
+                    moe::source::TOPK_REGS_DEFINE,
+                    moe::block1::moe_block1_source()
+                ),
+            ),
+            (
+                "moe top-k regs".to_string(),
+                format!(
+                    "{}{}",
+                    moe::source::TOPK_REGS_DEFINE,
+                    moe::source::moe_source()
+                ),
+            ),
+            (
+                "moe small top-k regs".to_string(),
+                format!(
+                    "{}{}",
+                    moe::source::TOPK_REGS_DEFINE,
+                    moe::small::moe_small_source()
+                ),
+            ),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),
             ("gemv".to_string(), gemv::gemv_source()),

@@ -47,6 +47,17 @@ const QKV_ROPE_GROUP_TOKENS: usize = 256;
 /// process): a tuning knob for measuring the grouping on a device.
 pub const QKV_ROPE_HEADS_ENV: &str = "OMNI_CUDA_QKV_ROPE_HEADS";
 
+/// `1`: `fused_add_rmsnorm_f32res` keeps a row in registers and stores 4 elements at a time (the
+/// same bits; where dim <= 16 x the block and the outputs are aligned). Off by default until
+/// measured on a GPU. Read once per process.
+pub const NORM_REGS_ENV: &str = "OMNI_CUDA_NORM_REGS";
+
+/// Whether [`NORM_REGS_ENV`] is `1`.
+fn norm_regs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(NORM_REGS_ENV).is_ok_and(|v| v.trim() == "1"))
+}
+
 /// [`QKV_ROPE_HEADS`], or [`QKV_ROPE_HEADS_ENV`] when it holds 1 to 8.
 fn qkv_rope_heads() -> usize {
     static HEADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -296,10 +307,11 @@ impl CudaContext {
         let (mut w, _gw) = weight.device_ptr(s);
         let (mut y, _gy) = out.device_ptr_mut(s);
         let (mut init, mut delta, mut mode, mut eps) = (init, delta, mode, eps);
-        // The register path's 4-element stores: w, out and out_lo 8-byte, out32 16-byte aligned
-        // (rows start at multiples of dim, a multiple of 4).
+        // The register path (opt-in) and its 4-element stores: w, out and out_lo 8-byte, out32
+        // 16-byte aligned (rows start at multiples of dim, a multiple of 4).
         let mut vec = i32::from(
-            dim.is_multiple_of(4)
+            norm_regs()
+                && dim.is_multiple_of(4)
                 && w.is_multiple_of(8)
                 && y.is_multiple_of(8)
                 && olo.is_multiple_of(8)

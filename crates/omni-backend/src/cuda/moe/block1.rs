@@ -19,7 +19,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::MoeShape;
 use super::small::{check_small, optional_ptr};
-use super::source::TOPK_WARP;
+use super::source::topk_warp;
 use crate::cuda::gemv::GEMV_COMMON;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 use crate::cuda::launch::{aligned16, at_least, max_dynamic_smem, narrow, shape_err};
@@ -52,7 +52,7 @@ pub(crate) const STAMPS: usize = 9;
 
 /// Full source of the one-launch MoE module.
 pub(crate) fn moe_block1_source() -> String {
-    format!("{BF16_HELPERS}{GEMV_COMMON}{TOPK_WARP}{BLOCK1}")
+    format!("{BF16_HELPERS}{GEMV_COMMON}{}{BLOCK1}", topk_warp())
 }
 
 /// The buffers of [`CudaContext::moe_block1`].

@@ -80,6 +80,7 @@ pub use small::{
     MOE_SMALL_MAX_HIDDEN, MOE_SMALL_MAX_INTER, MOE_SMALL_MAX_PAIRS, MOE_SMALL_MAX_TOKENS,
     MoeRouteBuffers, moe_small_act_len,
 };
+pub use source::MOE_TOPK_REGS_ENV;
 pub use tiles::MOE_WGMMA_ENV;
 
 #[cfg(doc)]

@@ -36,7 +36,7 @@ use cudarc::driver::{
 use super::MOE_MAX_EXPERTS;
 use super::MoeShape;
 use super::launch::check_routing;
-use super::source::TOPK_WARP;
+use super::source::topk_warp;
 use crate::cuda::gemv::GEMV_COMMON;
 use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
 use crate::cuda::launch::{aligned16, at_least, block_threads, narrow, shape_err};
@@ -93,7 +93,7 @@ const DOWN_FNS: [&str; 8] = [
 
 /// Full source of the small-batch MoE module.
 pub(crate) fn moe_small_source() -> String {
-    format!("{BF16_HELPERS}{GEMV_COMMON}{TOPK_WARP}{SMALL}")
+    format!("{BF16_HELPERS}{GEMV_COMMON}{}{SMALL}", topk_warp())
 }
 
 /// Elements of the `act` buffer (`[tokens * top_k, inter]` bf16) between

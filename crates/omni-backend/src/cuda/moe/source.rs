@@ -12,7 +12,26 @@ const PTX_HELPERS: &str = kernel_file!("moe/ptx.cuh");
 /// The dynamic shared memory all MoE kernels use, bf16x2 packing.
 const COMMON: &str = kernel_file!("moe/common.cuh");
 /// One token's routing by one warp (shared with the small-batch router).
-pub(super) const TOPK_WARP: &str = kernel_file!("moe/topk_warp.cuh");
+const TOPK_WARP_FILE: &str = kernel_file!("moe/topk_warp.cuh");
+
+/// `1`: the MoE modules route tokens of up to 256 experts from registers (`moe_topk_regs`: two
+/// `redux.sync` a pick; the same experts and weights as the shared-memory form, checked on the
+/// CPU by `topk_emu.rs`). Off by default until measured on a GPU. Read once per process.
+pub const MOE_TOPK_REGS_ENV: &str = "OMNI_CUDA_MOE_TOPK_REGS";
+
+/// The define that selects the register top-k (prepended to a module's source).
+pub(crate) const TOPK_REGS_DEFINE: &str = "#define MOE_TOPK_FROM_REGS\n";
+
+/// The warp top-k's source (`topk_warp.cuh`), with [`TOPK_REGS_DEFINE`] when
+/// [`MOE_TOPK_REGS_ENV`] is `1`.
+pub(super) fn topk_warp() -> &'static str {
+    static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SRC.get_or_init(|| {
+        let regs = std::env::var(MOE_TOPK_REGS_ENV).is_ok_and(|v| v.trim() == "1");
+        let define = if regs { TOPK_REGS_DEFINE } else { "" };
+        format!("{define}{TOPK_WARP_FILE}")
+    })
+}
 /// Routing: softmax over the experts, top-k.
 const TOPK_SOFTMAX: &str = kernel_file!("moe/topk_softmax.cu");
 /// Alignment of the (token, slot) pairs into tile-padded row blocks per expert.
@@ -95,7 +114,8 @@ extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
 /// Full source of the MoE module (every MoE entry point).
 pub(crate) fn moe_source() -> String {
     let mut s = format!(
-        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{TOPK_WARP}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}{GATHER}"
+        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}{GATHER}",
+        topk_warp()
     );
     for cfg in [SMALL, LARGE] {
         s.push_str(&gemm_entry(&cfg, true));
