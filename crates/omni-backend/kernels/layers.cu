@@ -28,6 +28,25 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 // only prefetch), then waits.
 // float4s a thread keeps in registers (rows of up to 4 FAN_REG blockDim elements).
 #define FAN_REG 4
+// Elements i .. i + 3 of the row at x (row offset `base`) after the update of `mode` (1: from
+// bf16 `init`; 2: + f32 `delta`; 0: as they are), written back and returned.
+__device__ __forceinline__ float4 fan_update4(float* x, const unsigned short* __restrict__ init,
+                                              const float* __restrict__ delta, size_t base, int i,
+                                              int mode) {
+    float4 v;
+    if (mode == 1) {
+        const unsigned short* s = init + base + i;
+        v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
+    } else {
+        v = *reinterpret_cast<const float4*>(x + i);
+        if (mode == 2) {
+            const float4 d = *reinterpret_cast<const float4*>(delta + base + i);
+            v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+        }
+    }
+    *reinterpret_cast<float4*>(x + i) = v;
+    return v;
+}
 extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual,
         const unsigned short* __restrict__ init, const float* __restrict__ delta, int mode,
         const unsigned short* __restrict__ w, unsigned short* __restrict__ out,
@@ -50,18 +69,7 @@ extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual
         for (int k = 0; k < FAN_REG; ++k) {
             const int i = (threadIdx.x + k * blockDim.x) * 4;
             if (i >= dim) break;
-            float4 v;
-            if (mode == 1) {
-                const unsigned short* s = init + base + i;
-                v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
-            } else {
-                v = *reinterpret_cast<const float4*>(x + i);
-                if (mode == 2) {
-                    float4 d = *reinterpret_cast<const float4*>(delta + base + i);
-                    v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
-                }
-            }
-            *reinterpret_cast<float4*>(x + i) = v;
+            const float4 v = fan_update4(x, init, delta, base, i, mode);
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             vr[k] = v;
         }
@@ -99,18 +107,7 @@ extern "C" __global__ void fused_add_rmsnorm_f32res(float* __restrict__ residual
     }
     if ((dim & 3) == 0) {
         for (int i = threadIdx.x * 4; i < dim; i += blockDim.x * 4) {
-            float4 v;
-            if (mode == 1) {
-                const unsigned short* s = init + base + i;
-                v = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
-            } else {
-                v = *reinterpret_cast<const float4*>(x + i);
-                if (mode == 2) {
-                    float4 d = *reinterpret_cast<const float4*>(delta + base + i);
-                    v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
-                }
-            }
-            *reinterpret_cast<float4*>(x + i) = v;
+            const float4 v = fan_update4(x, init, delta, base, i, mode);
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
     } else {

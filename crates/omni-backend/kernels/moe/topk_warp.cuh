@@ -10,25 +10,22 @@
 // experts and weights.
 #define MOE_TOPK_REG 8
 
-// Warp-wide max / min of an unsigned (`redux.sync` from sm_80, else a shuffle tree). Every lane
-// of the warp calls them.
-__device__ __forceinline__ unsigned moe_warp_max_u32(unsigned v) {
+// Warp-wide max (MAX) or min of an unsigned (`redux.sync` from sm_80, else a shuffle tree).
+// Every lane of the warp calls it.
+template <bool MAX>
+__device__ __forceinline__ unsigned moe_warp_redux_u32(unsigned v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     unsigned r;
-    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    if (MAX)
+        asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    else
+        asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
     return r;
 #else
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-#endif
-}
-__device__ __forceinline__ unsigned moe_warp_min_u32(unsigned v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    unsigned r;
-    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
-    return r;
-#else
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? max(v, w) : min(v, w);
+    }
     return v;
 #endif
 }
@@ -87,9 +84,9 @@ __device__ __forceinline__ void moe_topk_regs(const float* row, int* out_ids, fl
     }
         MOE_TOPK_EACH(MOE_TK_BEST)
 #undef MOE_TK_BEST
-        const unsigned kmax = moe_warp_max_u32(bk);
+        const unsigned kmax = moe_warp_redux_u32<true>(bk);
         const unsigned mine = bk == kmax && kmax != 0u ? (unsigned)(lane + 32 * bm) : 0xffffffffu;
-        const unsigned bi = moe_warp_min_u32(mine);
+        const unsigned bi = moe_warp_redux_u32<false>(mine);
         const float bv = kmax != 0u ? __uint_as_float(kmax - 1u) : -1.f;
         sel_sum += bv;
         if (lane == 0) {
