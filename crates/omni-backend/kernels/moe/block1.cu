@@ -20,6 +20,10 @@
 // 1, when every CTA is resident, so a dependent grid cannot take an SM one of its CTAs waits
 // for. A barrier that waits longer than MB1_TIMEOUT_NS traps (a launch error) instead of hanging.
 // `stamps` (null but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
+// The router, gate_up and down loops repeat small.cu's text on purpose: the same statements in
+// the same order give the same bits, which `moe_block1_matches_the_three_small_kernels` checks.
+// Moving them into shared helpers kept small.cu's SASS byte for byte but changed this kernel's
+// (sm_90 CUBINs compared on the CPU), so that waits for a GPU to measure it on.
 //
 // `moe_block1_ef` (the same code with EF) reads the routed experts' gate/up and down rows with
 // the evict-first L2 policy: each is read once a step, so its lines are the first to go and the
@@ -86,27 +90,32 @@ __device__ __forceinline__ void mb1_cp16(void* smem, const void* gmem) {
 #endif
 }
 
-// The same copy, evict-first in L2 under `pol` (a createpolicy value).
-__device__ __forceinline__ void mb1_cp16_ef(void* smem, const void* gmem, unsigned long long pol) {
+// mb1_cp16, with EF evict-first in L2 under `pol` (a createpolicy value).
+template <bool EF>
+__device__ __forceinline__ void mb1_cp16_w(void* smem, const void* gmem, unsigned long long pol) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-                 :: "r"(s), "l"(gmem), "l"(pol) : "memory");
-#else
-    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+    if constexpr (EF) {
+        const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                     :: "r"(s), "l"(gmem), "l"(pol) : "memory");
+        return;
+    }
 #endif
+    mb1_cp16(smem, gmem);
 }
 
-// A read-only 16-byte load under the L2 policy `pol`, not kept in L1.
-__device__ __forceinline__ uint4 mb1_ld_hint(const uint4* p, unsigned long long pol) {
+// A read-only 16-byte weight load: plain, or with EF under the L2 policy `pol`, not kept in L1.
+template <bool EF>
+__device__ __forceinline__ uint4 mb1_ld_w(const uint4* p, unsigned long long pol) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
-    return v;
-#else
-    return *p;
+    if constexpr (EF) {
+        uint4 v;
+        asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+        return v;
+    }
 #endif
+    return *p;
 }
 
 // The L2 policy value "every line evict-first".
@@ -261,11 +270,7 @@ __device__ __forceinline__ void mb1_block(MB1_PARAMS) {
         const int r = rk / K, k = rk - r * K;
         const int e = s_ids[k];
         if (e < 0 || e >= num_experts) continue;
-        const unsigned short* src = w2 + ((size_t)e * hidden + n0 + r) * inter + (size_t)ch * 8;
-        if constexpr (EF)
-            mb1_cp16_ef(s_w2 + i, src, pol);
-        else
-            mb1_cp16(s_w2 + i, src);
+        mb1_cp16_w<EF>(s_w2 + i, w2 + ((size_t)e * hidden + n0 + r) * inter + (size_t)ch * 8, pol);
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -288,13 +293,8 @@ __device__ __forceinline__ void mb1_block(MB1_PARAMS) {
                 for (int u = 0; u < GV_UNROLL; ++u) {
                     const int cc = base + lane + 32 * u;
                     if (cc < hc) {
-                        if constexpr (EF) {
-                            wa[u] = mb1_ld_hint(wg + cc, pol);
-                            wb[u] = mb1_ld_hint(wu + cc, pol);
-                        } else {
-                            wa[u] = wg[cc];
-                            wb[u] = wu[cc];
-                        }
+                        wa[u] = mb1_ld_w<EF>(wg + cc, pol);
+                        wb[u] = mb1_ld_w<EF>(wu + cc, pol);
                     }
                 }
 #pragma unroll

@@ -334,8 +334,8 @@ impl CudaContext {
         // 32 and at most 1024 as `block_sum` requires. float4 accesses are only taken when dim
         // is a multiple of 4, so rows start 16-byte aligned in the (256-byte aligned) f32
         // allocations; the 4-element bf16 and out32 stores only with `vec`, whose alignments
-        // were checked on the pointers just above. The kernel touches nothing before its wait but the prefetch regions,
-        // which no kernel writes, as a programmatic launch requires.
+        // were checked on the pointers just above. The kernel touches nothing before its wait
+        // but the prefetch regions, which no kernel writes, as a programmatic launch requires.
         unsafe { self.launch_programmatic(&f, (grid, threads, 0), &mut args) }
     }
 

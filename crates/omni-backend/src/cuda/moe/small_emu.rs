@@ -65,9 +65,9 @@ pub(super) fn bf(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-/// `moe_topk_warp` on one row of logits.
-pub(super) fn emu_topk_warp(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
-    let e_n = row.len();
+/// The softmax of `moe_topk_warp` (both forms): expert i in lane i % 32, each lane's max and
+/// sum over its experts in ascending order, the sum's xor tree.
+pub(super) fn emu_warp_softmax(row: &[f32]) -> Vec<f32> {
     let mut probs = row.to_vec();
     let mut mx = [f32::NEG_INFINITY; 32];
     for (i, &v) in probs.iter().enumerate() {
@@ -91,6 +91,13 @@ pub(super) fn emu_topk_warp(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, V
         1.0 / total
     };
     probs.iter_mut().for_each(|p| *p *= inv);
+    probs
+}
+
+/// `moe_topk_warp` on one row of logits.
+pub(super) fn emu_topk_warp(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
+    let e_n = row.len();
+    let mut probs = emu_warp_softmax(row);
     let (mut ids, mut ws, mut sel) = (Vec::new(), Vec::new(), 0f32);
     for _ in 0..k {
         let mut best = [(-1f32, e_n); 32];

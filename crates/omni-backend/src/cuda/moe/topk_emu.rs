@@ -1,13 +1,13 @@
 //! CPU test of the register form of the warp's top-k (`moe_topk_regs` in
 //! `kernels/moe/topk_warp.cuh`): a host emulator of its lanes (expert `lane + 32 m` in slot
-//! `m`, the softmax in the shared-memory form's order, picks by the warp's largest key
+//! `m`, the shared-memory form's softmax, picks by the warp's largest key
 //! `bits + 1` and, among the lanes holding it, the smallest id) against the emulator of the
 //! shared-memory form (`emu_topk_warp`), bit for bit, over rows with ties inside a lane and
 //! across lanes, -inf logits, NaN rows and every expert count the register form takes.
 
 #![allow(clippy::unwrap_used, clippy::needless_range_loop)]
 
-use super::small_emu::emu_topk_warp;
+use super::small_emu::{emu_topk_warp, emu_warp_softmax};
 use crate::cuda::tests::rand_bf16_f32;
 
 /// Slots a lane holds (`MOE_TOPK_REG`).
@@ -17,61 +17,15 @@ const REG: usize = 8;
 fn emu_topk_regs(row: &[f32], k: usize, renorm: bool) -> (Vec<i32>, Vec<f32>) {
     let e_n = row.len();
     assert!(e_n <= 32 * REG);
-    let live = |lane: usize, m: usize| lane + 32 * m < e_n;
-    let mut p = [[0f32; REG]; 32];
-    let mut mx = [f32::NEG_INFINITY; 32];
-    for lane in 0..32 {
-        for m in 0..REG {
-            if live(lane, m) {
-                p[lane][m] = row[lane + 32 * m];
-                mx[lane] = mx[lane].max(p[lane][m]);
-            }
-        }
-    }
-    let mut o = 16;
-    while o > 0 {
-        let prev = mx;
-        for l in 0..32 {
-            mx[l] = prev[l].max(prev[l ^ o]);
-        }
-        o /= 2;
-    }
-    let m_all = mx[0];
-    let mut sum = [0f32; 32];
-    for lane in 0..32 {
-        for m in 0..REG {
-            if live(lane, m) {
-                let e = if m_all == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    (p[lane][m] - m_all).exp()
-                };
-                p[lane][m] = e;
-                sum[lane] += e;
-            }
-        }
-    }
-    let mut o = 16;
-    while o > 0 {
-        let prev = sum;
-        for l in 0..32 {
-            sum[l] = prev[l] + prev[l ^ o];
-        }
-        o /= 2;
-    }
-    let inv = if m_all == f32::NEG_INFINITY {
-        0.0
-    } else {
-        1.0 / sum[0]
-    };
+    // The softmax is the shared-memory form's (`emu_warp_softmax`); expert lane + 32 m sits in
+    // slot m of its lane.
+    let probs = emu_warp_softmax(row);
     let mut key = [[0u32; REG]; 32];
     for lane in 0..32 {
         for m in 0..REG {
-            let v = p[lane][m] * inv;
-            key[lane][m] = if live(lane, m) && v >= 0.0 {
-                v.to_bits() + 1
-            } else {
-                0
+            key[lane][m] = match probs.get(lane + 32 * m) {
+                Some(&v) if v >= 0.0 => v.to_bits() + 1,
+                _ => 0,
             };
         }
     }
