@@ -34,6 +34,8 @@ mod launch;
 mod layers;
 #[cfg(test)]
 mod layers_tests;
+#[cfg(test)]
+mod mma_emu;
 mod moe;
 mod nccl;
 mod prefetch;

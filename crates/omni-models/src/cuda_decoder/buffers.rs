@@ -4,7 +4,8 @@
 use omni_backend::cuda::cudarc::driver::CudaSlice;
 use omni_backend::cuda::{
     AttnShape, CudaContext, CudaError, MOE_SMALL_MAX_TOKENS, MoeShape, bf16,
-    fused_moe_workspace_bytes, moe_small_act_len, paged_attention_workspace_len,
+    fused_moe_workspace_bytes, moe_route_mma_enabled, moe_route_mma_workspace_len,
+    moe_small_act_len, paged_attention_workspace_len,
 };
 
 use super::weights::{DLayer, DMlp};
@@ -58,6 +59,10 @@ pub(super) struct Activations {
     pub(super) topk_ids: CudaSlice<i32>,
     pub(super) topk_weights: CudaSlice<f32>,
     pub(super) moe_workspace: CudaSlice<u8>,
+    /// The one-launch router's split partial sums and per-block counters (zero between
+    /// launches), sized only with `OMNI_CUDA_MOE_ROUTE_MMA=1`.
+    pub(super) route_partials: CudaSlice<f32>,
+    pub(super) route_counters: CudaSlice<i32>,
     /// The shared expert's f32 output before its gate scales it into `proj`.
     pub(super) shared_out: CudaSlice<f32>,
     /// The small-batch MoE router's per-token counters (zero between launches).
@@ -133,6 +138,10 @@ impl CudaDecoderModel {
             logits_rows: s.alloc_zeros(n)?,
         };
         let (e, k) = moe_shape.map_or((0, 0), |m| (m.num_experts, m.top_k));
+        let (route_part, route_cnt) = match moe_shape {
+            Some(m) if moe_route_mma_enabled() => moe_route_mma_workspace_len(t, h, m.num_experts),
+            _ => (1, 1),
+        };
         let act = Activations {
             x: s.alloc_zeros(t * h)?,
             h: s.alloc_zeros(t * h)?,
@@ -160,6 +169,8 @@ impl CudaDecoderModel {
             topk_ids: s.alloc_zeros((t * k).max(1))?,
             topk_weights: s.alloc_zeros((t * k).max(1))?,
             moe_workspace: s.alloc_zeros(moe_shape.map_or(1, fused_moe_workspace_bytes))?,
+            route_partials: s.alloc_zeros(route_part)?,
+            route_counters: s.alloc_zeros(route_cnt)?,
             shared_out: s.alloc_zeros(if shared { t * h } else { 1 })?,
             moe_counters: s.alloc_zeros(t.clamp(1, super::moe_small::MOE_ROUTE_MAX_TOKENS))?,
             moe_act: s.alloc_zeros(moe_shape.map_or(1, |m| {

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use omni_backend::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use omni_backend::cuda::{
     AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch, MoeShape,
-    MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, bf16,
+    MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, RouteMmaBuffers, bf16,
+    moe_route_mma_enabled,
 };
 
 use super::buffers::{Activations, StepInputs};
@@ -492,7 +493,27 @@ impl CudaDecoderModel {
                         kept = true;
                         continue;
                     }
-                    if !routed {
+                    if !routed
+                        && moe_route_mma_enabled()
+                        && CudaContext::moe_route_mma_fits(router_split)
+                    {
+                        cx.moe_route_mma(
+                            &a.h.slice(..t * h),
+                            &a.h_lo.slice(..2 * t * h),
+                            router_split,
+                            RouteMmaBuffers {
+                                partials: &mut a.route_partials,
+                                counters: &mut a.route_counters,
+                                logits: Some(&mut a.router_logits.slice_mut(..t * e)),
+                                ids: &mut a.topk_ids.slice_mut(..t * k),
+                                weights: &mut a.topk_weights.slice_mut(..t * k),
+                            },
+                            t,
+                            k,
+                            *renormalize,
+                        )?;
+                        mark!("moe_route_mma");
+                    } else if !routed {
                         let mut logits = a.router_logits.slice_mut(..t * e);
                         cx.moe_router_split(
                             &a.h.slice(..t * h),

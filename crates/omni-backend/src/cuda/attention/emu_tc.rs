@@ -14,6 +14,7 @@
 
 use super::TC_TILE;
 use crate::cuda::bf16;
+use crate::cuda::mma_emu::{ldsm_x4, mma};
 
 /// The kernel's constants.
 const NW: usize = 4;
@@ -35,75 +36,13 @@ pub(super) struct TcCta {
 fn bits(x: f32) -> u16 {
     bf16::from_f32(x).to_bits()
 }
-fn val(b: u16) -> f32 {
-    bf16::from_bits(b).to_f32()
-}
 /// `pack_bf16x2(lo, hi)` (round to nearest even).
 fn pack(lo: f32, hi: f32) -> u32 {
     u32::from(bits(lo)) | (u32::from(bits(hi)) << 16)
 }
-fn unpack(r: u32) -> (f32, f32) {
-    (val(r as u16), val((r >> 16) as u16))
-}
 /// `swz<C>` of prefill.cu.
 fn swz(c: usize, r: usize, ch: usize) -> usize {
     if c >= 8 { ch ^ (r & 7) } else { ch }
-}
-
-/// `ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16`: lane 8j + i gives row i of matrix j
-/// (8 bf16 at `addr[lane]`); lane t receives, in register j, elements (t / 4, 2 (t % 4) + {0,
-/// 1}) of matrix j, or with `.trans` elements (2 (t % 4) + {0, 1}, t / 4).
-fn ldsm_x4(smem: &[u16], addr: &[usize; 32], trans: bool) -> [[u32; 4]; 32] {
-    let mut out = [[0u32; 4]; 32];
-    for (t, regs) in out.iter_mut().enumerate() {
-        for (j, reg) in regs.iter_mut().enumerate() {
-            let el = |row: usize, col: usize| smem[addr[8 * j + row] + col];
-            let (r0, c0, r1, c1) = if trans {
-                (2 * (t % 4), t / 4, 2 * (t % 4) + 1, t / 4)
-            } else {
-                (t / 4, 2 * (t % 4), t / 4, 2 * (t % 4) + 1)
-            };
-            *reg = u32::from(el(r0, c0)) | (u32::from(el(r1, c1)) << 16);
-        }
-    }
-    out
-}
-
-/// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`, c += a b, with lane t = 4 g + c:
-/// a = {A[g][2c..], A[g+8][2c..], A[g][2c+8..], A[g+8][2c+8..]}, b = {B[2c..][g],
-/// B[2c+8..][g]}, c = {D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]}.
-fn mma(c: &mut [[f32; 4]; 32], a: &[[u32; 4]; 32], b0: &[u32; 32], b1: &[u32; 32]) {
-    let mut am = [[0f32; 16]; 16];
-    let mut bm = [[0f32; 8]; 16];
-    for t in 0..32 {
-        let (g, q) = (t / 4, t % 4);
-        for (reg, (row, col)) in [
-            (g, 2 * q),
-            (g + 8, 2 * q),
-            (g, 2 * q + 8),
-            (g + 8, 2 * q + 8),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let (lo, hi) = unpack(a[t][reg]);
-            am[row][col] = lo;
-            am[row][col + 1] = hi;
-        }
-        for (reg, k) in [(b0[t], 2 * q), (b1[t], 2 * q + 8)] {
-            let (lo, hi) = unpack(reg);
-            bm[k][g] = lo;
-            bm[k + 1][g] = hi;
-        }
-    }
-    let d = |row: usize, col: usize| (0..16).map(|k| am[row][k] * bm[k][col]).sum::<f32>();
-    for t in 0..32 {
-        let (g, q) = (t / 4, t % 4);
-        c[t][0] += d(g, 2 * q);
-        c[t][1] += d(g, 2 * q + 1);
-        c[t][2] += d(g + 8, 2 * q);
-        c[t][3] += d(g + 8, 2 * q + 1);
-    }
 }
 
 /// `v[t] = op(v[t], __shfl_xor_sync(v, 1))`, then the same with 2 (a quad's reduction).

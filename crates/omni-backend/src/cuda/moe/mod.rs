@@ -54,6 +54,9 @@ mod block1_emu;
 mod block1_tests;
 mod cublas;
 mod launch;
+mod route_mma;
+#[cfg(test)]
+mod route_mma_emu;
 mod router;
 #[cfg(test)]
 mod router_tests;
@@ -75,6 +78,10 @@ mod topk_emu;
 pub use block1::{MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers};
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;
+pub use route_mma::{
+    MOE_ROUTE_MMA_ENV, ROUTE_MMA_MAX_EXPERTS, RouteMmaBuffers, moe_route_mma_enabled,
+    moe_route_mma_workspace_len,
+};
 pub use router::RouterSplit;
 pub use small::{
     MOE_SMALL_MAX_HIDDEN, MOE_SMALL_MAX_INTER, MOE_SMALL_MAX_PAIRS, MOE_SMALL_MAX_TOKENS,

@@ -29,11 +29,11 @@ use super::super::{CudaContext, CudaResult};
 #[derive(Debug)]
 pub struct RouterSplit {
     /// `[num_experts, 2 hidden]`: each row `w_hi` twice.
-    hi2: CudaSlice<bf16>,
+    pub(super) hi2: CudaSlice<bf16>,
     /// `[num_experts, hidden]`: `w - w_hi` in bf16; `None` when every weight is a bf16 value.
-    lo: Option<CudaSlice<bf16>>,
-    num_experts: usize,
-    hidden: usize,
+    pub(super) lo: Option<CudaSlice<bf16>>,
+    pub(super) num_experts: usize,
+    pub(super) hidden: usize,
 }
 
 impl RouterSplit {

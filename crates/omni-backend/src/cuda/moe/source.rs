@@ -34,6 +34,8 @@ pub(super) fn topk_warp() -> &'static str {
 }
 /// Routing: softmax over the experts, top-k.
 const TOPK_SOFTMAX: &str = kernel_file!("moe/topk_softmax.cu");
+/// The router of long steps on tensor cores with its top-k (`moe_route_mma`).
+const ROUTE_MMA: &str = kernel_file!("moe/route_mma.cu");
 /// Alignment of the (token, slot) pairs into tile-padded row blocks per expert.
 const ALIGN: &str = kernel_file!("moe/align.cu");
 /// The grouped GEMM template (`moe_gemm`).
@@ -114,7 +116,7 @@ extern "C" __global__ void __launch_bounds__({threads}, {min_ctas}) {name}(
 /// Full source of the MoE module (every MoE entry point).
 pub(crate) fn moe_source() -> String {
     let mut s = format!(
-        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{}{TOPK_SOFTMAX}{ALIGN}{GROUPED_GEMM}{REDUCE}{GATHER}",
+        "{BF16_HELPERS}{PTX_HELPERS}{COMMON}{}{TOPK_SOFTMAX}{ROUTE_MMA}{ALIGN}{GROUPED_GEMM}{REDUCE}{GATHER}",
         topk_warp()
     );
     for cfg in [SMALL, LARGE] {
