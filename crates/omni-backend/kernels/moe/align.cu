@@ -1,6 +1,17 @@
 // Sorts the (token, slot) pairs by expert into tile-padded row blocks.
 // Prepended by the Rust side: bf16.cuh, moe/ptx.cuh, moe/common.cuh (src/cuda/moe/source.rs).
 
+#define MOE_ALIGN_ILP 8
+// ev[j] = the expert of pair p0 + j nt, or -1 past the pairs.
+__device__ __forceinline__ void moe_align_ids(const int* __restrict__ topk_ids, int pairs, int p0,
+                                              int nt, int (&ev)[MOE_ALIGN_ILP]) {
+#pragma unroll
+    for (int j = 0; j < MOE_ALIGN_ILP; ++j) {
+        const int p = p0 + j * nt;
+        ev[j] = p < pairs ? topk_ids[p] : -1;
+    }
+}
+
 // ---- alignment (one CTA, blockDim a multiple of 32, at most 1024). Pairs whose expert id is
 // outside [0, E) are dropped. Dynamic shared memory: (32 + 3 E) ints.
 extern "C" __global__ void __launch_bounds__(1024) moe_align(
@@ -15,9 +26,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(
     const int lane = tid & 31, warp = tid >> 5, nwarps = nt >> 5;
     for (int e = tid; e < num_experts; e += nt) { cnt[e] = 0; cur[e] = 0; }
     __syncthreads();
-    for (int p = tid; p < pairs; p += nt) {
-        const int e = topk_ids[p];
-        if (e >= 0 && e < num_experts) atomicAdd(&cnt[e], 1);
+    // A thread's pairs p = tid + j nt are read MOE_ALIGN_ILP at a time before their atomics:
+    // that many independent loads in flight instead of one L2 round trip per pair.
+    for (int p0 = tid; p0 < pairs; p0 += MOE_ALIGN_ILP * nt) {
+        int ev[MOE_ALIGN_ILP];
+        moe_align_ids(topk_ids, pairs, p0, nt, ev);
+#pragma unroll
+        for (int j = 0; j < MOE_ALIGN_ILP; ++j)
+            if (ev[j] >= 0 && ev[j] < num_experts) atomicAdd(&cnt[ev[j]], 1);
     }
     __syncthreads();
     // Exclusive prefix sum of the per-expert block counts, nt experts at a time.
@@ -56,11 +72,17 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(
             if (b0 + q / bm < max_blocks) sorted_ids[(long long)b0 * bm + q] = -1;
     }
     for (int b = total + tid; b < max_blocks; b += nt) block_expert[b] = -1;
-    for (int p = tid; p < pairs; p += nt) {
-        const int e = topk_ids[p];
-        if (e >= 0 && e < num_experts) {
-            const int slot = atomicAdd(&cur[e], 1);
-            if (boff[e] + slot / bm < max_blocks) sorted_ids[(long long)boff[e] * bm + slot] = p;
+    for (int p0 = tid; p0 < pairs; p0 += MOE_ALIGN_ILP * nt) {
+        int ev[MOE_ALIGN_ILP];
+        moe_align_ids(topk_ids, pairs, p0, nt, ev);
+#pragma unroll
+        for (int j = 0; j < MOE_ALIGN_ILP; ++j) {
+            const int e = ev[j];
+            if (e >= 0 && e < num_experts) {
+                const int slot = atomicAdd(&cur[e], 1);
+                if (boff[e] + slot / bm < max_blocks)
+                    sorted_ids[(long long)boff[e] * bm + slot] = p0 + j * nt;
+            }
         }
     }
 }

@@ -166,13 +166,27 @@ __device__ __forceinline__ void moe_route_mma_body(
     // stages are done: every copy waited for, every thread past the barrier), then routing.
     float* rows = reinterpret_cast<float*>(moe_smem);
     const int nrows = min(MR_BM, tokens - m0);
+    // The block's rows are one run of nrows * E floats in each split, 16-byte aligned (m0 and
+    // mpad are multiples of 64): float4s, then the tail element by element.
     const float* p0 = part + (size_t)m0 * num_experts;
     const size_t split_stride = mpad * num_experts;
-    for (int i = tid; i < nrows * num_experts; i += MR_THREADS) {
+    float* lg = logits ? logits + (size_t)m0 * num_experts : nullptr;
+    const int n = nrows * num_experts, n4 = n >> 2;
+    for (int i = tid; i < n4; i += MR_THREADS) {
+        float4 v = __ldcg(reinterpret_cast<const float4*>(p0) + i);
+#pragma unroll 4
+        for (int q = 1; q < splits; ++q) {
+            const float4 w = __ldcg(reinterpret_cast<const float4*>(p0 + q * split_stride) + i);
+            v.x += w.x; v.y += w.y; v.z += w.z; v.w += w.w;
+        }
+        reinterpret_cast<float4*>(rows)[i] = v;
+        if (lg) reinterpret_cast<float4*>(lg)[i] = v;
+    }
+    for (int i = 4 * n4 + tid; i < n; i += MR_THREADS) {
         float v = __ldcg(p0 + i);
         for (int q = 1; q < splits; ++q) v += __ldcg(p0 + q * split_stride + i);
         rows[i] = v;
-        if (logits) logits[(size_t)m0 * num_experts + i] = v;
+        if (lg) lg[i] = v;
     }
     if (tid == 0) cnt[mb] = 0;
     __syncthreads();
@@ -188,8 +202,9 @@ __device__ __forceinline__ void moe_route_mma_body(
         int num_experts, int top_k, int renorm
 #define MR_PASS h, h_lo, w_hi2, w_lo, part, cnt, logits, ids, wts, tokens, hidden, num_experts, \
         top_k, renorm
-// A router of bf16 values (no w_lo), and one with w_lo.
-extern "C" __global__ void __launch_bounds__(MR_THREADS, 1) moe_route_mma(MR_ARGS) {
+// A router of bf16 values (no w_lo; 100 KiB of shared memory: two CTAs fit an SM), and one
+// with w_lo (140 KiB).
+extern "C" __global__ void __launch_bounds__(MR_THREADS, 2) moe_route_mma(MR_ARGS) {
     moe_route_mma_body<false>(MR_PASS);
 }
 extern "C" __global__ void __launch_bounds__(MR_THREADS, 1) moe_route_mma_lo(MR_ARGS) {

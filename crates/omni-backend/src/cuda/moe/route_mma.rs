@@ -174,6 +174,11 @@ impl CudaContext {
         let (cp, _g4) = bufs.counters.device_ptr_mut(s);
         let logits = bufs.logits.map(|l| l.device_ptr_mut(s));
         let logits_p = logits.as_ref().map_or(0, |(p, _)| *p);
+        // The fix-up moves the partials and logits as float4s.
+        aligned16("moe route mma partials", pp)?;
+        if logits_p != 0 {
+            aligned16("moe route mma logits", logits_p)?;
+        }
         let (ip, _g5) = bufs.ids.device_ptr_mut(s);
         let (wtp, _g6) = bufs.weights.device_ptr_mut(s);
         let mut launch = s.launch_builder(&f);
@@ -195,7 +200,8 @@ impl CudaContext {
         // SAFETY: the arguments match `moe_route_mma(_lo)(const u16* h, const u16* h_lo, const
         // u16* w_hi2, const u16* w_lo, float* part, int* cnt, float* logits, int* ids, float*
         // wts, int tokens, int hidden, int num_experts, int top_k, int renorm)`. Lengths are
-        // checked above: h tokens * hidden, h_lo tokens * 2 hidden (16-byte aligned, hidden a
+        // checked above: h tokens * hidden, h_lo tokens * 2 hidden (16-byte aligned, as are the
+        // partials and the logits, which the fix-up reads and writes as float4s; hidden a
         // multiple of 8: every 16-byte copy is aligned and inside its row), hi2 E * 2 hidden
         // and lo E * hidden (RouterSplit's own allocations; lo passed only to the `_lo` entry,
         // null otherwise and never read), the partials and counters as

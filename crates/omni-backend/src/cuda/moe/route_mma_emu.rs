@@ -200,15 +200,31 @@ fn emu_route_mma(inp: &Inputs, k: usize, renorm: bool) -> (Vec<f32>, Vec<i32>, V
             }
         }
     }
-    // The last CTA of each block: the splits in order, then a warp per token.
-    let mut logits = vec![0f32; t * e];
-    for (i, l) in logits.iter_mut().enumerate() {
-        let mut v = part[i];
-        for q in 1..splits {
-            v += part[q * mpad * e + i];
+    // The last CTA of each block: the splits in order over the block's run of nrows * E floats
+    // (float4s, then the tail), each logit written once; then a warp per token.
+    let mut logits = vec![f32::NAN; t * e];
+    let mut once = vec![0u8; t * e];
+    for mb in 0..blocks {
+        let (m0, nrows) = (mb * ROUTE_BM, ROUTE_BM.min(t - mb * ROUTE_BM));
+        let (n, p0) = (nrows * e, mb * ROUTE_BM * e);
+        let n4 = n / 4;
+        let elems = (0..n4)
+            .flat_map(|i| (0..4).map(move |j| 4 * i + j))
+            .chain(4 * n4..n);
+        for i in elems {
+            let mut v = part[p0 + i];
+            for q in 1..splits {
+                v += part[p0 + q * mpad * e + i];
+            }
+            logits[m0 * e + i] = v;
+            once[m0 * e + i] += 1;
         }
-        *l = v;
     }
+    assert!(
+        once.iter().all(|&c| c == 1),
+        "a logit written {:?} times",
+        once.iter().max()
+    );
     let (mut ids, mut wts) = (Vec::new(), Vec::new());
     for row in logits.chunks(e) {
         let (i, w) = emu_topk_warp(row, k, renorm);
