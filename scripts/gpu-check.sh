@@ -94,9 +94,10 @@
 #   ab-staged the staged GEMV of decode steps (weights copied into shared memory under the
 #           latency-bound kernels before the projections): its checks, the model tests with it
 #           on, bench latency with it off / on (STAGED_MODES, STAGED_MODELS, STAGED_BATCHES)
-#   ab-optin the opt-in kernels not yet measured (OPTINS, default "route topk norm all": the
-#           one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1, the register top-k
-#           OMNI_CUDA_MOE_TOPK_REGS=1, the register RMSNorm OMNI_CUDA_NORM_REGS=1, all three):
+#   ab-optin the opt-in kernels not yet measured (OPTINS, default "route topk norm flip all":
+#           the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1, the register top-k
+#           OMNI_CUDA_MOE_TOPK_REGS=1, the register RMSNorm OMNI_CUDA_NORM_REGS=1, the one-launch
+#           MoE block's flip barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=flip, all four):
 #           their kernel checks (base and with the register forms), the model tests with all on,
 #           bench latency of the Qwen3-30B-A3B shape (batch 1, a 2048-token prefill) for the
 #           default and each, interleaved OPTIN_ROUNDS (2) times, eager per-op profiles of the
@@ -579,11 +580,13 @@ if want ab-base; then
 fi
 
 if want ab-optin; then
-  ALL_ON=(OMNI_CUDA_MOE_ROUTE_MMA=1 OMNI_CUDA_MOE_TOPK_REGS=1 OMNI_CUDA_NORM_REGS=1)
+  ALL_ON=(OMNI_CUDA_MOE_ROUTE_MMA=1 OMNI_CUDA_MOE_TOPK_REGS=1 OMNI_CUDA_NORM_REGS=1
+    OMNI_CUDA_MOE_BLOCK1_BARRIER=flip)
   optin_env() { # mode -> VAR=value words
     case $1 in
       route) echo OMNI_CUDA_MOE_ROUTE_MMA=1 ;; topk) echo OMNI_CUDA_MOE_TOPK_REGS=1 ;;
-      norm) echo OMNI_CUDA_NORM_REGS=1 ;; all) echo "${ALL_ON[*]}" ;; *) echo OMNI_NONE=0 ;;
+      norm) echo OMNI_CUDA_NORM_REGS=1 ;; flip) echo OMNI_CUDA_MOE_BLOCK1_BARRIER=flip ;;
+      all) echo "${ALL_ON[*]}" ;; *) echo OMNI_NONE=0 ;;
     esac
   }
   OPT_TESTS=(cuda::moe::router_tests cuda::moe::tests::moe_topk cuda::moe::block1_tests
@@ -593,7 +596,7 @@ if want ab-optin; then
     --skip throughput --test-threads=1
   [ -x "$BIN/model-tests" ] && step optin-model env "${ALL_ON[@]}" "$BIN/model-tests" --test-threads=1
   for r in $(seq 1 "${OPTIN_ROUNDS:-2}"); do
-    for v in base ${OPTINS:-route topk norm all}; do
+    for v in base ${OPTINS:-route topk norm flip all}; do
       # shellcheck disable=SC2046 # the mode's VAR=value words
       step "optin-$v-r$r" env $(optin_env "$v") "$BIN/omni-engine" bench latency \
         --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --max-model-len 4096 \

@@ -51,6 +51,7 @@ __device__ __forceinline__ unsigned long long mb1_now() {
     return t;
 }
 
+#ifndef MB1_FLIP_BARRIER
 // Grid-wide barrier over `blocks` resident CTAs; bar[0] counts arrivals (left at 0), bar[1] is
 // the generation. Memory order: the CTA's writes precede thread 0's arrival (bar.sync, then
 // __threadfence: a gpu-scope fence, cumulative over the writes the barrier ordered before it);
@@ -80,6 +81,33 @@ __device__ __forceinline__ void mb1_grid_sync(unsigned* bar, unsigned blocks) {
     }
     __syncthreads();
 }
+#else
+// The same barrier with one atomic per CTA and nothing after the last arrival (opt-in,
+// OMNI_CUDA_MOE_BLOCK1_BARRIER=flip; not yet measured): CTA 0 adds 2^31 - (blocks - 1), every
+// other CTA 1, so the word's top bit flips exactly when all `blocks` arrivals have landed and
+// its low bits are back where they were (0 between barriers: bar[1] is not used). A CTA waits
+// until the top bit differs from the one its own arrival returned. Before all arrivals the bit
+// cannot flip: the low bits stay in (0, 2^31) after CTA 0's addend and below `blocks` without
+// it. A CTA already arrived at the next barrier cannot flip it back either: that takes every
+// CTA's arrival, including the one still waiting here. Memory order: the CTA's writes, its
+// bar.sync, thread 0's __threadfence (gpu scope, cumulative) and then its atomicAdd on the word
+// (the release); a waiter's ld.acquire that reads the flipped value has read from the chain of
+// read-modify-writes that includes every arrival, then it fences before its CTA's bar.sync:
+// every write made before any CTA's arrival is visible to every thread after the barrier.
+__device__ __forceinline__ void mb1_grid_sync(unsigned* bar, unsigned blocks) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (blocks - 1u) : 1u;
+        __threadfence();
+        const unsigned old = atomicAdd(bar, add);
+        const unsigned long long t0 = mb1_now();
+        while (((mb1_ld_acquire(bar) ^ old) & 0x80000000u) == 0u)
+            if (mb1_now() - t0 > MB1_TIMEOUT_NS) __trap();
+        __threadfence();
+    }
+    __syncthreads();
+}
+#endif
 
 __device__ __forceinline__ void mb1_cp16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800

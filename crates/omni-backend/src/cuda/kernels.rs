@@ -209,6 +209,15 @@ mod tests {
             ),
             ("moe small".to_string(), moe::small::moe_small_source()),
             ("moe block1".to_string(), moe::block1::moe_block1_source()),
+            // The flip grid barrier (opt-in).
+            (
+                "moe block1 flip barrier".to_string(),
+                format!(
+                    "{}{}",
+                    moe::block1::FLIP_BARRIER_DEFINE,
+                    moe::block1::moe_block1_source()
+                ),
+            ),
             // The register top-k (opt-in) in the modules that route.
             (
                 "moe block1 top-k regs".to_string(),

@@ -198,3 +198,66 @@ fn emulated_block1_matches_the_three_kernels() {
         );
     }
 }
+
+/// The flip barrier's arithmetic (`MB1_FLIP_BARRIER` in `kernels/moe/block1.cu`), under random
+/// interleavings: each CTA's thread 0 adds its addend (CTA 0: 2^31 - (G - 1), the others 1) and
+/// keeps the old word, then leaves once the word's top bit differs from the old one's. No CTA
+/// leaves a barrier before every CTA has arrived at it, every CTA leaves each barrier (no
+/// deadlock), and the word's low bits are back at their start after each barrier, from any
+/// starting top bit and across wrap-around.
+#[test]
+fn flip_barrier_releases_no_cta_early() {
+    const BARRIERS: usize = 7;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |n: usize| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as usize % n
+    };
+    for g in [1usize, 2, 3, 7, 132] {
+        for start in [0u32, 0x8000_0000] {
+            for _ in 0..20 {
+                let mut word = start;
+                // Per CTA: the barrier it is at, and its arrival's old word once arrived.
+                let mut at = vec![0usize; g];
+                let mut old: Vec<Option<u32>> = vec![None; g];
+                let mut arrived = [0usize; BARRIERS];
+                let mut steps = 0;
+                while at.iter().any(|&b| b < BARRIERS) {
+                    steps += 1;
+                    assert!(steps < 1_000_000, "g={g}: no progress (deadlock)");
+                    let c = next(g);
+                    if at[c] >= BARRIERS {
+                        continue;
+                    }
+                    match old[c] {
+                        None => {
+                            let add = if c == 0 {
+                                0x8000_0000u32 - (g as u32 - 1)
+                            } else {
+                                1
+                            };
+                            old[c] = Some(word);
+                            word = word.wrapping_add(add);
+                            arrived[at[c]] += 1;
+                        }
+                        Some(o) if (word ^ o) & 0x8000_0000 != 0 => {
+                            assert_eq!(
+                                arrived[at[c]], g,
+                                "g={g}: CTA {c} left barrier {} early",
+                                at[c]
+                            );
+                            old[c] = None;
+                            at[c] += 1;
+                        }
+                        Some(_) => {}
+                    }
+                }
+                assert_eq!(word & 0x7fff_ffff, start & 0x7fff_ffff, "g={g}: low bits");
+                let flips = u32::from(BARRIERS % 2 == 1) << 31;
+                assert_eq!(word, start ^ flips, "g={g}: top bit");
+            }
+        }
+    }
+}

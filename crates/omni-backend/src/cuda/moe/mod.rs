@@ -75,7 +75,7 @@ mod tma;
 #[cfg(test)]
 mod topk_emu;
 
-pub use block1::{MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers};
+pub use block1::{MOE_BLOCK1_BARRIER_ENV, MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers};
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;
 pub use route_mma::{
