@@ -94,10 +94,12 @@
 #   ab-staged the staged GEMV of decode steps (weights copied into shared memory under the
 #           latency-bound kernels before the projections): its checks, the model tests with it
 #           on, bench latency with it off / on (STAGED_MODES, STAGED_MODELS, STAGED_BATCHES)
-#   ab-optin the opt-in kernels not yet measured (OPTINS, default "route topk norm flip all":
-#           the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1, the register top-k
+#   ab-optin the opt-in kernels not yet measured (OPTINS, default "route topk norm flip wide
+#           all": the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1, the register top-k
 #           OMNI_CUDA_MOE_TOPK_REGS=1, the register RMSNorm OMNI_CUDA_NORM_REGS=1, the one-launch
-#           MoE block's flip barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=flip, all four):
+#           MoE block's flip barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=flip, the wide q/k norm + RoPE
+#           of long prefills OMNI_CUDA_QKV_ROPE_WIDE=1, all five; OPTIN_PARTS, default "tests
+#           bench profile ncu", picks parts: all of them take ~9 minutes, past one device call):
 #           their kernel checks (base and with the register forms), the model tests with all on,
 #           bench latency of the Qwen3-30B-A3B shape (batch 1, a 2048-token prefill) for the
 #           default and each, interleaved OPTIN_ROUNDS (2) times, eager per-op profiles of the
@@ -581,22 +583,27 @@ fi
 
 if want ab-optin; then
   ALL_ON=(OMNI_CUDA_MOE_ROUTE_MMA=1 OMNI_CUDA_MOE_TOPK_REGS=1 OMNI_CUDA_NORM_REGS=1
-    OMNI_CUDA_MOE_BLOCK1_BARRIER=flip)
+    OMNI_CUDA_MOE_BLOCK1_BARRIER=flip OMNI_CUDA_QKV_ROPE_WIDE=1)
   optin_env() { # mode -> VAR=value words
     case $1 in
       route) echo OMNI_CUDA_MOE_ROUTE_MMA=1 ;; topk) echo OMNI_CUDA_MOE_TOPK_REGS=1 ;;
       norm) echo OMNI_CUDA_NORM_REGS=1 ;; flip) echo OMNI_CUDA_MOE_BLOCK1_BARRIER=flip ;;
+      wide) echo OMNI_CUDA_QKV_ROPE_WIDE=1 ;;
       all) echo "${ALL_ON[*]}" ;; *) echo OMNI_NONE=0 ;;
     esac
   }
+  PARTS=" ${OPTIN_PARTS:-tests bench profile ncu} "
   OPT_TESTS=(cuda::moe::router_tests cuda::moe::tests::moe_topk cuda::moe::block1_tests
     cuda::moe::small_tests cuda::gemv cuda::layers_tests cuda::attention::rope_tests)
-  step optin-kernels "$BIN/backend-tests" "${OPT_TESTS[@]}" --skip timing --skip throughput --test-threads=1 --nocapture
-  step optin-kernels-regs env "${ALL_ON[@]}" "$BIN/backend-tests" "${OPT_TESTS[@]}" --skip timing \
-    --skip throughput --test-threads=1
-  [ -x "$BIN/model-tests" ] && step optin-model env "${ALL_ON[@]}" "$BIN/model-tests" --test-threads=1
-  for r in $(seq 1 "${OPTIN_ROUNDS:-2}"); do
-    for v in base ${OPTINS:-route topk norm flip all}; do
+  if [[ $PARTS == *" tests "* ]]; then
+    step optin-kernels "$BIN/backend-tests" "${OPT_TESTS[@]}" --skip timing --skip throughput \
+      --test-threads=1 --nocapture
+    step optin-kernels-on env "${ALL_ON[@]}" "$BIN/backend-tests" "${OPT_TESTS[@]}" --skip timing \
+      --skip throughput --test-threads=1
+    [ -x "$BIN/model-tests" ] && step optin-model env "${ALL_ON[@]}" "$BIN/model-tests" --test-threads=1
+  fi
+  [[ $PARTS == *" bench "* ]] && for r in $(seq 1 "${OPTIN_ROUNDS:-2}"); do
+    for v in base ${OPTINS:-route topk norm flip wide all}; do
       # shellcheck disable=SC2046 # the mode's VAR=value words
       step "optin-$v-r$r" env $(optin_env "$v") "$BIN/omni-engine" bench latency \
         --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --max-model-len 4096 \
@@ -604,7 +611,7 @@ if want ab-optin; then
         --output-len 64 --prefill-len 2048 --json "$LOGS/optin-$v-r$r.json"
     done
   done
-  for v in base all heads1 heads2 heads4; do
+  [[ $PARTS == *" profile "* ]] && for v in base all wide heads1 heads2 heads4; do
     e=$(optin_env "$v"); [[ $v == heads* ]] && e=OMNI_CUDA_QKV_ROPE_HEADS=${v#heads}
     # shellcheck disable=SC2086 # the mode's VAR=value words
     OMNI_CUDA_PROFILE=4 step "optin-profile-$v" env $e "$BIN/omni-engine" bench latency \
@@ -612,10 +619,10 @@ if want ab-optin; then
       --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 4096 --batch-sizes 1 \
       --input-len 1024 --output-len 2 --prefill-len 2048
   done
-  if [ -n "$NCU" ]; then
+  if [ -n "$NCU" ] && [[ $PARTS == *" ncu "* ]]; then
     # A 16-token decode request first (2 steps), then 2048-token prefills; no start-up warm-up,
     # so the skips below land in a 2048-token prefill: (kernel regex, skip, mode).
-    for spec in "qkv_rope_cache_grouped_bf16 60 base" "fused_add_rmsnorm_f32res 500 base" \
+    for spec in "qkv_rope_cache_grouped_bf16 60 base" "qkv_rope_cache_wide_bf16 60 wide" "fused_add_rmsnorm_f32res 500 base" \
       "fused_add_rmsnorm_f32res 500 norm" "moe_topk_softmax 110 base" "moe_topk_softmax 110 topk" \
       "moe_route_mma 110 route" "attn_prefill_wg_hd128_w2_n128 100 base"; do
       read -r k skip v <<< "$spec"

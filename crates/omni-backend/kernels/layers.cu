@@ -326,6 +326,101 @@ extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_grou
     qkr_kernel<true>(QKR_PASS);
 }
 
+// The wide form for long prefills at head_dim 128 (opt-in OMNI_CUDA_QKV_ROPE_WIDE=1; not yet
+// measured): the token's heads as one list, q heads, then k heads, then v heads (copied), in
+// rounds of 4, 8 lanes a head; lane l of a round holds 16-byte words of dims 8 (l % 8) .. + 7
+// and of their rotation partners 64 + 8 (l % 8) .. (rotate-half), so a round is two 16-byte
+// loads and stores a lane and the head's sum of squares three shuffles inside its 8 lanes. A
+// warp takes QKW_ROUNDS rounds of one token (`hpw` of the launch: rounds a warp), loads all
+// its words before the first round's arithmetic, and turns the (cos, sin) of its 8 frequencies
+// once (before the wait, as the other entries). The arithmetic is qkr_heads' per element (x *
+// inv * w, then a cos - b sin, b cos + a sin); the sum of squares adds the same squares in
+// another order (the inverse norm may differ in its last bit). Padding tokens (slot < 0) write
+// their query heads only.
+#define QKW_ROUNDS 5
+extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_wide_bf16(QKR_ARGS) {
+    pdl_launch_dependents();
+    if (l2_prefetch(pf0, pf0_bytes, pf1, pf1_bytes, pf_work_blocks)) return;
+    const int lane = threadIdx.x & 31, grp = lane & 7, sub = lane >> 3;
+    const int all = lq + 2 * lkv, rounds = (all + 3) >> 2, wpt = (rounds + hpw - 1) / hpw;
+    const long long w = (long long)blockIdx.x * QKR_WARPS + (threadIdx.x >> 5);
+    if (w >= (long long)tokens * wpt) return;  // whole warps
+    const long long t = w / wpt;
+    const int r0 = (int)(w - t * wpt) * hpw, r1 = min(r0 + hpw, rounds);
+    // (cos, sin) of frequencies 8 grp .. 8 grp + 7 (hd 128: 64 frequencies).
+    float cs[8], sn[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+        rope_sincos(positions, inv_freq, mrope_axes, pos_stride, t, 8 * grp + e, &sn[e], &cs[e]);
+    const long long slot = slot_mapping[t];
+    pdl_wait();
+    const unsigned short* src_row = qkv + t * (long long)all * 128;
+    uint4 va[QKW_ROUNDS], vb[QKW_ROUNDS];
+#pragma unroll
+    for (int k = 0; k < QKW_ROUNDS; ++k) {
+        const int hh = 4 * (r0 + k) + sub;
+        const bool live = r0 + k < r1 && hh < all && (hh < lq || slot >= 0);
+        va[k] = vb[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (live) {
+            const uint4* src = reinterpret_cast<const uint4*>(src_row + (size_t)hh * 128 + 8 * grp);
+            va[k] = src[0];
+            vb[k] = src[8];  // dims + 64
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < QKW_ROUNDS; ++k) {
+        if (r0 + k >= r1) break;  // warp-uniform
+        const int hh = 4 * (r0 + k) + sub;
+        const bool live = hh < all && (hh < lq || slot >= 0);
+        const unsigned aw[4] = {va[k].x, va[k].y, va[k].z, va[k].w};
+        const unsigned bw[4] = {vb[k].x, vb[k].y, vb[k].z, vb[k].w};
+        float a[8], b[8], ss = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            a[e] = bf2f((unsigned short)(aw[e >> 1] >> (16 * (e & 1))));
+            b[e] = bf2f((unsigned short)(bw[e >> 1] >> (16 * (e & 1))));
+            ss += a[e] * a[e] + b[e] * b[e];
+        }
+        // Every lane takes part (a v head's or a dead lane's sum goes unused).
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+        ss += __shfl_xor_sync(0xffffffffu, ss, 4);
+        if (!live) continue;
+        const int kv = hh - lq - lkv;  // >= 0: a value head
+        if (kv >= 0) {
+            uint4* vd = reinterpret_cast<uint4*>(v_cache + ((size_t)slot * lkv + kv) * 128 + 8 * grp);
+            vd[0] = va[k];
+            vd[8] = vb[k];
+            continue;
+        }
+        const unsigned short* nw = hh < lq ? q_norm : k_norm;
+        if (nw) {
+            const float inv = rsqrtf(ss / 128.f + eps);
+            const uint4 wa4 = *reinterpret_cast<const uint4*>(nw + 8 * grp);
+            const uint4 wb4 = *reinterpret_cast<const uint4*>(nw + 64 + 8 * grp);
+            const unsigned wa[4] = {wa4.x, wa4.y, wa4.z, wa4.w}, wb[4] = {wb4.x, wb4.y, wb4.z, wb4.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                a[e] = a[e] * inv * bf2f((unsigned short)(wa[e >> 1] >> (16 * (e & 1))));
+                b[e] = b[e] * inv * bf2f((unsigned short)(wb[e >> 1] >> (16 * (e & 1))));
+            }
+        }
+        unsigned ro[4], rp[4];
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            const float a0 = a[e] * cs[e] - b[e] * sn[e], a1 = a[e + 1] * cs[e + 1] - b[e + 1] * sn[e + 1];
+            const float b0 = b[e] * cs[e] + a[e] * sn[e], b1 = b[e + 1] * cs[e + 1] + a[e + 1] * sn[e + 1];
+            ro[e >> 1] = (unsigned)f2bf(a0) | ((unsigned)f2bf(a1) << 16);
+            rp[e >> 1] = (unsigned)f2bf(b0) | ((unsigned)f2bf(b1) << 16);
+        }
+        unsigned short* dst = hh < lq ? q_out + ((size_t)t * lq + hh) * 128
+                                      : k_cache + ((size_t)slot * lkv + (hh - lq)) * 128;
+        uint4* d = reinterpret_cast<uint4*>(dst + 8 * grp);
+        d[0] = make_uint4(ro[0], ro[1], ro[2], ro[3]);
+        d[8] = make_uint4(rp[0], rp[1], rp[2], rp[3]);
+    }
+}
+
 // dst[rows[r], :] += src[r, :] for r < m (rows distinct): the deepstack residual additions.
 extern "C" __global__ void add_rows_f32(float* __restrict__ dst, const float* __restrict__ src,
         const int* __restrict__ rows, long long hidden, long long n) {

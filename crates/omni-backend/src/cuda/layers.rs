@@ -20,7 +20,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, 
 use half::bf16;
 
 use super::kernels::{BF16_HELPERS, ROPE_HELPERS, kernel_file};
-use super::launch::{at_least, block_threads, elementwise_cfg, narrow, shape_err};
+use super::launch::{aligned16, at_least, block_threads, elementwise_cfg, narrow, shape_err};
 use super::{CudaContext, CudaResult, L2Prefetch};
 
 /// The fused per-layer kernels (`kernels/layers.cu`).
@@ -46,6 +46,23 @@ const QKV_ROPE_GROUP_TOKENS: usize = 256;
 /// Heads a warp of long prefills takes instead of [`QKV_ROPE_HEADS`] (1 to 8; read once per
 /// process): a tuning knob for measuring the grouping on a device.
 pub const QKV_ROPE_HEADS_ENV: &str = "OMNI_CUDA_QKV_ROPE_HEADS";
+
+/// The wide form of the q/k norm + RoPE kernel for long prefills at head_dim 128: 4 heads a
+/// round, 8 lanes a head with 16-byte words (`qkv_rope_cache_wide_bf16`).
+const QKV_ROPE_CACHE_WIDE_FN: &str = "qkv_rope_cache_wide_bf16";
+/// Rounds of 4 heads a warp of the wide form takes (the kernel's `QKW_ROUNDS`).
+const QKV_ROPE_WIDE_ROUNDS: usize = 5;
+/// `1`: steps of at least [`QKV_ROPE_GROUP_TOKENS`] tokens at head_dim 128 run the wide form
+/// (two 16-byte loads a lane a round of 4 heads, the value heads copied in the same rounds,
+/// the head's sum of squares over 8 lanes). Off by default until measured on a GPU. Read once
+/// per process.
+pub const QKV_ROPE_WIDE_ENV: &str = "OMNI_CUDA_QKV_ROPE_WIDE";
+
+/// Whether [`QKV_ROPE_WIDE_ENV`] is `1`.
+fn qkv_rope_wide() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var(QKV_ROPE_WIDE_ENV).is_ok_and(|v| v.trim() == "1"))
+}
 
 /// `1`: `fused_add_rmsnorm_f32res` keeps a row in registers and stores 4 elements at a time (the
 /// same bits; where dim <= 16 x the block and the outputs are aligned). Off by default until
@@ -415,12 +432,21 @@ impl CudaContext {
             bufs.q_out.len(),
             tokens * q_heads * head_dim,
         )?;
-        let hpw = if tokens >= QKV_ROPE_GROUP_TOKENS {
+        let wide = tokens >= QKV_ROPE_GROUP_TOKENS && head_dim == 128 && qkv_rope_wide();
+        let hpw = if wide {
+            QKV_ROPE_WIDE_ROUNDS
+        } else if tokens >= QKV_ROPE_GROUP_TOKENS {
             qkv_rope_heads()
         } else {
             1
         };
-        let warps = tokens * (q_heads + kv_heads).div_ceil(hpw);
+        // The wide form's warps take `hpw` rounds of 4 heads (q, k, then v heads); the others'
+        // `hpw` q / k heads.
+        let warps = if wide {
+            tokens * (q_heads + 2 * kv_heads).div_ceil(4).div_ceil(hpw)
+        } else {
+            tokens * (q_heads + kv_heads).div_ceil(hpw)
+        };
         if warps == 0 {
             return Ok(());
         }
@@ -434,7 +460,9 @@ impl CudaContext {
         );
         let f = self.function(
             layers_source,
-            if hpw > 1 {
+            if wide {
+                QKV_ROPE_CACHE_WIDE_FN
+            } else if hpw > 1 {
                 QKV_ROPE_CACHE_GROUPED_FN
             } else {
                 QKV_ROPE_CACHE_FN
@@ -452,6 +480,15 @@ impl CudaContext {
             Some((qn, kn)) => (qn.device_ptr(s).0, kn.device_ptr(s).0),
             None => (0u64, 0u64),
         };
+        if wide {
+            // 16-byte words of the norms' rows (null when there is no q/k norm).
+            aligned16("cuda qkv q_norm", qn)?;
+            aligned16("cuda qkv k_norm", kn)?;
+            aligned16("cuda qkv", qkv)?;
+            aligned16("cuda qkv q_out", q)?;
+            aligned16("cuda qkv k_cache", kc)?;
+            aligned16("cuda qkv v_cache", vc)?;
+        }
         let (mut axes, mut stride) = match &bufs.mrope {
             Some(m) => (
                 m.axes.device_ptr(s).0,
@@ -467,9 +504,12 @@ impl CudaContext {
             qkv, q, kc, vc, pos, slots, freq, qn, kn, axes, stride, tokens_i, lq, lkv, hd, eps,
             hpw_i, pf0, pf0_bytes, pf1, pf1_bytes, pf_work
         );
-        // SAFETY: the arguments match the parameter list (`QKR_ARGS`) of both entries,
-        // `qkv_rope_cache_bf16` and `qkv_rope_cache_grouped_bf16` (the latter taken when
-        // hpw > 1, the heads the former's warps would leave undone; its prefetch
+        // SAFETY: the arguments match the parameter list (`QKR_ARGS`) of the three entries,
+        // `qkv_rope_cache_bf16`, `qkv_rope_cache_grouped_bf16` (taken when hpw > 1, the heads
+        // the former's warps would leave undone) and `qkv_rope_cache_wide_bf16` (head_dim 128
+        // only, checked above: 16-byte words of rows whose offsets are multiples of 128
+        // elements, the norms' 128 entries 16-byte aligned device allocations; its warps take
+        // `hpw` rounds of 4 of the q + 2 kv heads, as counted in `warps`); their prefetch
         // regions as in `fused_add_rms_norm_prefetch`); qkv, q_out,
         // positions and slot_mapping hold at least `tokens` rows (checked above); inv_freq holds
         // head_dim / 2 and the norms head_dim entries (or are null, which the kernel tests);

@@ -93,6 +93,10 @@ fn qkv_rope_cache_matches_cpu() {
         (256, 5, 2, 10, true, false),
         // The largest head dim.
         (2, 4, 2, 256, true, true),
+        // A Qwen3-30B-A3B prefill (the grouped kernel, or the wide one with
+        // OMNI_CUDA_QKV_ROPE_WIDE=1), and 8/1 heads with M-RoPE (a wide round of k and v heads).
+        (300, 32, 4, 128, true, false),
+        (260, 8, 1, 128, true, true),
     ]
     .map(|(tokens, lq, lkv, hd, norm, mrope)| Case {
         tokens,

@@ -33,6 +33,8 @@ mod kernels;
 mod launch;
 mod layers;
 #[cfg(test)]
+mod layers_emu;
+#[cfg(test)]
 mod layers_tests;
 #[cfg(test)]
 mod mma_emu;
