@@ -99,8 +99,9 @@
 #           OMNI_CUDA_MOE_TOPK_REGS=1, the register RMSNorm OMNI_CUDA_NORM_REGS=1, the one-launch
 #           MoE block's flip barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=flip, the wide q/k norm + RoPE
 #           of long prefills OMNI_CUDA_QKV_ROPE_WIDE=1, all five; OPTIN_PARTS, default "tests
-#           bench profile ncu", picks parts: all of them take ~9 minutes, past one device call):
-#           their kernel checks (base and with the register forms), the model tests with all on,
+#           timing bench profile ncu", picks parts: all take ~10 minutes, past one device call):
+#           their kernel checks (base and with all on), the model tests with all on, the routing
+#           and MoE kernels' timings at 2048 tokens,
 #           bench latency of the Qwen3-30B-A3B shape (batch 1, a 2048-token prefill) for the
 #           default and each, interleaved OPTIN_ROUNDS (2) times, eager per-op profiles of the
 #           default, all, and OMNI_CUDA_QKV_ROPE_HEADS 1 / 2 / 4, then Nsight Compute on the
@@ -592,7 +593,7 @@ if want ab-optin; then
       all) echo "${ALL_ON[*]}" ;; *) echo OMNI_NONE=0 ;;
     esac
   }
-  PARTS=" ${OPTIN_PARTS:-tests bench profile ncu} "
+  PARTS=" ${OPTIN_PARTS:-tests timing bench profile ncu} "
   OPT_TESTS=(cuda::moe::router_tests cuda::moe::tests::moe_topk cuda::moe::block1_tests
     cuda::moe::small_tests cuda::gemv cuda::layers_tests cuda::attention::rope_tests)
   if [[ $PARTS == *" tests "* ]]; then
@@ -601,6 +602,13 @@ if want ab-optin; then
     step optin-kernels-on env "${ALL_ON[@]}" "$BIN/backend-tests" "${OPT_TESTS[@]}" --skip timing \
       --skip throughput --test-threads=1
     [ -x "$BIN/model-tests" ] && step optin-model env "${ALL_ON[@]}" "$BIN/model-tests" --test-threads=1
+  fi
+  if [[ $PARTS == *" timing "* ]]; then
+    # The kernels alone: routing (split GEMMs + top-k against one launch), the MoE layer's
+    # tiles and the top-k at 2048 tokens.
+    step optin-route-timing "$BIN/backend-tests" route_mma_timing --test-threads=1 --nocapture
+    step optin-moe-timing env OMNI_MOE_TIMING_TOKENS=2048 "$BIN/backend-tests" \
+      fused_moe_real_shape_and_timing --test-threads=1 --nocapture
   fi
   [[ $PARTS == *" bench "* ]] && for r in $(seq 1 "${OPTIN_ROUNDS:-2}"); do
     for v in base ${OPTINS:-route topk norm flip wide all}; do

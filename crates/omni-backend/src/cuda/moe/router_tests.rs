@@ -286,3 +286,53 @@ fn route_mma_matches_f64_and_the_top_k_kernel() {
         );
     }
 }
+
+/// Timing (not asserted) of a Qwen3-30B-A3B layer's routing at 512, 2048 and 4096 tokens: the
+/// split router's GEMMs then `moe_topk_softmax`, against `moe_route_mma` (one launch).
+#[test]
+fn route_mma_timing() {
+    let Some(cx) = ctx_or_skip("route_mma_timing") else {
+        return;
+    };
+    let st = cx.stream();
+    let (h, e, k) = (2048, 128, 8);
+    let router = test_router(e, h, 41, &[]);
+    let router: Vec<f32> = router.iter().map(|&w| bf16::from_f32(w).to_f32()).collect();
+    let split = RouterSplit::upload(&cx, &router, e, h).unwrap();
+    for t in [512usize, 2048, 4096] {
+        let hb = cx.upload_f32_as_bf16(&rand_bf16_f32(t * h, 42)).unwrap();
+        let lo: Vec<f32> = rand_bf16_f32(2 * t * h, 43)
+            .iter()
+            .map(|v| v / 512.0)
+            .collect();
+        let h_lo = cx.upload_f32_as_bf16(&lo).unwrap();
+        let mut logits = st.alloc_zeros::<f32>(t * e).unwrap();
+        let mut ids = st.alloc_zeros::<i32>(t * k).unwrap();
+        let mut wts = st.alloc_zeros::<f32>(t * k).unwrap();
+        let split_us = super::timing_tests::time_us(&cx, || {
+            cx.moe_router_split(&hb, &h_lo, &split, &mut logits, t)
+                .unwrap();
+            cx.moe_topk_softmax(&logits, &mut ids, &mut wts, t, e, k, true)
+                .unwrap();
+        });
+        let (pl, cl) = moe_route_mma_workspace_len(t, h, e);
+        let mut part = st.alloc_zeros::<f32>(pl).unwrap();
+        let mut cnt = st.alloc_zeros::<i32>(cl).unwrap();
+        let mma_us = super::timing_tests::time_us(&cx, || {
+            let bufs = RouteMmaBuffers {
+                partials: &mut part,
+                counters: &mut cnt,
+                logits: Some(&mut logits),
+                ids: &mut ids,
+                weights: &mut wts,
+            };
+            cx.moe_route_mma(&hb, &h_lo, &split, bufs, t, k, true)
+                .unwrap();
+        });
+        println!(
+            "moe route T={t}: split GEMMs + top-k {split_us:.1} µs, one launch {mma_us:.1} µs \
+             ({:.2}x)",
+            split_us / mma_us
+        );
+    }
+}
