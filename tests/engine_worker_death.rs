@@ -1,5 +1,6 @@
 //! kill -9 of a worker: in-flight requests fail within a second with an error naming the rank,
-//! and no shared-memory segment of the engine is left in /dev/shm.
+//! and no shared-memory segment of the engine is left in /dev/shm; SIGTERM or SIGINT to
+//! `generate` leaves none either, and its workers go with it.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-#[test]
-fn killing_a_worker_fails_requests_within_a_second_naming_the_rank() {
+/// A long greedy generation at -tp 2 of the llama fixture, once its engine is generating: the
+/// child, its pid and its stderr lines with their arrival times.
+fn long_generation() -> (std::process::Child, u32, mpsc::Receiver<(Instant, String)>) {
     let mut child = Command::new(engine_bin())
         .args(["generate", "--temperature", "0", "--ignore-eos", "-tp", "2"])
         .arg("--model")
@@ -51,6 +53,12 @@ fn killing_a_worker_fails_requests_within_a_second_naming_the_rank() {
         assert!(Instant::now() < deadline, "engine did not start");
     }
     std::thread::sleep(Duration::from_millis(300));
+    (child, pid, rx)
+}
+
+#[test]
+fn killing_a_worker_fails_requests_within_a_second_naming_the_rank() {
+    let (mut child, pid, rx) = long_generation();
     let victims = children_named(pid, "omni-worker-1");
     assert_eq!(victims.len(), 1, "worker 1 of {pid} not found");
     assert_eq!(children_named(pid, "omni-worker-0").len(), 1);
@@ -80,4 +88,42 @@ fn killing_a_worker_fails_requests_within_a_second_naming_the_rank() {
     assert!(!status.success());
     assert!(children_named(pid, "omni-worker-0").is_empty());
     assert_eq!(segments_of(pid), Vec::<String>::new());
+}
+
+#[test]
+fn sigterm_or_sigint_to_generate_removes_its_shared_memory() {
+    use nix::sys::signal::Signal;
+    for (sig, code) in [(Signal::SIGTERM, 143), (Signal::SIGINT, 130)] {
+        let (mut child, pid, _rx) = long_generation();
+        assert!(!segments_of(pid).is_empty(), "engine uses shared memory");
+        let workers = children_named(pid, "omni-worker-0");
+        assert_eq!(workers.len(), 1);
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "{sig}: still running after 10 s");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(code), "{sig}: {status}");
+        assert_eq!(segments_of(pid), Vec::<String>::new(), "{sig}");
+        // The workers die with it (PR_SET_PDEATHSIG): gone, or a zombie of their new parent.
+        let alive = |w: u32| {
+            std::fs::read_to_string(format!("/proc/{w}/stat")).is_ok_and(|st| {
+                st.rsplit(')')
+                    .next()
+                    .is_some_and(|r| !r.trim_start().starts_with('Z'))
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while workers.iter().any(|&w| alive(w)) {
+            assert!(
+                Instant::now() < deadline,
+                "{sig}: worker 0 outlived the engine"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }

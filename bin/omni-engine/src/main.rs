@@ -18,6 +18,7 @@ mod generate_cmd;
 mod headless;
 mod serve_cmd;
 mod serve_omni;
+mod signals;
 mod stage_cmd;
 mod worker_cmd;
 
@@ -73,8 +74,14 @@ fn main() -> anyhow::Result<()> {
     let matches = omni_config::override_self(Cli::command()).get_matches_from(argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     match cli.command {
-        Command::Bench(b) => bench_cmd::run(b.which),
-        Command::Generate(a) => generate_cmd::run(a),
+        Command::Bench(b) => {
+            signals::remove_segments_on_signals()?;
+            bench_cmd::run(b.which)
+        }
+        Command::Generate(a) => {
+            signals::remove_segments_on_signals()?;
+            generate_cmd::run(a)
+        }
         Command::Serve(a) => serve_cmd::run(a),
         Command::EngineCore(a) => engine_core_cmd::run(a),
         Command::Stage(a) => stage_cmd::run(a),
