@@ -6,8 +6,8 @@ use std::sync::Arc;
 use omni_backend::cuda::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use omni_backend::cuda::{
     AttnShape, CudaContext, CudaError, DeviceAllReduce, GemvIn, GemvOut, L2Prefetch, MoeShape,
-    MropeAxes, NormExtra, QkvBuffers, QkvShape, ResidualUpdate, RouteMmaBuffers, bf16,
-    moe_route_mma_enabled,
+    MropeAxes, NormExtra, QkvBuffers, QkvShape, ROUTE_MMA_MIN_TOKENS, ResidualUpdate,
+    RouteMmaBuffers, bf16, moe_route_mma_enabled,
 };
 
 use super::buffers::{Activations, StepInputs};
@@ -494,6 +494,7 @@ impl CudaDecoderModel {
                         continue;
                     }
                     if !routed
+                        && t >= ROUTE_MMA_MIN_TOKENS
                         && moe_route_mma_enabled()
                         && CudaContext::moe_route_mma_fits(router_split)
                     {

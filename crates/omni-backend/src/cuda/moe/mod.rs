@@ -79,8 +79,8 @@ pub use block1::{MOE_BLOCK1_BARRIER_ENV, MOE_ONE_LAUNCH_ENV, MoeBlock1Buffers};
 pub use cublas::MOE_CUBLAS_ENV;
 pub use launch::MoeOutElem;
 pub use route_mma::{
-    MOE_ROUTE_MMA_ENV, ROUTE_MMA_MAX_EXPERTS, RouteMmaBuffers, moe_route_mma_enabled,
-    moe_route_mma_workspace_len,
+    MOE_ROUTE_MMA_ENV, ROUTE_MMA_MAX_EXPERTS, ROUTE_MMA_MIN_TOKENS, RouteMmaBuffers,
+    moe_route_mma_enabled, moe_route_mma_workspace_len,
 };
 pub use router::RouterSplit;
 pub use small::{

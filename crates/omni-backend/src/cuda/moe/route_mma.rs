@@ -43,6 +43,10 @@ pub(super) const ROUTE_KC: usize = 512;
 pub(super) const ROUTE_THREADS: usize = 256;
 /// Most experts: the 128 weight rows a CTA covers.
 pub const ROUTE_MMA_MAX_EXPERTS: usize = 128;
+/// Fewest tokens the decoder routes with [`CudaContext::moe_route_mma`]: its grid is 4 CTAs a
+/// 64-token block at Qwen3-30B-A3B's hidden size, too few below a few hundred tokens (a
+/// batch-64 decode step would run 4 CTAs), where the GEMMs and the top-k kernel stay.
+pub const ROUTE_MMA_MIN_TOKENS: usize = 256;
 
 const ROUTE_FN: &str = "moe_route_mma";
 const ROUTE_LO_FN: &str = "moe_route_mma_lo";
