@@ -6,8 +6,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
-
 use omni_config::EngineConfig;
 use omni_core::{HeadlessConfig, NodeConfig};
 
@@ -21,17 +19,9 @@ extern "C" fn on_stop_signal(_: nix::libc::c_int) {
 
 /// Makes SIGTERM and SIGINT set [`STOP`] instead of killing the process.
 fn catch_stop_signals() -> anyhow::Result<()> {
-    let action = SigAction::new(
-        SigHandler::Handler(on_stop_signal),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    for sig in [Signal::SIGTERM, Signal::SIGINT] {
-        // SAFETY: the handler only stores into a static atomic, which is async-signal-safe;
-        // no other code of this process installs a handler for these signals.
-        unsafe { sigaction(sig, &action) }?;
-    }
-    Ok(())
+    // SAFETY: the handler only stores into a static atomic, which is async-signal-safe; no
+    // other code of this process installs a handler for these signals.
+    unsafe { crate::signals::on_stop_signals(on_stop_signal) }
 }
 
 /// Runs the follower until the group ends.

@@ -50,14 +50,25 @@ pub fn remove_segments_on_signals() -> anyhow::Result<()> {
                 std::process::exit(128 + i32::from(b[0]));
             }
         })?;
+    // SAFETY: the handler only loads an atomic and calls write(2), both async-signal-safe; no
+    // other code of these commands installs a handler for these signals.
+    unsafe { on_stop_signals(on_signal) }
+}
+
+/// Installs `handler` for SIGTERM and SIGINT (with `SA_RESTART`).
+///
+/// # Safety
+/// `handler` does only what is async-signal-safe, and no other code of the process installs a
+/// handler for these signals.
+pub unsafe fn on_stop_signals(handler: extern "C" fn(nix::libc::c_int)) -> anyhow::Result<()> {
     let action = SigAction::new(
-        SigHandler::Handler(on_signal),
+        SigHandler::Handler(handler),
         SaFlags::SA_RESTART,
         SigSet::empty(),
     );
     for sig in [Signal::SIGTERM, Signal::SIGINT] {
-        // SAFETY: the handler only loads an atomic and calls write(2), both async-signal-safe;
-        // no other code of these commands installs a handler for these signals.
+        // SAFETY: the caller's handler is async-signal-safe and the only one these signals get
+        // (this function's contract).
         unsafe { sigaction(sig, &action) }?;
     }
     Ok(())
