@@ -17,7 +17,8 @@
 // and counts itself in cnt[mb]; the CTA that counts last adds the splits' partials of each logit
 // in split order (0, 1, ..: the same bits whichever CTA is last), writes the logits (when
 // `logits` is not null), resets cnt[mb] to 0 for the next launch, and routes its tokens
-// (`moe_topk_warp`, a warp per token, as `moe_topk_softmax`). No CTA waits for another.
+// (`moe_topk_regs`, a warp per token: the experts and weights of `moe_topk_softmax`). No CTA
+// waits for another.
 // Memory order (the CUDA programming guide's last-block pattern): every thread's partial stores,
 // then its __threadfence (fence.sc.gpu), then the CTA barrier, then thread 0's atomicAdd on
 // cnt[mb]: the stores are ordered before the count at GPU scope. The last CTA's thread 0 reads
@@ -190,8 +191,11 @@ __device__ __forceinline__ void moe_route_mma_body(
     }
     if (tid == 0) cnt[mb] = 0;
     __syncthreads();
+    // 8 tokens a warp: the register form of the warp's top-k (E <= 128 <= 32 MOE_TOPK_REG;
+    // the same experts and weights as the shared-memory form, topk_emu.rs), two redux.sync a
+    // pick instead of a shuffle tree over shared memory.
     for (int r = warp; r < nrows; r += MR_THREADS / 32)
-        moe_topk_warp(rows + r * num_experts, rows + r * num_experts, ids + (size_t)(m0 + r) * top_k,
+        moe_topk_regs(rows + r * num_experts, ids + (size_t)(m0 + r) * top_k,
                       wts + (size_t)(m0 + r) * top_k, num_experts, top_k, renorm, lane);
 }
 

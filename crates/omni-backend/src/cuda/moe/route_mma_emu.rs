@@ -4,8 +4,9 @@
 //! (a stage is computed only from the slot its own tile was copied into), `ldmatrix` and
 //! `mma.m16n8k16` with the PTX fragment layouts (`mma_emu.rs`), the partial sums' layout (each
 //! element written once), the last CTA's sum in split order and the warps' routing
-//! (`emu_topk_warp`). Tested against an f64 reference of the same products over shapes with a
-//! partial token block, a partial last split, padding experts and a non-bf16 router.
+//! (`emu_topk_warp`; the kernel's register top-k gives the same bits, `topk_emu.rs`). Tested
+//! against an f64 reference of the same products over shapes with a partial token block, a
+//! partial last split, padding experts and a non-bf16 router.
 
 #![allow(clippy::unwrap_used, clippy::needless_range_loop)]
 
