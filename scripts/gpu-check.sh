@@ -602,6 +602,18 @@ if want ab-optin; then
     step optin-kernels-on env "${ALL_ON[@]}" "$BIN/backend-tests" "${OPT_TESTS[@]}" --skip timing \
       --skip throughput --test-threads=1
     [ -x "$BIN/model-tests" ] && step optin-model env "${ALL_ON[@]}" "$BIN/model-tests" --test-threads=1
+    # End to end on the paths the fixtures' small shapes never take (head_dim 128, 256+ token
+    # steps): 16 greedy tokens after a 2048-token prompt of the 30B shape (dummy weights), the
+    # default against all opt-ins; printed, not asserted (dummy routers have near-ties).
+    ids=$(python3 -c "print(','.join(str((i*7919)%150000+1) for i in range(2048)))")
+    for v in base all; do
+      # shellcheck disable=SC2046 # the mode's VAR=value words
+      env $(optin_env "$v") "$BIN/omni-engine" generate --model bench/models/qwen3-30b-a3b \
+        --load-format dummy --device cuda --max-model-len 4096 --max-num-batched-tokens 4096 \
+        --prompt-token-ids "$ids" --max-tokens 16 --temperature 0 --ignore-eos --json \
+        > "$LOGS/optin-generate-$v.json" 2> "$LOGS/optin-generate-$v.log"
+      echo "== optin-generate-$v: $(python3 -c 'import json,sys; print([g.get("token_ids") for g in json.load(open(sys.argv[1]))])' "$LOGS/optin-generate-$v.json" 2>&1 | tail -1)"
+    done
   fi
   if [[ $PARTS == *" timing "* ]]; then
     # The kernels alone: routing (split GEMMs + top-k against one launch), the MoE layer's
