@@ -47,6 +47,8 @@
 //! (`block1.rs`); longer steps' router logits come from `router.rs` (f32-accurate
 //! products on tensor cores).
 
+#[cfg(test)]
+mod align_emu;
 pub(super) mod block1;
 #[cfg(test)]
 mod block1_emu;
