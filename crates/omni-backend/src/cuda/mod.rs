@@ -42,6 +42,7 @@ mod moe;
 mod nccl;
 mod prefetch;
 mod probe;
+mod qkv_rope;
 mod sampling;
 mod talker;
 #[cfg(test)]
@@ -56,6 +57,7 @@ pub use moe::*;
 pub use nccl::*;
 pub use prefetch::L2Prefetch;
 pub use probe::*;
+pub use qkv_rope::*;
 pub use sampling::*;
 pub use talker::*;
 

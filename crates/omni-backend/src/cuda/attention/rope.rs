@@ -9,7 +9,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::{AttnShape, decode_plan, prefill_cfg};
 use crate::cuda::launch::{aligned16, narrow};
-use crate::cuda::layers::check_qkv_buffers;
+use crate::cuda::qkv_rope::check_qkv_buffers;
 use crate::cuda::{CudaContext, CudaResult, QkvBuffers, QkvShape, bf16};
 
 /// Set to `1`, decode steps on the CUDA-core kernel do the q/k norm + RoPE + cache write inside
