@@ -38,6 +38,7 @@ use crate::batch::ForwardBatch;
 use crate::decoder::{DecoderSpec, HeadLayout, PipelineStage};
 
 mod buffers;
+mod fused;
 mod graphs;
 mod host;
 mod layers;
