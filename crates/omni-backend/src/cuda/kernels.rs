@@ -209,44 +209,38 @@ mod tests {
             ),
             ("moe small".to_string(), moe::small::moe_small_source()),
             ("moe block1".to_string(), moe::block1::moe_block1_source()),
-            // The flip grid barrier (opt-in).
-            (
-                "moe block1 flip barrier".to_string(),
-                format!(
-                    "{}{}",
-                    moe::block1::FLIP_BARRIER_DEFINE,
-                    moe::block1::moe_block1_source()
-                ),
-            ),
-            // The register top-k (opt-in) in the modules that route.
-            (
-                "moe block1 top-k regs".to_string(),
-                format!(
-                    "{}{}",
-                    moe::source::TOPK_REGS_DEFINE,
-                    moe::block1::moe_block1_source()
-                ),
-            ),
-            (
-                "moe top-k regs".to_string(),
-                format!(
-                    "{}{}",
-                    moe::source::TOPK_REGS_DEFINE,
-                    moe::source::moe_source()
-                ),
-            ),
-            (
-                "moe small top-k regs".to_string(),
-                format!(
-                    "{}{}",
-                    moe::source::TOPK_REGS_DEFINE,
-                    moe::small::moe_small_source()
-                ),
-            ),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),
             ("gemv".to_string(), gemv::gemv_source()),
         ];
+        // The opt-in forms: the one-launch MoE block's flip barrier, and the register top-k in
+        // the modules that route.
+        type OptIn = (&'static str, &'static str, fn() -> String);
+        let opt_in: [OptIn; 4] = [
+            (
+                "moe block1 flip barrier",
+                moe::block1::FLIP_BARRIER_DEFINE,
+                moe::block1::moe_block1_source,
+            ),
+            (
+                "moe block1 top-k regs",
+                moe::source::TOPK_REGS_DEFINE,
+                moe::block1::moe_block1_source,
+            ),
+            (
+                "moe top-k regs",
+                moe::source::TOPK_REGS_DEFINE,
+                moe::source::moe_source,
+            ),
+            (
+                "moe small top-k regs",
+                moe::source::TOPK_REGS_DEFINE,
+                moe::small::moe_small_source,
+            ),
+        ];
+        for (name, define, source) in opt_in {
+            v.push((name.to_string(), format!("{define}{}", source())));
+        }
         for hd in attention::SUPPORTED_HEAD_DIMS {
             v.push((
                 format!("attention hd{hd}"),
