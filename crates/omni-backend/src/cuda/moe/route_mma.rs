@@ -19,7 +19,7 @@ use super::source::moe_source;
 use crate::cuda::launch::{aligned16, at_least, grid_yz, max_dynamic_smem, narrow, shape_err};
 use crate::cuda::{CudaContext, CudaResult};
 
-/// `1`: MoE layers of steps the small-batch router does not take route with
+/// `1`: MoE layers of steps of at least [`ROUTE_MMA_MIN_TOKENS`] tokens route with
 /// [`CudaContext::moe_route_mma`] (one launch) instead of [`CudaContext::moe_router_split`]
 /// and [`CudaContext::moe_topk_softmax`]. Off by default until measured on a GPU. Read once
 /// per process.
