@@ -139,11 +139,46 @@ def f32(path, array):
     np.ascontiguousarray(array, dtype="<f4").tofile(path)
 
 
+def exact_int8_session(model_path):
+    """The voice's session with exact int8 products on every x86 CPU, as crates/omni-tts runs it
+    (onnx.rs, X64_QUANT_PRECISION): without VNNI the package's default kernels saturate, and the
+    reference would depend on the machine that made it. ONNX Runtime's precision rewrite needs each
+    integer-product weight used by one node, so later uses get copies (onnx_shared.rs does the same).
+    """
+    import copy
+
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(model_path)
+    inits = {t.name: t for t in model.graph.initializer}
+    products = {"MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
+                "QLinearConv", "QGemm"}
+    uses = {}
+    for node in model.graph.node:
+        if node.op_type not in products:
+            continue
+        for j, name in enumerate(node.input):
+            if name in inits:
+                uses[name] = uses.get(name, 0) + 1
+                if uses[name] > 1:
+                    t = copy.deepcopy(inits[name])
+                    t.name = f"{name}__omni_use{uses[name]}"
+                    model.graph.initializer.append(t)
+                    node.input[j] = t.name
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.x64quantprecision", "1")
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
 def main():
     cache_only = "--cache-only" in sys.argv[1:]
     FIXTURES.mkdir(parents=True, exist_ok=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     tts = Hibari(threads=1)
+    tts.sess = exact_int8_session(tts.model_path)
     golden, index = [], []
     audio_s, synth_s = 0.0, 0.0
     for i, text in enumerate(SENTENCES):

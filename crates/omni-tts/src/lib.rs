@@ -33,7 +33,9 @@
 //! time, which a machine that reaches only the package registries cannot do;
 //! `scripts/fetch-voice.sh` puts the wheel's library next to the voice instead. It is the runtime
 //! the reference package itself uses, and on one thread its outputs are the reference's bit for
-//! bit, which is what lets the audio match.
+//! bit, which is what lets the audio match. The int8 products are made exact on every x86 CPU
+//! (`onnx::X64_QUANT_PRECISION`; without it a CPU lacking VNNI saturates them and the audio
+//! depends on the machine), and the reference (`scripts/make-tts-golden.sh`) is made the same way.
 //!
 //! The pure-Rust alternative, `tract-onnx` 0.23.9, does not run this graph: typing it fails on the
 //! duration expansion (the frame count is data-dependent: node `/Reshape_42` expects
@@ -60,6 +62,7 @@ pub mod dsp;
 mod error;
 pub mod g2p;
 pub mod onnx;
+mod onnx_shared;
 pub mod rng;
 pub mod split;
 mod voice;
