@@ -94,18 +94,20 @@
 #   ab-staged the staged GEMV of decode steps (weights copied into shared memory under the
 #           latency-bound kernels before the projections): its checks, the model tests with it
 #           on, bench latency with it off / on (STAGED_MODES, STAGED_MODELS, STAGED_BATCHES)
-#   ab-optin the opt-in kernels not yet measured (OPTINS, default "route topk norm flip wide
-#           all": the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1, the register top-k
-#           OMNI_CUDA_MOE_TOPK_REGS=1, the register RMSNorm OMNI_CUDA_NORM_REGS=1, the one-launch
-#           MoE block's flip barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=flip, the wide q/k norm + RoPE
-#           of long prefills OMNI_CUDA_QKV_ROPE_WIDE=1, all five; OPTIN_PARTS, default "tests
-#           timing bench profile ncu", picks parts: all take ~10 minutes, past one device call):
-#           their kernel checks (base and with all on), the model tests with all on, the routing
-#           and MoE kernels' timings at 2048 tokens,
-#           bench latency of the Qwen3-30B-A3B shape (batch 1, a 2048-token prefill) for the
-#           default and each, interleaved OPTIN_ROUNDS (2) times, eager per-op profiles of the
-#           default, all, and OMNI_CUDA_QKV_ROPE_HEADS 1 / 2 / 4, then Nsight Compute on the
-#           q/k norm + RoPE, norm, top-k and router kernels of a 2048-token prefill
+#   ab-optin the default kernels against their switches (OPTINS, default "route topk0 norm0
+#           count wide0 first": the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1 (off by
+#           default), and the first forms of the kernels made default on 2026-12-07: the
+#           shared-memory top-k OMNI_CUDA_MOE_TOPK_REGS=0, the shared-memory RMSNorm
+#           OMNI_CUDA_NORM_REGS=0, the count barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=count, the
+#           narrower q/k norm + RoPE OMNI_CUDA_QKV_ROPE_WIDE=0, and all four first forms; OPTIN_PARTS,
+#           default "tests timing bench profile ncu", picks parts: all take ~10 minutes, past one
+#           device call): their kernel checks (default, and with the router on and the first
+#           forms), the model tests the same way, the routing and MoE kernels' timings at 2048
+#           tokens, bench latency of the Qwen3-30B-A3B shape (batch 1, a 2048-token prefill) for
+#           the default and each, interleaved OPTIN_ROUNDS (2) times, eager per-op profiles of
+#           the default, the first forms, the router and OMNI_CUDA_QKV_ROPE_HEADS 1 / 2 / 4, then
+#           Nsight Compute on the q/k norm + RoPE, norm, top-k and router kernels of a 2048-token
+#           prefill
 #   ncu-engine  Nsight Compute inside the engine's own 2048-token prefill of the Qwen3-30B-A3B
 #           shape (eager; the routing the dummy weights give, not the timing test's random one):
 #           NCU_KERNELS (default a layer's MoE alignment, 128-row expert GEMMs and reduction,
@@ -583,14 +585,16 @@ if want ab-base; then
 fi
 
 if want ab-optin; then
-  ALL_ON=(OMNI_CUDA_MOE_ROUTE_MMA=1 OMNI_CUDA_MOE_TOPK_REGS=1 OMNI_CUDA_NORM_REGS=1
-    OMNI_CUDA_MOE_BLOCK1_BARRIER=flip OMNI_CUDA_QKV_ROPE_WIDE=1)
+  FIRST=(OMNI_CUDA_MOE_TOPK_REGS=0 OMNI_CUDA_NORM_REGS=0 OMNI_CUDA_MOE_BLOCK1_BARRIER=count
+    OMNI_CUDA_QKV_ROPE_WIDE=0)
+  # The forms the default does not run: the router on, the first forms.
+  ALL_ON=(OMNI_CUDA_MOE_ROUTE_MMA=1 "${FIRST[@]}")
   optin_env() { # mode -> VAR=value words
     case $1 in
-      route) echo OMNI_CUDA_MOE_ROUTE_MMA=1 ;; topk) echo OMNI_CUDA_MOE_TOPK_REGS=1 ;;
-      norm) echo OMNI_CUDA_NORM_REGS=1 ;; flip) echo OMNI_CUDA_MOE_BLOCK1_BARRIER=flip ;;
-      wide) echo OMNI_CUDA_QKV_ROPE_WIDE=1 ;;
-      all) echo "${ALL_ON[*]}" ;; *) echo OMNI_NONE=0 ;;
+      route) echo OMNI_CUDA_MOE_ROUTE_MMA=1 ;; topk0) echo OMNI_CUDA_MOE_TOPK_REGS=0 ;;
+      norm0) echo OMNI_CUDA_NORM_REGS=0 ;; count) echo OMNI_CUDA_MOE_BLOCK1_BARRIER=count ;;
+      wide0) echo OMNI_CUDA_QKV_ROPE_WIDE=0 ;;
+      first) echo "${FIRST[*]}" ;; all) echo "${ALL_ON[*]}" ;; *) echo OMNI_NONE=0 ;;
     esac
   }
   PARTS=" ${OPTIN_PARTS:-tests timing bench profile ncu} "
@@ -604,7 +608,7 @@ if want ab-optin; then
     [ -x "$BIN/model-tests" ] && step optin-model env "${ALL_ON[@]}" "$BIN/model-tests" --test-threads=1
     # End to end on the paths the fixtures' small shapes never take (head_dim 128, 256+ token
     # steps): 16 greedy tokens after a 2048-token prompt of the 30B shape (dummy weights), the
-    # default against all opt-ins; printed, not asserted (dummy routers have near-ties).
+    # default against the other forms; printed, not asserted (dummy routers have near-ties).
     ids=$(python3 -c "print(','.join(str((i*7919)%150000+1) for i in range(2048)))")
     for v in base all; do
       # shellcheck disable=SC2046 # the mode's VAR=value words
@@ -623,7 +627,7 @@ if want ab-optin; then
       fused_moe_real_shape_and_timing --test-threads=1 --nocapture
   fi
   [[ $PARTS == *" bench "* ]] && for r in $(seq 1 "${OPTIN_ROUNDS:-2}"); do
-    for v in base ${OPTINS:-route topk norm flip wide all}; do
+    for v in base ${OPTINS:-route topk0 norm0 count wide0 first}; do
       # shellcheck disable=SC2046 # the mode's VAR=value words
       step "optin-$v-r$r" env $(optin_env "$v") "$BIN/omni-engine" bench latency \
         --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --max-model-len 4096 \
@@ -631,7 +635,7 @@ if want ab-optin; then
         --output-len 64 --prefill-len 2048 --json "$LOGS/optin-$v-r$r.json"
     done
   done
-  [[ $PARTS == *" profile "* ]] && for v in base all wide heads1 heads2 heads4; do
+  [[ $PARTS == *" profile "* ]] && for v in base first route heads1 heads2 heads4; do
     e=$(optin_env "$v"); [[ $v == heads* ]] && e=OMNI_CUDA_QKV_ROPE_HEADS=${v#heads}
     # shellcheck disable=SC2086 # the mode's VAR=value words
     OMNI_CUDA_PROFILE=4 step "optin-profile-$v" env $e "$BIN/omni-engine" bench latency \
@@ -642,8 +646,8 @@ if want ab-optin; then
   if [ -n "$NCU" ] && [[ $PARTS == *" ncu "* ]]; then
     # A 16-token decode request first (2 steps), then 2048-token prefills; no start-up warm-up,
     # so the skips below land in a 2048-token prefill: (kernel regex, skip, mode).
-    for spec in "qkv_rope_cache_grouped_bf16 60 base" "qkv_rope_cache_wide_bf16 60 wide" "fused_add_rmsnorm_f32res 500 base" \
-      "fused_add_rmsnorm_f32res 500 norm" "moe_topk_softmax 110 base" "moe_topk_softmax 110 topk" \
+    for spec in "qkv_rope_cache_grouped_bf16 60 wide0" "qkv_rope_cache_wide_bf16 60 base" "fused_add_rmsnorm_f32res 500 base" \
+      "fused_add_rmsnorm_f32res 500 norm0" "moe_topk_softmax 110 base" "moe_topk_softmax 110 topk0" \
       "moe_route_mma 110 route" "attn_prefill_wg_hd128_w2_n128 100 base"; do
       read -r k skip v <<< "$spec"
       # shellcheck disable=SC2046 # the mode's VAR=value words

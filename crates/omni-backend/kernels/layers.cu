@@ -326,8 +326,8 @@ extern "C" __global__ void __launch_bounds__(32 * QKR_WARPS) qkv_rope_cache_grou
     qkr_kernel<true>(QKR_PASS);
 }
 
-// The wide form for long prefills at head_dim 128 (opt-in OMNI_CUDA_QKV_ROPE_WIDE=1; not yet
-// measured): the token's heads as one list, q heads, then k heads, then v heads (copied), in
+// The wide form for long prefills at head_dim 128 (the default since measured;
+// OMNI_CUDA_QKV_ROPE_WIDE=0 turns it off): the token's heads as one list, q heads, then k heads, then v heads (copied), in
 // rounds of 4, 8 lanes a head; lane l of a round holds 16-byte words of dims 8 (l % 8) .. + 7
 // and of their rotation partners 64 + 8 (l % 8) .. (rotate-half), so a round is two 16-byte
 // loads and stores a lane and the head's sum of squares three shuffles inside its 8 lanes. A

@@ -51,7 +51,8 @@ __device__ __forceinline__ unsigned long long mb1_now() {
     return t;
 }
 
-#ifndef MB1_FLIP_BARRIER
+#ifdef MB1_COUNT_BARRIER
+// The first form, kept behind OMNI_CUDA_MOE_BLOCK1_BARRIER=count.
 // Grid-wide barrier over `blocks` resident CTAs; bar[0] counts arrivals (left at 0), bar[1] is
 // the generation. Memory order: the CTA's writes precede thread 0's arrival (bar.sync, then
 // __threadfence: a gpu-scope fence, cumulative over the writes the barrier ordered before it);
@@ -82,8 +83,8 @@ __device__ __forceinline__ void mb1_grid_sync(unsigned* bar, unsigned blocks) {
     __syncthreads();
 }
 #else
-// The same barrier with one atomic per CTA and nothing after the last arrival (opt-in,
-// OMNI_CUDA_MOE_BLOCK1_BARRIER=flip; not yet measured): CTA 0 adds 2^31 - (blocks - 1), every
+// The same barrier with one atomic per CTA and nothing after the last arrival (the default
+// since measured; OMNI_CUDA_MOE_BLOCK1_BARRIER=count selects the form above): CTA 0 adds 2^31 - (blocks - 1), every
 // other CTA 1, so the word's top bit flips exactly when all `blocks` arrivals have landed and
 // its low bits are back where they were (0 between barriers: bar[1] is not used). A CTA waits
 // until the top bit differs from the one its own arrival returned. Before all arrivals the bit

@@ -5,9 +5,9 @@
 // `probs` itself (each lane reads an entry before it writes it); `probs` is E floats of shared
 // memory. Only warp-level synchronisation. Prepended by the Rust side after bf16.cuh.
 
-// Experts a lane keeps in registers: with MOE_TOPK_FROM_REGS up to 32 * MOE_TOPK_REG experts
-// are routed from registers (`moe_topk_regs`), more through `probs` (`moe_topk_smem`); the same
-// experts and weights.
+// Experts a lane keeps in registers: up to 32 * MOE_TOPK_REG experts are routed from registers
+// (`moe_topk_regs`), more (or every count, with MOE_TOPK_FROM_SMEM) through `probs`
+// (`moe_topk_smem`); the same experts and weights.
 #define MOE_TOPK_REG 8
 
 // Warp-wide max (MAX) or min of an unsigned (`redux.sync` from sm_80, else a shuffle tree).
@@ -147,11 +147,11 @@ __device__ __forceinline__ void moe_topk_smem(const float* row, float* probs, in
         for (int j = 0; j < top_k; ++j) out_w[j] = out_w[j] / sel_sum;
 }
 
-// The register form only where the module is built with MOE_TOPK_FROM_REGS (the Rust side's
-// OMNI_CUDA_MOE_TOPK_REGS=1: not yet measured on a GPU).
+// The register form unless the module is built with MOE_TOPK_FROM_SMEM (the Rust side's
+// OMNI_CUDA_MOE_TOPK_REGS=0).
 __device__ __forceinline__ void moe_topk_warp(const float* row, float* probs, int* out_ids,
         float* out_w, int num_experts, int top_k, int renorm, int lane) {
-#ifdef MOE_TOPK_FROM_REGS
+#ifndef MOE_TOPK_FROM_SMEM
     if (num_experts <= 32 * MOE_TOPK_REG) {
         moe_topk_regs(row, out_ids, out_w, num_experts, top_k, renorm, lane);
         return;

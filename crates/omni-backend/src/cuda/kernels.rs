@@ -213,32 +213,32 @@ mod tests {
             ("talker".to_string(), talker::talker_source()),
             ("gemv".to_string(), gemv::gemv_source()),
         ];
-        // The opt-in forms: the one-launch MoE block's flip barrier, and the register top-k in
-        // the modules that route.
-        type OptIn = (&'static str, &'static str, fn() -> String);
-        let opt_in: [OptIn; 4] = [
+        // The first forms kept behind switches: the one-launch MoE block's count barrier, and
+        // the shared-memory top-k in the modules that route.
+        type Kept = (&'static str, &'static str, fn() -> String);
+        let kept: [Kept; 4] = [
             (
-                "moe block1 flip barrier",
-                moe::block1::FLIP_BARRIER_DEFINE,
+                "moe block1 count barrier",
+                moe::block1::COUNT_BARRIER_DEFINE,
                 moe::block1::moe_block1_source,
             ),
             (
-                "moe block1 top-k regs",
-                moe::source::TOPK_REGS_DEFINE,
+                "moe block1 top-k smem",
+                moe::source::TOPK_SMEM_DEFINE,
                 moe::block1::moe_block1_source,
             ),
             (
-                "moe top-k regs",
-                moe::source::TOPK_REGS_DEFINE,
+                "moe top-k smem",
+                moe::source::TOPK_SMEM_DEFINE,
                 moe::source::moe_source,
             ),
             (
-                "moe small top-k regs",
-                moe::source::TOPK_REGS_DEFINE,
+                "moe small top-k smem",
+                moe::source::TOPK_SMEM_DEFINE,
                 moe::small::moe_small_source,
             ),
         ];
-        for (name, define, source) in opt_in {
+        for (name, define, source) in kept {
             v.push((name.to_string(), format!("{define}{}", source())));
         }
         for hd in attention::SUPPORTED_HEAD_DIMS {

@@ -26,15 +26,16 @@ const LAYERS: &str = kernel_file!("layers.cu");
 
 const FUSED_ADD_RMSNORM_FN: &str = "fused_add_rmsnorm_f32res";
 const ADD_BIAS_F32_FN: &str = "add_bias_f32";
-/// `1`: `fused_add_rmsnorm_f32res` keeps a row in registers and stores 4 elements at a time (the
-/// same bits; where dim <= 16 x the block and the outputs are aligned). Off by default until
-/// measured on a GPU. Read once per process.
+/// `fused_add_rmsnorm_f32res` keeps a row in registers and stores 4 elements at a time (the same
+/// bits; where dim <= 16 x the block and the outputs are aligned) unless this is `0` (the
+/// shared-memory form). On by default since measured (H100, 2026-12-07: batch-1 decode +0.5%,
+/// prefill unchanged; bench/results/gpu-h200-2026-12-07.md). Read once per process.
 pub const NORM_REGS_ENV: &str = "OMNI_CUDA_NORM_REGS";
 
-/// Whether [`NORM_REGS_ENV`] is `1`.
+/// Whether the register form runs ([`NORM_REGS_ENV`] is not `0`).
 fn norm_regs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(NORM_REGS_ENV).is_ok_and(|v| v.trim() == "1"))
+    *ON.get_or_init(|| super::switch_on(NORM_REGS_ENV))
 }
 
 const EMBEDDING_IDS_FN: &str = "embedding_ids_bf16";
@@ -153,7 +154,7 @@ impl CudaContext {
         let (mut w, _gw) = weight.device_ptr(s);
         let (mut y, _gy) = out.device_ptr_mut(s);
         let (mut init, mut delta, mut mode, mut eps) = (init, delta, mode, eps);
-        // The register path (opt-in) and its 4-element stores: w, out and out_lo 8-byte, out32
+        // The register path (the default; OMNI_CUDA_NORM_REGS=0 turns it off) and its 4-element stores: w, out and out_lo 8-byte, out32
         // 16-byte aligned (rows start at multiples of dim, a multiple of 4).
         let mut vec = i32::from(
             norm_regs()

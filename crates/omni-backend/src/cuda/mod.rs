@@ -49,6 +49,12 @@ mod talker;
 pub(crate) mod tests;
 mod wgmma;
 
+/// Whether a kernel choice made the default after measurement is on: yes unless its environment
+/// variable is `0` (the switches stay so that a regression can be bisected without a rebuild).
+pub(crate) fn switch_on(var: &str) -> bool {
+    !matches!(std::env::var(var), Ok(v) if v.trim() == "0")
+}
+
 pub use attention::*;
 pub use collective::NcclAllReduce;
 pub use gemv::*;

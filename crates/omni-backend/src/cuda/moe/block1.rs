@@ -50,29 +50,31 @@ const SMEM_MAX: usize = 226 * 1024;
 #[cfg(test)]
 pub(crate) const STAMPS: usize = 9;
 
-/// `flip`: the one-launch block's grid barriers take one atomic a CTA and nothing after the
-/// last arrival (the top bit of the arrival word flips when every CTA has arrived) instead of
-/// the count reset and generation bump of the default. Off by default until measured on a GPU.
-/// Read once per process.
+/// The one-launch block's grid barriers take one atomic a CTA and nothing after the last arrival
+/// (the top bit of the arrival word flips when every CTA has arrived), unless this is `count`
+/// (the count reset, fence and generation bump of the first form). The flip form is the default
+/// since measured (H100, 2026-12-07: batch-1 decode +1%). Read once per process.
 pub const MOE_BLOCK1_BARRIER_ENV: &str = "OMNI_CUDA_MOE_BLOCK1_BARRIER";
 
-/// The define that selects the flip barrier (prepended to the module's source).
-pub(crate) const FLIP_BARRIER_DEFINE: &str = "#define MB1_FLIP_BARRIER\n";
+/// The define that selects the count barrier (prepended to the module's source).
+pub(crate) const COUNT_BARRIER_DEFINE: &str = "#define MB1_COUNT_BARRIER\n";
 
-/// Whether [`MOE_BLOCK1_BARRIER_ENV`] is `flip`.
+/// Whether the flip barrier runs ([`MOE_BLOCK1_BARRIER_ENV`] is not `count`).
 pub(crate) fn flip_barrier() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(MOE_BLOCK1_BARRIER_ENV).is_ok_and(|v| v.trim() == "flip"))
+    *ON.get_or_init(
+        || !matches!(std::env::var(MOE_BLOCK1_BARRIER_ENV), Ok(v) if v.trim() == "count"),
+    )
 }
 
 /// Full source of the one-launch MoE module.
 pub(crate) fn moe_block1_source() -> String {
-    let flip = if flip_barrier() {
-        FLIP_BARRIER_DEFINE
-    } else {
+    let count = if flip_barrier() {
         ""
+    } else {
+        COUNT_BARRIER_DEFINE
     };
-    format!("{flip}{BF16_HELPERS}{GEMV_COMMON}{}{BLOCK1}", topk_warp())
+    format!("{count}{BF16_HELPERS}{GEMV_COMMON}{}{BLOCK1}", topk_warp())
 }
 
 /// The buffers of [`CudaContext::moe_block1`].

@@ -14,21 +14,23 @@ const COMMON: &str = kernel_file!("moe/common.cuh");
 /// One token's routing by one warp (shared with the small-batch router).
 const TOPK_WARP_FILE: &str = kernel_file!("moe/topk_warp.cuh");
 
-/// `1`: the MoE modules route tokens of up to 256 experts from registers (`moe_topk_regs`: two
+/// The MoE modules route tokens of up to 256 experts from registers (`moe_topk_regs`: two
 /// `redux.sync` a pick; the same experts and weights as the shared-memory form, checked on the
-/// CPU by `topk_emu.rs`). Off by default until measured on a GPU. Read once per process.
+/// CPU by `topk_emu.rs`) unless this is `0`. On by default since measured (H100, 2026-12-07:
+/// batch-1 decode +1.5%). Read once per process.
 pub const MOE_TOPK_REGS_ENV: &str = "OMNI_CUDA_MOE_TOPK_REGS";
 
-/// The define that selects the register top-k (prepended to a module's source).
-pub(crate) const TOPK_REGS_DEFINE: &str = "#define MOE_TOPK_FROM_REGS\n";
+/// The define that selects the shared-memory top-k for every expert count (prepended to a
+/// module's source).
+pub(crate) const TOPK_SMEM_DEFINE: &str = "#define MOE_TOPK_FROM_SMEM\n";
 
-/// The warp top-k's source (`topk_warp.cuh`), with [`TOPK_REGS_DEFINE`] when
-/// [`MOE_TOPK_REGS_ENV`] is `1`.
+/// The warp top-k's source (`topk_warp.cuh`), with [`TOPK_SMEM_DEFINE`] unless
+/// [`MOE_TOPK_REGS_ENV`] is not `0`.
 pub(super) fn topk_warp() -> &'static str {
     static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SRC.get_or_init(|| {
-        let regs = std::env::var(MOE_TOPK_REGS_ENV).is_ok_and(|v| v.trim() == "1");
-        let define = if regs { TOPK_REGS_DEFINE } else { "" };
+        let regs = crate::cuda::switch_on(MOE_TOPK_REGS_ENV);
+        let define = if regs { "" } else { TOPK_SMEM_DEFINE };
         format!("{define}{TOPK_WARP_FILE}")
     })
 }
