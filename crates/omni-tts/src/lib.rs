@@ -33,9 +33,10 @@
 //! time, which a machine that reaches only the package registries cannot do;
 //! `scripts/fetch-voice.sh` puts the wheel's library next to the voice instead. It is the runtime
 //! the reference package itself uses, and on one thread its outputs are the reference's bit for
-//! bit, which is what lets the audio match. The int8 products are made exact on every x86 CPU
-//! (`onnx::X64_QUANT_PRECISION`; without it a CPU lacking VNNI saturates them and the audio
-//! depends on the machine), and the reference (`scripts/make-tts-golden.sh`) is made the same way.
+//! bit, which is what lets the audio match. The int8 products are exact on every x86 CPU: ONNX
+//! Runtime's own kernels where the CPU has VNNI, its u8 x u8 rewrite elsewhere
+//! (`onnx::Int8Products`; without it a CPU lacking VNNI saturates them and the audio depends on
+//! the machine), and the reference (`scripts/make-tts-golden.sh`) is made exact the same way.
 //!
 //! The pure-Rust alternative, `tract-onnx` 0.23.9, does not run this graph: typing it fails on the
 //! duration expansion (the frame count is data-dependent: node `/Reshape_42` expects

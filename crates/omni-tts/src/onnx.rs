@@ -7,8 +7,9 @@
 //! Sessions run on one intra-op and one inter-op thread, like the reference package (the model is
 //! small; one core runs it far faster than real time, and a serving process has other work).
 //!
-//! Every session sets [`X64_QUANT_PRECISION`]: the voice is an int8 (dynamically quantized) graph,
-//! and without it ONNX Runtime's x86 kernels give CPU-dependent audio (see the constant).
+//! The voice is an int8 (dynamically quantized) graph, and ONNX Runtime's x86 kernels for it are
+//! exact only on CPUs with VNNI; elsewhere every session sets [`X64_QUANT_PRECISION`], so the
+//! audio does not depend on the machine (see the constant and [`Int8Products`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -20,16 +21,41 @@ use ort::value::Tensor;
 use crate::Error;
 
 /// ONNX Runtime's session entry (`kOrtSessionOptionsAvx2PrecisionMode`) for exact int8 matrix
-/// products on x86, set to `"1"` on every session.
+/// products on x86, set to `"1"` where the CPU's own kernels are not exact ([`Int8Products`]).
 ///
 /// The quantized graph multiplies uint8 activations by int8 weights. Without VNNI, ONNX Runtime's
 /// u8 x s8 kernels add neighbouring products with `PMADDUBSW`, which saturates at 16 bits
 /// (255 x 127 x 2 > 32767); with VNNI the sums are exact. So the same text gave different audio
 /// on an AVX2-only CPU (0.22 away from the reference at "Hello there.", durations included) than on
 /// a VNNI one. The entry makes the runtime rewrite the int8 weights to uint8 and use its u8 x u8
-/// kernels, exact on every x86 CPU, so the audio no longer depends on the machine. It costs some
-/// speed where VNNI was available; the model still runs far faster than real time on one core.
+/// kernels, exact on every x86 CPU, so the audio no longer depends on the machine. The u8 x u8
+/// kernels are slower: on an AVX-512 VNNI CPU the acoustic model took 1.6x as long with the entry
+/// (0.54 against 0.34 s for 19 sentences, outputs bit for bit the same), hence [`Int8Products`].
 pub const X64_QUANT_PRECISION: (&str, &str) = ("session.x64quantprecision", "1");
+
+/// How a session gets exact int8 products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Products {
+    /// ONNX Runtime's own kernels where they are exact ([`cpu_int8_is_exact`]), else the
+    /// rewrite of [`X64_QUANT_PRECISION`].
+    Auto,
+    /// The rewrite of [`X64_QUANT_PRECISION`] on any CPU (a check that both paths agree).
+    Rewritten,
+}
+
+/// Whether ONNX Runtime's u8 x s8 kernels sum exactly on this CPU: VNNI's `VPDPBUSD` (AVX-512
+/// VNNI, or AVX-VNNI) adds the products in 32 bits, and off x86 the kernels are exact as well.
+pub fn cpu_int8_is_exact() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512vnni")
+            || std::arch::is_x86_feature_detected!("avxvnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        true
+    }
+}
 
 static ENVIRONMENT: OnceLock<Result<ort::environment::Environment, String>> = OnceLock::new();
 
@@ -62,7 +88,13 @@ pub struct Output<T> {
 }
 
 impl OnnxModel {
+    /// Loads `model` with [`Int8Products::Auto`].
     pub fn load(runtime: &Path, model: &Path) -> Result<Self, Error> {
+        Self::load_with(runtime, model, Int8Products::Auto)
+    }
+
+    pub fn load_with(runtime: &Path, model: &Path, int8: Int8Products) -> Result<Self, Error> {
+        let rewrite = int8 == Int8Products::Rewritten || !cpu_int8_is_exact();
         let name = model.file_name().map_or_else(
             || model.display().to_string(),
             |n| n.to_string_lossy().into_owned(),
@@ -75,6 +107,10 @@ impl OnnxModel {
             let b = b
                 .with_optimization_level(GraphOptimizationLevel::All)
                 .map_err(|e| e.to_string())?;
+            if !rewrite {
+                let mut b = b;
+                return b.commit_from_file(model).map_err(|e| e.to_string());
+            }
             let (key, value) = X64_QUANT_PRECISION;
             let mut b = b.with_config_entry(key, value).map_err(|e| e.to_string())?;
             // The precision entry needs each integer-product weight used once (onnx_shared.rs).

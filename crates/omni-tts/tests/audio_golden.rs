@@ -133,3 +133,47 @@ fn audio_from_text_matches_the_reference_package() {
     );
     assert!(checked >= 3);
 }
+
+/// The rewrite that makes int8 products exact on CPUs without VNNI (`X64_QUANT_PRECISION`, with
+/// the shared weights copied) gives the outputs of ONNX Runtime's own kernels where those are
+/// exact (VNNI), bit for bit; where they are not, both loads take the rewrite and the audio test
+/// above holds it to the reference.
+#[test]
+fn the_exact_int8_rewrite_gives_the_same_outputs_as_the_default_load() {
+    use omni_tts::onnx::{Int8Products, OnnxModel, default_library};
+    let Some(voice) =
+        common::voice("the_exact_int8_rewrite_gives_the_same_outputs_as_the_default_load")
+    else {
+        return;
+    };
+    let dir = voice.dir();
+    let (runtime, model) = (default_library(dir), dir.join(omni_tts::MODEL_FILE));
+    let auto = OnnxModel::load(&runtime, &model).expect("default load");
+    let rewritten =
+        OnnxModel::load_with(&runtime, &model, Int8Products::Rewritten).expect("rewritten load");
+    let golden = common::golden();
+    let mut checked = 0;
+    for s in golden["sentences"]
+        .as_array()
+        .expect("sentences")
+        .iter()
+        .take(8)
+    {
+        for ids in s["ids"].as_array().expect("ids") {
+            let ids: Vec<i64> = serde_json::from_value(ids.clone()).expect("ids");
+            let a = auto.run_acoustic(&ids, 1.0).expect("default runs");
+            let b = rewritten.run_acoustic(&ids, 1.0).expect("rewritten runs");
+            assert_eq!(a.len(), b.len());
+            for ((na, oa), (nb, ob)) in a.iter().zip(&b) {
+                assert_eq!((na, &oa.shape), (nb, &ob.shape));
+                assert_eq!(common::max_abs_diff(&oa.data, &ob.data), 0.0, "{na}");
+            }
+            checked += 1;
+        }
+    }
+    println!(
+        "exact int8 rewrite: {checked} inputs bit for bit (this CPU's own kernels exact: {})",
+        omni_tts::onnx::cpu_int8_is_exact()
+    );
+    assert!(checked >= 8);
+}
