@@ -35,7 +35,7 @@ pub const NORM_REGS_ENV: &str = "OMNI_CUDA_NORM_REGS";
 /// Whether the register form runs ([`NORM_REGS_ENV`] is not `0`).
 fn norm_regs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switch_on(NORM_REGS_ENV))
+    *ON.get_or_init(|| crate::cuda::switch_on(NORM_REGS_ENV))
 }
 
 const EMBEDDING_IDS_FN: &str = "embedding_ids_bf16";

@@ -55,6 +55,11 @@ pub(crate) fn switch_on(var: &str) -> bool {
     !matches!(std::env::var(var), Ok(v) if v.trim() == "0")
 }
 
+/// Whether a kernel choice that is off by default was asked for: its environment variable is `1`.
+pub(crate) fn switch_opt_in(var: &str) -> bool {
+    matches!(std::env::var(var), Ok(v) if v.trim() == "1")
+}
+
 pub use attention::*;
 pub use collective::NcclAllReduce;
 pub use gemv::*;

@@ -46,7 +46,7 @@ pub const QKV_ROPE_WIDE_ENV: &str = "OMNI_CUDA_QKV_ROPE_WIDE";
 /// Whether the wide form may run ([`QKV_ROPE_WIDE_ENV`] is not `0`).
 fn qkv_rope_wide() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switch_on(QKV_ROPE_WIDE_ENV))
+    *ON.get_or_init(|| crate::cuda::switch_on(QKV_ROPE_WIDE_ENV))
 }
 
 /// [`QKV_ROPE_HEADS`], or [`QKV_ROPE_HEADS_ENV`] when it holds 1 to 8.

@@ -129,7 +129,7 @@ pub const DECODE_TC_ENV: &str = "OMNI_CUDA_DECODE_TC";
 /// Whether [`DECODE_TC_ENV`] leaves the tensor-core decode kernel on (the default).
 fn tc_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(DECODE_TC_ENV).map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| crate::cuda::switch_on(DECODE_TC_ENV))
 }
 
 /// How one decode call is launched: a pure function of the host scalars ([`decode_plan`]), so a
@@ -210,7 +210,7 @@ pub const DECODE_BALANCED_ENV: &str = "OMNI_CUDA_DECODE_BALANCED";
 /// Whether [`DECODE_BALANCED_ENV`] turns balanced partitions on.
 fn balanced_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(DECODE_BALANCED_ENV).is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| crate::cuda::switch_opt_in(DECODE_BALANCED_ENV))
 }
 
 /// [`DecodePlan::balanced`]'s partition length for a sequence of `seq_len` tokens (the

@@ -22,7 +22,7 @@ pub const DECODE_ROPE_ENV: &str = "OMNI_CUDA_DECODE_ROPE";
 
 fn decode_rope_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(DECODE_ROPE_ENV).is_ok_and(|v| v.trim() == "1"))
+    *ON.get_or_init(|| crate::cuda::switch_opt_in(DECODE_ROPE_ENV))
 }
 
 /// `struct DecodeRope` of `decode.cu`, field for field (a kernel argument by value).

@@ -34,7 +34,7 @@ pub const MOE_CUBLAS_ENV: &str = "OMNI_CUDA_MOE_CUBLAS";
 /// Whether [`MOE_CUBLAS_ENV`] leaves the cuBLAS prefill path on (the default).
 pub(super) fn cublas_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(MOE_CUBLAS_ENV).map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| crate::cuda::switch_on(MOE_CUBLAS_ENV))
 }
 
 /// The smallest bucket quantum the path uses by default: counts round up to multiples of 32

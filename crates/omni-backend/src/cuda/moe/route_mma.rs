@@ -29,7 +29,7 @@ pub const MOE_ROUTE_MMA_ENV: &str = "OMNI_CUDA_MOE_ROUTE_MMA";
 /// [`MOE_ROUTE_MMA_ENV`] as read once per process.
 pub fn moe_route_mma_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var(MOE_ROUTE_MMA_ENV).is_ok_and(|v| v.trim() == "1"))
+    *ON.get_or_init(|| crate::cuda::switch_opt_in(MOE_ROUTE_MMA_ENV))
 }
 
 /// Tokens a CTA takes (`MR_BM`).
