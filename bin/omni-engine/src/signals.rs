@@ -7,9 +7,8 @@
 //!
 //! The handler only writes the signal's number into a pipe (async-signal-safe); a thread reads
 //! it, removes `/dev/shm/omni.<pid>x*` (every segment of an engine instance this process
-//! started, its workers' included: instance ids begin with the launching process's pid,
-//! `omni_ipc::shm::new_instance_id`) and exits. Workers still mapping a segment keep their mapping;
-//! they die with this process (`PR_SET_PDEATHSIG`).
+//! started, its workers' included: `omni_ipc::shm::remove_segments_of`) and exits. Workers
+//! still mapping a segment keep their mapping; they die with this process (`PR_SET_PDEATHSIG`).
 
 use std::io::Read;
 use std::os::fd::IntoRawFd;
@@ -41,7 +40,7 @@ pub fn remove_segments_on_signals() -> anyhow::Result<()> {
         .spawn(move || {
             let mut b = [0u8; 1];
             if std::fs::File::from(read).read_exact(&mut b).is_ok() {
-                let removed = remove_own_segments();
+                let removed = omni_ipc::shm::remove_segments_of(std::process::id());
                 tracing::warn!(
                     signal = b[0],
                     segments = removed.len(),
@@ -72,19 +71,4 @@ pub unsafe fn on_stop_signals(handler: extern "C" fn(nix::libc::c_int)) -> anyho
         unsafe { sigaction(sig, &action) }?;
     }
     Ok(())
-}
-
-/// Removes `/dev/shm/omni.<this pid>x*`; returns their names.
-fn remove_own_segments() -> Vec<String> {
-    let prefix = format!("{}{}x", omni_ipc::shm::SEGMENT_PREFIX, std::process::id());
-    let Ok(dir) = std::fs::read_dir(omni_ipc::shm::SHM_DIR) else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(&prefix))
-        .filter(|n| {
-            std::fs::remove_file(std::path::Path::new(omni_ipc::shm::SHM_DIR).join(n)).is_ok()
-        })
-        .collect()
 }

@@ -51,23 +51,6 @@ fn handshake_err(e: impl std::fmt::Display) -> EngineCoreProcError {
     EngineCoreProcError::Handshake(e.to_string())
 }
 
-/// Removes every `/dev/shm/omni.<pid>x*` segment: those of the engine instances `pid` created
-/// (its queues, its workers' queues), whoever is still mapping them.
-pub(crate) fn remove_segments_of(pid: u32) -> Vec<String> {
-    let prefix = format!("{}{pid}x", omni_ipc::shm::SEGMENT_PREFIX);
-    let mut removed = Vec::new();
-    let Ok(dir) = std::fs::read_dir(omni_ipc::shm::SHM_DIR) else {
-        return removed;
-    };
-    for entry in dir.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(&prefix) && std::fs::remove_file(entry.path()).is_ok() {
-            removed.push(name);
-        }
-    }
-    removed
-}
-
 /// `PR_SET_PDEATHSIG(SIGKILL)`, the process name, and SIGINT ignored: a terminal's CTRL+C
 /// reaches the whole process group, and the client, which gets it too, stops this process in
 /// order (its workers inherit the disposition and are stopped by it in turn).
@@ -125,7 +108,7 @@ impl EngineCoreProc {
                 let mut input = std::io::stdin().lock();
                 while matches!(input.read(&mut sink), Ok(n) if n > 0) {}
                 // Our destructors will not run, nor will our workers' (they get SIGKILL).
-                remove_segments_of(std::process::id());
+                omni_ipc::shm::remove_segments_of(std::process::id());
                 std::process::exit(0);
             });
         if let Err(e) = watcher {

@@ -41,10 +41,10 @@ use omni_protocol::{
 };
 
 use crate::engine_core_client::{EngineCoreClient, Frontend, RequestError, RequestStream};
-use crate::engine_core_proc::remove_segments_of;
 use crate::executor::MultiprocConfig;
 use crate::executor::workers::launch;
 use crate::executor::workers::monitor::{ChildProcesses, ChildRole, DeathNotice};
+use omni_ipc::shm::remove_segments_of;
 
 /// One slice of a start-up wait, between checks for a dead engine core.
 pub(crate) const READY_SLICE: Duration = Duration::from_millis(200);

@@ -24,12 +24,12 @@ use std::time::Duration;
 use omni_ipc::{IpcError, MessageQueue, MessageQueueReader};
 use omni_protocol::{EngineCoreReady, EngineDeadError, StageInput, StageOutputs, StageSpec};
 
-use crate::engine_core_proc::remove_segments_of;
 use crate::executor::workers::monitor::{ChildProcesses, ChildRole, DeathNotice};
 use crate::mp_client::{
     Connection, EngineCoreStartError, MpClientConfig, spawn_and_connect, spawn_err,
     wait_for_cause_or,
 };
+use omni_ipc::shm::remove_segments_of;
 
 /// How long the reader waits for a message before it looks at the death notice again.
 const POLL: Duration = Duration::from_millis(50);

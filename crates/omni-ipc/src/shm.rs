@@ -374,6 +374,29 @@ fn headerless_and_old(f: &std::fs::File) -> bool {
         .is_some_and(|age| age > HEADERLESS_GRACE)
 }
 
+/// Removes every segment in `/dev/shm` whose name starts with `prefix`, whoever is still mapping
+/// it (a mapping outlives the name); returns the names removed.
+pub fn remove_segments_with_prefix(prefix: &str) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(prefix) && std::fs::remove_file(entry.path()).is_ok() {
+            removed.push(name);
+        }
+    }
+    removed
+}
+
+/// Removes every `omni.<pid>x*` segment: those of the engine instances process `pid` created
+/// (instance ids begin with the creating process's pid, [`new_instance_id`]), its workers'
+/// included.
+pub fn remove_segments_of(pid: u32) -> Vec<String> {
+    remove_segments_with_prefix(&format!("{SEGMENT_PREFIX}{pid}x"))
+}
+
 /// Removes every `omni.*` segment in `/dev/shm` whose creator process is dead (after a crash
 /// or kill -9). Returns the names removed. Segments of live processes are left alone.
 pub fn sweep_stale() -> Vec<String> {

@@ -302,14 +302,10 @@ impl NodeRun {
         self.processes.begin_stop();
         self.stdins.clear();
         self.processes.stop();
-        let prefix = omni_ipc::shm::segment_name(&self.instance, "");
-        if let Ok(dir) = std::fs::read_dir(omni_ipc::shm::SHM_DIR) {
-            for entry in dir.flatten() {
-                if entry.file_name().to_string_lossy().starts_with(&prefix) {
-                    let _ = std::fs::remove_file(entry.path());
-                }
-            }
-        }
+        omni_ipc::shm::remove_segments_with_prefix(&omni_ipc::shm::segment_name(
+            &self.instance,
+            "",
+        ));
         self._segments.clear();
     }
 }

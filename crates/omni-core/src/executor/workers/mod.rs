@@ -383,15 +383,10 @@ impl WorkerGroup {
     }
 
     fn remove_instance_segments(&self) {
-        let prefix = omni_ipc::shm::segment_name(&self.instance, "");
-        let Ok(dir) = std::fs::read_dir(omni_ipc::shm::SHM_DIR) else {
-            return;
-        };
-        for entry in dir.flatten() {
-            if entry.file_name().to_string_lossy().starts_with(&prefix) {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
+        omni_ipc::shm::remove_segments_with_prefix(&omni_ipc::shm::segment_name(
+            &self.instance,
+            "",
+        ));
     }
 }
 
