@@ -2,7 +2,7 @@
 //! takes it and its launch sequence, the per-layer GEMVs carrying the norms and residual adds
 //! (`run_kernels` in `layers.rs` is the general path; both share its attention core).
 
-use omni_backend::cuda::{AttnShape, CudaContext, GemvIn, GemvOut, L2Prefetch, MropeAxes};
+use omni_backend::cuda::{CudaContext, GemvIn, GemvOut, L2Prefetch, MropeAxes};
 
 use super::layers::AttnCore;
 use super::weights::DMlp;
@@ -41,22 +41,10 @@ impl CudaDecoderModel {
     /// down adding into the residual; `moe_small.rs`); then the final norm of the output rows.
     pub(super) fn run_fused_kernels(&mut self, st: StepShape) -> Result<(), ModelError> {
         let cx = self.cx.clone();
-        let (h, hd) = (self.spec.hidden_size, self.spec.head_dim);
-        let (lq, lkv) = (self.heads.local_heads, self.heads.local_kv_heads);
+        let h = self.spec.hidden_size;
         let eps = self.spec.rms_norm_eps;
         let t = st.tokens;
-        let attn_shape = AttnShape {
-            num_seqs: st.seqs,
-            num_tokens: t,
-            num_heads: lq,
-            num_kv_heads: lkv,
-            head_dim: hd,
-            block_size: self.limits.block_size,
-            max_blocks_per_seq: self.limits.max_blocks_per_seq(),
-            max_query_len: st.max_query_len,
-            max_seq_len: st.max_seq_len,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let attn_shape = self.attn_shape(&st);
         let mut prof = self.profiler.take();
         let stream = cx.stream().clone();
         macro_rules! mark {
@@ -68,10 +56,7 @@ impl CudaDecoderModel {
         }
         mark!("start");
         if !st.embeds {
-            let table = self.embed.as_ref().ok_or_else(|| {
-                ModelError::Batch(format!("{} has no token embedding", self.spec.architecture))
-            })?;
-            cx.embedding_ids_bf16(table, h, &self.inputs.ids, t, &mut self.act.sel_embed)?;
+            self.embed_step_ids(t)?;
             mark!("embedding");
         }
         for li in 0..self.layers.len() {

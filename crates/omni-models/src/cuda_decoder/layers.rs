@@ -227,6 +227,34 @@ impl CudaDecoderModel {
         Ok(())
     }
 
+    /// The paged-attention shape of step `st` on this rank (both step paths).
+    pub(super) fn attn_shape(&self, st: &StepShape) -> AttnShape {
+        let hd = self.spec.head_dim;
+        AttnShape {
+            num_seqs: st.seqs,
+            num_tokens: st.tokens,
+            num_heads: self.heads.local_heads,
+            num_kv_heads: self.heads.local_kv_heads,
+            head_dim: hd,
+            block_size: self.limits.block_size,
+            max_blocks_per_seq: self.limits.max_blocks_per_seq(),
+            max_query_len: st.max_query_len,
+            max_seq_len: st.max_seq_len,
+            scale: 1.0 / (hd as f32).sqrt(),
+        }
+    }
+
+    /// The embedding rows of the step's `t` token ids into `act.sel_embed`.
+    pub(super) fn embed_step_ids(&mut self, t: usize) -> Result<(), ModelError> {
+        let table = self.embed.as_ref().ok_or_else(|| {
+            ModelError::Batch(format!("{} has no token embedding", self.spec.architecture))
+        })?;
+        let h = self.spec.hidden_size;
+        self.cx
+            .embedding_ids_bf16(table, h, &self.inputs.ids, t, &mut self.act.sel_embed)?;
+        Ok(())
+    }
+
     /// Queues one step's kernels on the stream (no host sync: capturable).
     pub(super) fn run_kernels(&mut self, st: StepShape) -> Result<(), ModelError> {
         if self.fused_fits(&st) {
@@ -234,21 +262,10 @@ impl CudaDecoderModel {
         }
         let cx = self.cx.clone();
         let (h, hd) = (self.spec.hidden_size, self.spec.head_dim);
-        let (lq, lkv) = (self.heads.local_heads, self.heads.local_kv_heads);
+        let lq = self.heads.local_heads;
         let eps = self.spec.rms_norm_eps;
         let t = st.tokens;
-        let attn_shape = AttnShape {
-            num_seqs: st.seqs,
-            num_tokens: t,
-            num_heads: lq,
-            num_kv_heads: lkv,
-            head_dim: hd,
-            block_size: self.limits.block_size,
-            max_blocks_per_seq: self.limits.max_blocks_per_seq(),
-            max_query_len: st.max_query_len,
-            max_seq_len: st.max_seq_len,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let attn_shape = self.attn_shape(&st);
         let rank0 = self.rank == 0;
         let gemv = if self.small_batch_gemv {
             Gemm::Gemv
@@ -280,10 +297,7 @@ impl CudaDecoderModel {
                 .memset_zeros(&mut self.act.x.slice_mut(..t * h))
                 .map_err(CudaError::from)?;
         } else if !st.embeds {
-            let table = self.embed.as_ref().ok_or_else(|| {
-                ModelError::Batch(format!("{} has no token embedding", self.spec.architecture))
-            })?;
-            cx.embedding_ids_bf16(table, h, &self.inputs.ids, t, &mut self.act.sel_embed)?;
+            self.embed_step_ids(t)?;
             mark!("embedding");
         }
         // MoE layers of this step may run the small-batch experts, which add into x
