@@ -24,8 +24,8 @@ pub const MOE_TOPK_REGS_ENV: &str = "OMNI_CUDA_MOE_TOPK_REGS";
 /// module's source).
 pub(crate) const TOPK_SMEM_DEFINE: &str = "#define MOE_TOPK_FROM_SMEM\n";
 
-/// The warp top-k's source (`topk_warp.cuh`), with [`TOPK_SMEM_DEFINE`] unless
-/// [`MOE_TOPK_REGS_ENV`] is not `0`.
+/// The warp top-k's source (`topk_warp.cuh`), with [`TOPK_SMEM_DEFINE`] when
+/// [`MOE_TOPK_REGS_ENV`] is `0`.
 pub(super) fn topk_warp() -> &'static str {
     static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SRC.get_or_init(|| {
