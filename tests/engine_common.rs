@@ -3,7 +3,8 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
 
 /// The binary under test (`OMNI_ENGINE_BIN` overrides it).
 pub fn engine_bin() -> PathBuf {
@@ -120,4 +121,20 @@ pub fn children_named(ppid: u32, comm: &str) -> Vec<u32> {
         }
     }
     found
+}
+
+/// Waits up to `limit` for `child` to exit; kills it (and fails) past that.
+pub fn wait_exit(child: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
+    let until = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if Instant::now() >= until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

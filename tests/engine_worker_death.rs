@@ -99,14 +99,11 @@ fn sigterm_or_sigint_to_generate_removes_its_shared_memory() {
         let workers = children_named(pid, "omni-worker-0");
         assert_eq!(workers.len(), 1);
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "{sig}: still running after 10 s");
-            std::thread::sleep(Duration::from_millis(20));
-        };
+        let status = wait_exit(
+            &mut child,
+            Duration::from_secs(10),
+            &format!("{sig}: generate"),
+        );
         assert_eq!(status.code(), Some(code), "{sig}: {status}");
         assert_eq!(segments_of(pid), Vec::<String>::new(), "{sig}");
         // The workers die with it (PR_SET_PDEATHSIG): gone, or a zombie of their new parent.

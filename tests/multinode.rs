@@ -18,7 +18,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use netns::{LEADER_IP, LEADER_NAME, NodePair, wait_exit};
+use netns::{LEADER_IP, LEADER_NAME, NodePair};
 
 const PORT: &str = "29501";
 

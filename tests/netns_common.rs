@@ -11,7 +11,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub const LEADER_IP: &str = "10.213.7.1";
 pub const FOLLOWER_IP: &str = "10.213.7.2";
@@ -230,22 +230,6 @@ impl Drop for NodePair {
         let _ = sh(&["ip", "netns", "del", &self.follower_ns]);
         let _ = std::fs::remove_dir_all(PathBuf::from("/etc/netns").join(&self.follower_ns));
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Waits up to `limit` for `child` to exit; kills it (and fails) past that.
-pub fn wait_exit(child: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
-    let until = Instant::now() + limit;
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        if Instant::now() >= until {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what} did not exit within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
