@@ -94,9 +94,10 @@
 #   ab-staged the staged GEMV of decode steps (weights copied into shared memory under the
 #           latency-bound kernels before the projections): its checks, the model tests with it
 #           on, bench latency with it off / on (STAGED_MODES, STAGED_MODELS, STAGED_BATCHES)
-#   ab-optin the default kernels against their switches (OPTINS, default "route topk0 norm0
-#           count wide0 first": the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1 (off by
-#           default), and the first forms of the kernels made default on 2026-12-07: the
+#   ab-optin the default kernels against their switches (OPTINS, default "attn1 route topk0
+#           norm0 count wide0 first": the one-launch attention block of one-token steps
+#           OMNI_CUDA_ATTN_ONE_LAUNCH=1 and the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1
+#           (both off by default), and the first forms of the kernels made default on 2026-12-07: the
 #           shared-memory top-k OMNI_CUDA_MOE_TOPK_REGS=0, the shared-memory RMSNorm
 #           OMNI_CUDA_NORM_REGS=0, the count barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=count, the
 #           narrower q/k norm + RoPE OMNI_CUDA_QKV_ROPE_WIDE=0, and all four first forms; OPTIN_PARTS,
@@ -588,9 +589,10 @@ if want ab-optin; then
   FIRST=(OMNI_CUDA_MOE_TOPK_REGS=0 OMNI_CUDA_NORM_REGS=0 OMNI_CUDA_MOE_BLOCK1_BARRIER=count
     OMNI_CUDA_QKV_ROPE_WIDE=0)
   # The forms the default does not run: the router on, the first forms.
-  ALL_ON=(OMNI_CUDA_MOE_ROUTE_MMA=1 "${FIRST[@]}")
+  ALL_ON=(OMNI_CUDA_ATTN_ONE_LAUNCH=1 OMNI_CUDA_MOE_ROUTE_MMA=1 "${FIRST[@]}")
   optin_env() { # mode -> VAR=value words
     case $1 in
+      attn1) echo OMNI_CUDA_ATTN_ONE_LAUNCH=1 ;;
       route) echo OMNI_CUDA_MOE_ROUTE_MMA=1 ;; topk0) echo OMNI_CUDA_MOE_TOPK_REGS=0 ;;
       norm0) echo OMNI_CUDA_NORM_REGS=0 ;; count) echo OMNI_CUDA_MOE_BLOCK1_BARRIER=count ;;
       wide0) echo OMNI_CUDA_QKV_ROPE_WIDE=0 ;;
@@ -599,7 +601,8 @@ if want ab-optin; then
   }
   PARTS=" ${OPTIN_PARTS:-tests timing bench profile ncu} "
   OPT_TESTS=(cuda::moe::router_tests cuda::moe::tests::moe_topk cuda::moe::block1_tests
-    cuda::moe::small_tests cuda::gemv cuda::layers_tests cuda::attention::rope_tests)
+    cuda::moe::small_tests cuda::gemv cuda::layers_tests cuda::attention::rope_tests
+    cuda::attention::block1_tests)
   if [[ $PARTS == *" tests "* ]]; then
     step optin-kernels "$BIN/backend-tests" "${OPT_TESTS[@]}" --skip timing --skip throughput \
       --test-threads=1 --nocapture
@@ -610,7 +613,7 @@ if want ab-optin; then
     # steps): 16 greedy tokens after a 2048-token prompt of the 30B shape (dummy weights), the
     # default against the other forms; printed, not asserted (dummy routers have near-ties).
     ids=$(python3 -c "print(','.join(str((i*7919)%150000+1) for i in range(2048)))")
-    for v in base all; do
+    for v in base all attn1; do
       # shellcheck disable=SC2046 # the mode's VAR=value words
       env $(optin_env "$v") "$BIN/omni-engine" generate --model bench/models/qwen3-30b-a3b \
         --load-format dummy --device cuda --max-model-len 4096 --max-num-batched-tokens 4096 \
@@ -622,12 +625,13 @@ if want ab-optin; then
   if [[ $PARTS == *" timing "* ]]; then
     # The kernels alone: routing (split GEMMs + top-k against one launch), the MoE layer's
     # tiles and the top-k at 2048 tokens.
+    step optin-attn1-timing "$BIN/backend-tests" attn_block1_timing --test-threads=1 --nocapture
     step optin-route-timing "$BIN/backend-tests" route_mma_timing --test-threads=1 --nocapture
     step optin-moe-timing env OMNI_MOE_TIMING_TOKENS=2048 "$BIN/backend-tests" \
       fused_moe_real_shape_and_timing --test-threads=1 --nocapture
   fi
   [[ $PARTS == *" bench "* ]] && for r in $(seq 1 "${OPTIN_ROUNDS:-2}"); do
-    for v in base ${OPTINS:-route topk0 norm0 count wide0 first}; do
+    for v in base ${OPTINS:-attn1 route topk0 norm0 count wide0 first}; do
       # shellcheck disable=SC2046 # the mode's VAR=value words
       step "optin-$v-r$r" env $(optin_env "$v") "$BIN/omni-engine" bench latency \
         --model bench/models/qwen3-30b-a3b --load-format dummy --device cuda --max-model-len 4096 \
@@ -635,7 +639,7 @@ if want ab-optin; then
         --output-len 64 --prefill-len 2048 --json "$LOGS/optin-$v-r$r.json"
     done
   done
-  [[ $PARTS == *" profile "* ]] && for v in base first route heads1 heads2 heads4; do
+  [[ $PARTS == *" profile "* ]] && for v in base attn1 first route heads1 heads2 heads4; do
     e=$(optin_env "$v"); [[ $v == heads* ]] && e=OMNI_CUDA_QKV_ROPE_HEADS=${v#heads}
     # shellcheck disable=SC2086 # the mode's VAR=value words
     OMNI_CUDA_PROFILE=4 step "optin-profile-$v" env $e "$BIN/omni-engine" bench latency \

@@ -30,35 +30,6 @@
 #define GV_OUT_ADD 2
 #define GV_OUT_SILU 3
 
-// Row r of `residual` (or of bf16 `init` when set) normalised into xs[r * dim ..]: the loops of
-// `fused_add_rmsnorm_f32res` (mode 1 / the add already done) and its block sum over its own
-// thread count (`gv_virtual_block_sum`), so any block size gives its bits; dim a multiple of 4.
-__device__ __forceinline__ void gv_norm_row(const float* __restrict__ x,
-        const unsigned short* __restrict__ init, bool set, bool write_back, float* residual,
-        const unsigned short* __restrict__ w, unsigned short* xs, int dim, float eps, float* sh) {
-    const int vt = gv_norm_threads(dim);
-    const float total = gv_virtual_block_sum(vt, sh, [&](int v) {
-        float ss = 0.f;
-        for (int i = v * 4; i < dim; i += vt * 4) {
-            float4 e;
-            if (set) {
-                const unsigned short* s = init + i;
-                e = make_float4(bf2f(s[0]), bf2f(s[1]), bf2f(s[2]), bf2f(s[3]));
-                if (write_back) *reinterpret_cast<float4*>(residual + i) = e;
-            } else {
-                e = *reinterpret_cast<const float4*>(x + i);
-            }
-            ss += e.x * e.x + e.y * e.y + e.z * e.z + e.w * e.w;
-        }
-        return ss;
-    });
-    const float inv = rsqrtf(total / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float xi = set ? bf2f(init[i]) : x[i];
-        xs[i] = f2bf(bf2f(w[i]) * (xi * inv));
-    }
-}
-
 // Grid: ceil(n / 8) blocks of GV_WARPS warps; warp o of the grid owns output column o. Dynamic
 // shared memory: rows * k bf16 for GV_IN_NORM (none otherwise). R (>= rows) bounds the
 // accumulators, indexed by compile-time rows only (unrolled, predicated on `rows`) so they stay

@@ -18,7 +18,7 @@
 // down weights arrive while gate_up streams. Needs every CTA resident at once (the grid is the
 // SM count, one CTA per SM by its shared memory) and triggers its dependents only after barrier
 // 1, when every CTA is resident, so a dependent grid cannot take an SM one of its CTAs waits
-// for. A barrier that waits longer than MB1_TIMEOUT_NS traps (a launch error) instead of hanging.
+// for. A barrier that waits longer than GRID_TIMEOUT_NS traps (a launch error) instead of hanging.
 // `stamps` (null but in a test) takes each CTA's %globaltimer at MB1_STAMPS points.
 // The router, gate_up and down loops repeat small.cu's text on purpose: the same statements in
 // the same order give the same bits, which `moe_block1_matches_the_three_small_kernels` checks.
@@ -29,86 +29,14 @@
 // the evict-first L2 policy: each is read once a step, so its lines are the first to go and the
 // rest of L2 (the next kernels' weights and activations) stays (H200: 34.9 -> 34.3 µs a launch,
 // +1.4% at batch 1 in the engine).
-// Prepended by the Rust side: bf16.cuh, gemv_common.cuh, moe/topk_warp.cuh.
+// Prepended by the Rust side: bf16.cuh, grid_sync.cuh, gemv_common.cuh, moe/topk_warp.cuh.
 
 #define MB1_THREADS 512
 #define MB1_MAX_TOPK 32
 #define MB1_ROUTE_UNROLL 16
-#define MB1_TIMEOUT_NS 2000000000ull
 #define MB1_STAMPS 9
 #define MB1_STAMP(i) \
-    if (stamps != nullptr && tid == 0) stamps[(size_t)c * MB1_STAMPS + (i)] = mb1_now()
-
-__device__ __forceinline__ unsigned mb1_ld_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ unsigned long long mb1_now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-#ifdef MB1_COUNT_BARRIER
-// The first form, kept behind OMNI_CUDA_MOE_BLOCK1_BARRIER=count.
-// Grid-wide barrier over `blocks` resident CTAs; bar[0] counts arrivals (left at 0), bar[1] is
-// the generation. Memory order: the CTA's writes precede thread 0's arrival (bar.sync, then
-// __threadfence: a gpu-scope fence, cumulative over the writes the barrier ordered before it);
-// the last arrival resets the count and then bumps the generation (fence, then the atomic: a
-// release); a waiter reads the generation with ld.acquire and fences before its CTA's
-// bar.sync, so every write made before any CTA's arrival is visible to every thread after the
-// barrier. The generation is read (acquire) before the arrival: it can only change after this
-// CTA's own arrival, so the wait cannot miss it. The count is touched again only after the
-// generation changed, i.e. after the reset.
-__device__ __forceinline__ void mb1_grid_sync(unsigned* bar, unsigned blocks) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned gen = mb1_ld_acquire(bar + 1);
-        __threadfence();
-        if (atomicAdd(bar, 1u) == blocks - 1u) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            const unsigned long long t0 = mb1_now();
-            while (mb1_ld_acquire(bar + 1) == gen) {
-                if (mb1_now() - t0 > MB1_TIMEOUT_NS) __trap();
-                __nanosleep(32);
-            }
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-#else
-// The same barrier with one atomic per CTA and nothing after the last arrival (the default
-// since measured; OMNI_CUDA_MOE_BLOCK1_BARRIER=count selects the form above): CTA 0 adds 2^31 - (blocks - 1), every
-// other CTA 1, so the word's top bit flips exactly when all `blocks` arrivals have landed and
-// its low bits are back where they were (0 between barriers: bar[1] is not used). A CTA waits
-// until the top bit differs from the one its own arrival returned. Before all arrivals the bit
-// cannot flip: the low bits stay in (0, 2^31) after CTA 0's addend and below `blocks` without
-// it. A CTA already arrived at the next barrier cannot flip it back either: that takes every
-// CTA's arrival, including the one still waiting here. Memory order: the CTA's writes, its
-// bar.sync, thread 0's __threadfence (gpu scope, cumulative) and then its atomicAdd on the word
-// (the release); a waiter's ld.acquire that reads the flipped value has read from the chain of
-// read-modify-writes that includes every arrival, then it fences before its CTA's bar.sync:
-// every write made before any CTA's arrival is visible to every thread after the barrier.
-__device__ __forceinline__ void mb1_grid_sync(unsigned* bar, unsigned blocks) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned add = blockIdx.x == 0 ? 0x80000000u - (blocks - 1u) : 1u;
-        __threadfence();
-        const unsigned old = atomicAdd(bar, add);
-        const unsigned long long t0 = mb1_now();
-        while (((mb1_ld_acquire(bar) ^ old) & 0x80000000u) == 0u)
-            if (mb1_now() - t0 > MB1_TIMEOUT_NS) __trap();
-        __threadfence();
-    }
-    __syncthreads();
-}
-#endif
+    if (stamps != nullptr && tid == 0) stamps[(size_t)c * MB1_STAMPS + (i)] = grid_now()
 
 __device__ __forceinline__ void mb1_cp16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -272,7 +200,7 @@ __device__ __forceinline__ void mb1_block(MB1_PARAMS) {
         if (lane == 0) logits[e] = acc;
     }
     MB1_STAMP(2);
-    mb1_grid_sync(bar, (unsigned)G);
+    grid_sync(bar, (unsigned)G);
     MB1_STAMP(3);
     // Every CTA is resident: dependents may launch now (they wait for this grid to complete).
     pdl_launch_dependents();
@@ -347,7 +275,7 @@ __device__ __forceinline__ void mb1_block(MB1_PARAMS) {
     MB1_STAMP(5);
     mb1_cp_wait_all();
     MB1_STAMP(6);
-    mb1_grid_sync(bar, (unsigned)G);
+    grid_sync(bar, (unsigned)G);
     MB1_STAMP(7);
 
     // Phase 3. act (written by every CTA) past L1 into shared memory, over xs.

@@ -35,6 +35,9 @@ pub(crate) const BF16_HELPERS: &str = kernel_file!("bf16.cuh");
 /// [`BF16_HELPERS`]).
 pub(crate) const ROPE_HELPERS: &str = kernel_file!("rope.cuh");
 
+/// The grid-wide barrier of the one-launch kernels (after [`BF16_HELPERS`]).
+pub(crate) const GRID_SYNC: &str = kernel_file!("grid_sync.cuh");
+
 /// The element-wise kernels (SiLU-and-mul).
 const ELEMENTWISE: &str = kernel_file!("elementwise.cu");
 
@@ -209,6 +212,10 @@ mod tests {
             ),
             ("moe small".to_string(), moe::small::moe_small_source()),
             ("moe block1".to_string(), moe::block1::moe_block1_source()),
+            (
+                "attention block1".to_string(),
+                attention::block1::attn_block1_source(),
+            ),
             ("sampling".to_string(), sampling::sampling_source()),
             ("talker".to_string(), talker::talker_source()),
             ("gemv".to_string(), gemv::gemv_source()),

@@ -3,8 +3,8 @@
 
 use omni_backend::cuda::cudarc::driver::CudaSlice;
 use omni_backend::cuda::{
-    AttnShape, CudaContext, CudaError, MOE_SMALL_MAX_TOKENS, MoeShape, bf16,
-    fused_moe_workspace_bytes, moe_route_mma_enabled, moe_route_mma_workspace_len,
+    AttnShape, CudaContext, CudaError, MOE_SMALL_MAX_TOKENS, MoeShape, attn_one_launch_enabled,
+    bf16, fused_moe_workspace_bytes, moe_route_mma_enabled, moe_route_mma_workspace_len,
     moe_small_act_len, paged_attention_workspace_len,
 };
 
@@ -72,6 +72,11 @@ pub(super) struct Activations {
     /// The one-launch MoE block's grid barrier state (an arrival count, zero between
     /// launches, and a generation).
     pub(super) moe_barrier: CudaSlice<i32>,
+    /// The one-launch attention block's partials (sized only with
+    /// `OMNI_CUDA_ATTN_ONE_LAUNCH=1` on a device that takes the shape).
+    pub(super) attn_block1_ws: CudaSlice<f32>,
+    /// Its grid barrier word and per-KV-head merge counters (zero between launches).
+    pub(super) attn_barrier: CudaSlice<i32>,
 }
 
 impl CudaDecoderModel {
@@ -138,6 +143,12 @@ impl CudaDecoderModel {
             logits_rows: s.alloc_zeros(n)?,
         };
         let (e, k) = moe_shape.map_or((0, 0), |m| (m.num_experts, m.top_k));
+        let attn1 = super::attn_block1::attn_block1_shape(spec, heads, (limits.block_size, mbps));
+        let attn1_ws = if attn_one_launch_enabled() && cx.attn_block1_fits(&attn1) {
+            cx.attn_block1_workspace_len(&attn1)
+        } else {
+            1
+        };
         let (route_part, route_cnt) = match moe_shape {
             Some(m) if moe_route_mma_enabled() => moe_route_mma_workspace_len(t, h, m.num_experts),
             _ => (1, 1),
@@ -181,6 +192,8 @@ impl CudaDecoderModel {
                 .max(1)
             }))?,
             moe_barrier: s.alloc_zeros(2)?,
+            attn_block1_ws: s.alloc_zeros(attn1_ws)?,
+            attn_barrier: s.alloc_zeros(1 + heads.local_kv_heads)?,
         };
         Ok((inputs, act))
     }

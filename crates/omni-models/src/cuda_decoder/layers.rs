@@ -309,6 +309,15 @@ impl CudaDecoderModel {
         let mut kept = false;
         // Whether the previous layer's MoE down kernel prefetched this layer's QKV weights.
         let mut qkv_prefetched = false;
+        // The one-launch attention block's shape, when this step may run it.
+        let attn1 = self.attn_block1_step(&st);
+        let mrope = match (&self.mrope_axes, st.mrope) {
+            (Some(axes), true) => Some(MropeAxes {
+                axes,
+                row_stride: self.limits.max_tokens.max(1),
+            }),
+            _ => None,
+        };
         for li in 0..self.layers.len() {
             let a = &mut self.act;
             let l = &self.layers[li];
@@ -322,15 +331,35 @@ impl CudaDecoderModel {
                 ResidualUpdate::Add(a.proj.slice(..t * h))
             };
             let pf = LayerPrefetch::of(l, prefetch, std::mem::take(&mut qkv_prefetched), &stream);
+            // The whole attention block in one launch (`attn_block1.rs`) where the residual is
+            // kept or set and the projections have no bias.
+            let one = attn1.filter(|_| {
+                !matches!(update, ResidualUpdate::Add(_)) && l.qkv.b.is_none() && l.o.b.is_none()
+            });
             // The input norm folds into a staged QKV projection when it only normalises (the
             // residual kept, or set from the embedding): every block normalises the rows itself.
-            let fold_norm = proj.fit(&cx, t, &l.qkv) == Gemm::Staged
+            let fold_norm = one.is_none()
+                && proj.fit(&cx, t, &l.qkv) == Gemm::Staged
                 && !prefetch
                 && cx.staged_gemv_folds_norm()
                 && l.qkv.b.is_none()
                 && !matches!(update, ResidualUpdate::Add(_))
                 && CudaContext::gemv_fits(t, h);
-            if fold_norm {
+            if let Some(shape) = one {
+                let set = matches!(update, ResidualUpdate::Set(_));
+                let kv = &mut self.kv[li];
+                Self::attn_block1(
+                    &cx,
+                    shape,
+                    a,
+                    l,
+                    kv,
+                    &self.inputs,
+                    (&self.inv_freq, mrope),
+                    set,
+                )?;
+                mark!("attn_block1");
+            } else if fold_norm {
                 let input = match update {
                     ResidualUpdate::Set(init) => GemvIn::SetNorm {
                         init,
@@ -368,35 +397,31 @@ impl CudaDecoderModel {
                     .map_err(CudaError::from)?;
                 mark!("capture");
             }
-            if !fold_norm {
-                Self::linear(&cx, proj, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
-                mark!("qkv_proj");
+            if one.is_none() {
+                if !fold_norm {
+                    Self::linear(&cx, proj, &l.qkv, &a.h.slice(..t * h), &mut a.qkv, t)?;
+                    mark!("qkv_proj");
+                }
+                let core = AttnCore {
+                    cx: &cx,
+                    inputs: &self.inputs,
+                    inv_freq: &self.inv_freq,
+                    mrope,
+                    shape: &attn_shape,
+                    eps,
+                };
+                core.run(a, l, &mut self.kv[li], pf.attn, (&mut prof, &stream))?;
+                Self::linear_f32(
+                    &cx,
+                    proj,
+                    &l.o,
+                    &a.attn.slice(..t * lq * hd),
+                    &mut a.proj,
+                    t,
+                    rank0,
+                )?;
+                mark!("o_proj");
             }
-            let core = AttnCore {
-                cx: &cx,
-                inputs: &self.inputs,
-                inv_freq: &self.inv_freq,
-                mrope: match (&self.mrope_axes, st.mrope) {
-                    (Some(axes), true) => Some(MropeAxes {
-                        axes,
-                        row_stride: self.limits.max_tokens.max(1),
-                    }),
-                    _ => None,
-                },
-                shape: &attn_shape,
-                eps,
-            };
-            core.run(a, l, &mut self.kv[li], pf.attn, (&mut prof, &stream))?;
-            Self::linear_f32(
-                &cx,
-                proj,
-                &l.o,
-                &a.attn.slice(..t * lq * hd),
-                &mut a.proj,
-                t,
-                rank0,
-            )?;
-            mark!("o_proj");
             Self::all_reduce(&self.all_reduce, &mut a.proj, t * h)?;
             mark!("all_reduce");
             // One-token steps: the whole MoE block in one launch, adding into x.

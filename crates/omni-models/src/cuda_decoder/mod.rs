@@ -37,6 +37,7 @@ use crate::ModelError;
 use crate::batch::ForwardBatch;
 use crate::decoder::{DecoderSpec, HeadLayout, PipelineStage};
 
+mod attn_block1;
 mod buffers;
 mod fused;
 mod graphs;

@@ -41,6 +41,11 @@
 //! `source.rs` the kernels' source per head dimension (`kernels/attention/*`), in `launch.rs`
 //! the launcher [`CudaContext::paged_attention_bf16`].
 
+pub(super) mod block1;
+#[cfg(test)]
+mod block1_emu;
+#[cfg(test)]
+mod block1_tests;
 #[cfg(test)]
 mod emu;
 #[cfg(test)]
@@ -59,6 +64,10 @@ mod timing;
 
 #[cfg(doc)]
 use super::CudaContext;
+pub use block1::{
+    ATTN_ONE_LAUNCH_ENV, AttnBlock1Buffers, AttnBlock1Shape, AttnBlock1Weights,
+    attn_one_launch_enabled,
+};
 pub use rope::DECODE_ROPE_ENV;
 
 /// Host-side scalars of one [`CudaContext::paged_attention_bf16`] call.

@@ -11,7 +11,9 @@ use crate::cuda::CudaResult;
 use crate::cuda::kernels::{BF16_HELPERS, ROPE_HELPERS, kernel_file};
 
 /// Device helpers shared by the attention sources (after [`BF16_HELPERS`]).
-const ATTN_COMMON: &str = kernel_file!("attention/common.cuh");
+pub(super) const ATTN_COMMON: &str = kernel_file!("attention/common.cuh");
+/// The q/k norm + RoPE of a decode token's head rows (`DecodeRope`; after [`ATTN_COMMON`]).
+pub(super) const DECODE_ROPE: &str = kernel_file!("attention/decode_rope.cuh");
 /// Flash-decoding kernel template (one query token per sequence).
 const DECODE_TEMPLATE: &str = kernel_file!("attention/decode.cu");
 /// Flash-attention 2 prefill kernel template (tensor cores).
@@ -96,7 +98,7 @@ pub(super) fn hd_kernels(head_dim: usize) -> CudaResult<HdKernels> {
 pub(crate) fn attn_source(hd: usize) -> String {
     let mut src = format!(
         "{BF16_HELPERS}{ROPE_HELPERS}{ATTN_COMMON}#define ATTN_COUNTERS {ATTN_COUNTERS}\n\
-         #define ATTN_FUSED_PARTS {MAX_FUSED_PARTS}\n{DECODE_TEMPLATE}{PREFILL_TEMPLATE}\
+         #define ATTN_FUSED_PARTS {MAX_FUSED_PARTS}\n{DECODE_ROPE}{DECODE_TEMPLATE}{PREFILL_TEMPLATE}\
          {DECODE_TC_TEMPLATE}"
     );
     let decode_args = "const u16* q, const u16* kc, const u16* vc, u16* out, const int* qsl, \

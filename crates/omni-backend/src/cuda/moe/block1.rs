@@ -21,7 +21,7 @@ use super::MoeShape;
 use super::small::{check_small, optional_ptr};
 use super::source::topk_warp;
 use crate::cuda::gemv::GEMV_COMMON;
-use crate::cuda::kernels::{BF16_HELPERS, kernel_file};
+use crate::cuda::kernels::{BF16_HELPERS, GRID_SYNC, kernel_file};
 use crate::cuda::launch::{aligned16, at_least, max_dynamic_smem, narrow, shape_err};
 use crate::cuda::{CudaContext, CudaResult, bf16};
 
@@ -57,7 +57,7 @@ pub(crate) const STAMPS: usize = 9;
 pub const MOE_BLOCK1_BARRIER_ENV: &str = "OMNI_CUDA_MOE_BLOCK1_BARRIER";
 
 /// The define that selects the count barrier (prepended to the module's source).
-pub(crate) const COUNT_BARRIER_DEFINE: &str = "#define MB1_COUNT_BARRIER\n";
+pub(crate) const COUNT_BARRIER_DEFINE: &str = "#define GRID_COUNT_BARRIER\n";
 
 /// Whether the flip barrier runs ([`MOE_BLOCK1_BARRIER_ENV`] is not `count`).
 pub(crate) fn flip_barrier() -> bool {
@@ -74,7 +74,10 @@ pub(crate) fn moe_block1_source() -> String {
     } else {
         COUNT_BARRIER_DEFINE
     };
-    format!("{count}{BF16_HELPERS}{GEMV_COMMON}{}{BLOCK1}", topk_warp())
+    format!(
+        "{count}{BF16_HELPERS}{GRID_SYNC}{GEMV_COMMON}{}{BLOCK1}",
+        topk_warp()
+    )
 }
 
 /// The buffers of [`CudaContext::moe_block1`].
