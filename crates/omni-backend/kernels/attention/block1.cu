@@ -5,7 +5,8 @@
 //
 //   start    thread 0 has the copy engine bring this CTA's QKV weight rows into shared memory
 //            (`cp.async.bulk`, one mbarrier per 16 rows) before the dependency wait: weights
-//            are never written by a step, so they stream while the previous kernel drains;
+//            are never written by a step, so they stream while the previous kernel drains; the
+//            other threads prefetch the K and V rows of the CTA's phase-2 partition into L2;
 //   phase 1  every CTA normalises the residual row itself (gv_norm_row: the staged GEMV's
 //            bits; with `set` the row is first the bf16 embedding, which CTA 0 writes back) and
 //            warp w computes QKV rows w, w + 16, .. of its share (the staged GEMV's sum order:
@@ -379,6 +380,27 @@ extern "C" __global__ void __launch_bounds__(AB1_THREADS, 1) attn_block1(const A
                   (size_t)H * 2, bar_q);
     }
 #endif
+    // The K and V rows of this CTA's partition into L2 (phase 2 then reads them from there): the
+    // context length and block table are host-written and the rows were written by earlier
+    // steps, so they are readable before the wait; the new token's slot is skipped (this
+    // launch writes it).
+    {
+        const int seq_len = a.seq_lens[0];
+        const int kvh = c / a.parts, part = c - kvh * a.parts;
+        if (kvh < a.nkv && seq_len > 0) {
+            const int plen = (seq_len + a.parts - 1) / a.parts;
+            const int start = part * plen, n = min(plen, seq_len - start);
+            const size_t head = (size_t)kvh * AB1_HD;
+            for (int j = tid; j < 4 * min(n, AB1_PLEN_MAX); j += AB1_THREADS) {
+                const int i = j >> 2;
+                if (start + i == seq_len - 1) continue;
+                const int slot = kv_slot(a.block_table, start + i, a.bs, a.mbps, a.num_blocks);
+                const u16* cache = (j & 2) ? a.rope.vc_w : a.rope.kc_w;
+                const u16* p = cache + (size_t)slot * a.nkv * AB1_HD + head + (j & 1) * 64;
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+            }
+        }
+    }
     __syncthreads();  // the barriers are initialised before any thread waits on them
     pdl_wait();
     AB1_STAMP(1);
