@@ -139,11 +139,12 @@ __device__ __forceinline__ void ab1_gemv(const uint4* xin, const unsigned char* 
 }
 
 // Phase 2 of CTA (kvh, part): the partition's partial, and the merge when it is the KV head's
-// last to finish. `sc`: AB1_GM * AB1_PLEN_MAX floats, `sslot`: AB1_PLEN_MAX ints.
+// last to finish. `sc`: AB1_GM * AB1_PLEN_MAX floats, `sslot`: AB1_PLEN_MAX ints (one tile).
 __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int part, int seq_len,
                                               float* sc, int* sslot) {
     constexpr int HD = AB1_HD, L = HD / 8, TPS = AB1_WARPS * (32 / L), U = 2;
-    __shared__ float s_m[AB1_GM], s_l[AB1_GM];
+    __shared__ float s_m[AB1_GM], s_l[AB1_GM], s_alpha[AB1_GM];
+    __shared__ __align__(16) float s_q[AB1_GM][HD];
     __shared__ __align__(16) u16 s_knew[HD];
     __shared__ __align__(16) u16 s_vnew[HD];
     __shared__ int s_last;
@@ -153,7 +154,6 @@ __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int par
     const int plen = (seq_len + P - 1) / P;
     const int np = (seq_len + plen - 1) / plen;
     const int start = part * plen, n = min(plen, seq_len - start);
-    if (plen > AB1_PLEN_MAX) __trap();  // the host keeps mbps * bs <= parts * AB1_PLEN_MAX
     const int hbase = kvh * Gq;
     const size_t tok_stride = (size_t)nkv * HD, head_off = (size_t)kvh * HD + lig * 8;
 
@@ -179,99 +179,121 @@ __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int par
         }
     }
 
-    // Query rows (other CTAs wrote them: past L1), normed, rotated, scaled to the log2 domain.
-    float qr[AB1_GM][8];
-#pragma unroll
-    for (int g = 0; g < AB1_GM; ++g) {
-        if (g < Gq) {
-            uint4 u = __ldcg(reinterpret_cast<const uint4*>(a.qkv + (size_t)(hbase + g) * HD + lig * 8));
-            u = decode_rope_row<HD>(u, a.rope.q_norm, rcs, rsn, lig, a.rope.eps);
-            unpack8(u, qr[g]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) qr[g][e] *= a.scale_log2;
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) qr[g][e] = 0.f;
-        }
-    }
-    __syncthreads();  // s_knew, s_vnew written
-    // Scores (log2 domain) into sc: warp w's lanes tg take tokens w * 2 + tg, + TPS, ..; U loads
-    // a lane in flight. The new key comes from s_knew (no CTA reads its slot from memory).
-    for (int it = wid * (32 / L); it < n; it += TPS * U) {
-        uint4 kv[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = it + u * TPS + tg;
-            kv[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (i < n) {
-                const int slot = kv_slot(a.block_table, start + i, a.bs, a.mbps, a.num_blocks);
-                if (lig == 0) sslot[i] = slot;
-                kv[u] = i == inew ? *reinterpret_cast<const uint4*>(s_knew + lig * 8)
-                    : __ldg(reinterpret_cast<const uint4*>(a.rope.kc_w + (size_t)slot * tok_stride + head_off));
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = it + u * TPS + tg;
-            float kf[8];
-            unpack8(kv[u], kf);
-            float d[AB1_GM];
-#pragma unroll
-            for (int g = 0; g < AB1_GM; ++g) {
-                d[g] = 0.f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) d[g] = fmaf(qr[g][e], kf[e], d[g]);
-            }
-#pragma unroll
-            for (int o = L / 2; o > 0; o >>= 1) {
-#pragma unroll
-                for (int g = 0; g < AB1_GM; ++g) d[g] += __shfl_xor_sync(0xffffffffu, d[g], o);
-            }
-            if (i < n && lig == 0) {
-#pragma unroll
-                for (int g = 0; g < AB1_GM; ++g) sc[g * AB1_PLEN_MAX + i] = d[g];
-            }
-        }
-    }
-    __syncthreads();
-    // Softmax: warp g takes head g's scores (max, then the numerators in place and their sum).
+    // Query rows (other CTAs wrote them: past L1), normed, rotated, scaled to the log2 domain,
+    // into s_q: warp h < Gq takes head h.
     if (wid < Gq) {
-        float* row = sc + wid * AB1_PLEN_MAX;
-        float m = ATTN_NEG_INF;
-        for (int i = lane; i < n; i += 32) m = fmaxf(m, row[i]);
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        float l = 0.f;
-        for (int i = lane; i < n; i += 32) {
-            const float e = exp2f(row[i] - m);
-            row[i] = e;
-            l += e;
+        uint4 u = __ldcg(reinterpret_cast<const uint4*>(a.qkv + (size_t)(hbase + wid) * HD + lig * 8));
+        u = decode_rope_row<HD>(u, a.rope.q_norm, rcs, rsn, lig, a.rope.eps);
+        float qf[8];
+        unpack8(u, qf);
+        if (tg == 0) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s_q[wid][lig * 8 + e] = qf[e] * a.scale_log2;
         }
-        for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-        if (lane == 0) {
-            s_m[wid] = m;
-            s_l[wid] = l;
-        }
+    } else if (wid < AB1_GM && tg == 0) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s_q[wid][lig * 8 + e] = 0.f;
     }
-    __syncthreads();
-    // P V: thread (sub, g, ch) sums tokens sub, sub + 4, .. of head g's dims ch * 8 .. + 7.
+    __syncthreads();  // s_q, s_knew, s_vnew written
+    // The partition in tiles of up to AB1_PLEN_MAX keys, with the online softmax: per head the
+    // running max s_m and sum s_l; a tile whose max is larger scales what came before by
+    // s_alpha = 2^(old max - new max) (0 before the first tile).
+    if (tid < AB1_GM) {
+        s_m[tid] = ATTN_NEG_INF;
+        s_l[tid] = 0.f;
+    }
+    // P V: thread (sub, g, ch) sums keys sub, sub + 4, .. of head g's dims ch * 8 .. + 7.
     const int unit = tid & 127, sub = tid >> 7, g = unit >> 4, ch = unit & 15;
     float acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    if (g < Gq) {
-        const size_t voff = (size_t)kvh * HD + ch * 8;
-#pragma unroll 4
-        for (int i = sub; i < n; i += 4) {
-            const float p = sc[g * AB1_PLEN_MAX + i];
-            const uint4 vv = i == inew ? *reinterpret_cast<const uint4*>(s_vnew + ch * 8)
-                : __ldg(reinterpret_cast<const uint4*>(a.rope.vc_w + (size_t)sslot[i] * tok_stride + voff));
-            float vf[8];
-            unpack8(vv, vf);
+    for (int t0 = 0; t0 < n; t0 += AB1_PLEN_MAX) {
+        const int tn = min(AB1_PLEN_MAX, n - t0), tnew = inew - t0;
+        // Scores (log2 domain) into sc: warp w's lanes tg take keys w * 2 + tg, + TPS, ..; U
+        // loads a lane in flight. The new key comes from s_knew (no CTA reads its slot).
+        for (int it = wid * (32 / L); it < tn; it += TPS * U) {
+            uint4 kv[U];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
+            for (int u = 0; u < U; ++u) {
+                const int i = it + u * TPS + tg;
+                kv[u] = make_uint4(0u, 0u, 0u, 0u);
+                if (i < tn) {
+                    const int slot = kv_slot(a.block_table, start + t0 + i, a.bs, a.mbps, a.num_blocks);
+                    if (lig == 0) sslot[i] = slot;
+                    kv[u] = i == tnew ? *reinterpret_cast<const uint4*>(s_knew + lig * 8)
+                        : __ldg(reinterpret_cast<const uint4*>(a.rope.kc_w + (size_t)slot * tok_stride + head_off));
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = it + u * TPS + tg;
+                float kf[8];
+                unpack8(kv[u], kf);
+                float d[AB1_GM];
+#pragma unroll
+                for (int gg = 0; gg < AB1_GM; ++gg) {
+                    const float4 qa = *reinterpret_cast<const float4*>(&s_q[gg][lig * 8]);
+                    const float4 qb = *reinterpret_cast<const float4*>(&s_q[gg][lig * 8 + 4]);
+                    const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+                    d[gg] = 0.f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d[gg] = fmaf(qv[e], kf[e], d[gg]);
+                }
+#pragma unroll
+                for (int o = L / 2; o > 0; o >>= 1) {
+#pragma unroll
+                    for (int gg = 0; gg < AB1_GM; ++gg) d[gg] += __shfl_xor_sync(0xffffffffu, d[gg], o);
+                }
+                if (i < tn && lig == 0) {
+#pragma unroll
+                    for (int gg = 0; gg < AB1_GM; ++gg) sc[gg * AB1_PLEN_MAX + i] = d[gg];
+                }
+            }
         }
+        __syncthreads();
+        // Softmax: warp h takes head h's scores (the tile's max, the new running max, the
+        // numerators in place and the running sum).
+        if (wid < Gq) {
+            float* row = sc + wid * AB1_PLEN_MAX;
+            float m = ATTN_NEG_INF;
+            for (int i = lane; i < tn; i += 32) m = fmaxf(m, row[i]);
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            const float m_old = s_m[wid];
+            m = fmaxf(m, m_old);
+            float l = 0.f;
+            for (int i = lane; i < tn; i += 32) {
+                const float e = exp2f(row[i] - m);
+                row[i] = e;
+                l += e;
+            }
+            for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+            __syncwarp();
+            if (lane == 0) {
+                const float alpha = exp2f(m_old - m);
+                s_alpha[wid] = alpha;
+                s_l[wid] = s_l[wid] * alpha + l;
+                s_m[wid] = m;
+            }
+        }
+        __syncthreads();
+        if (g < Gq) {
+            const float alpha = s_alpha[g];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] *= alpha;
+            const size_t voff = (size_t)kvh * HD + ch * 8;
+#pragma unroll 4
+            for (int i = sub; i < tn; i += 4) {
+                const float p = sc[g * AB1_PLEN_MAX + i];
+                const uint4 vv = i == tnew ? *reinterpret_cast<const uint4*>(s_vnew + ch * 8)
+                    : __ldg(reinterpret_cast<const uint4*>(a.rope.vc_w + (size_t)sslot[i] * tok_stride + voff));
+                float vf[8];
+                unpack8(vv, vf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
+            }
+        }
+        __syncthreads();  // the tile's sc and sslot are read: the next tile or the sums take them
     }
-    __syncthreads();  // every read of sc is done: it takes the four sums now
     float* red = sc;  // [4][AB1_GM][HD]
 #pragma unroll
     for (int e = 0; e < 8; ++e) red[((size_t)sub * AB1_GM + g) * HD + ch * 8 + e] = acc[e];

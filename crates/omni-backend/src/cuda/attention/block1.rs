@@ -12,7 +12,8 @@
 //! share of the o_proj rows right after the QKV GEMV, so they land under the grid barrier and
 //! the attention. The attention splits the context over `sms / kv_heads` partitions of each KV
 //! head (one CTA each: 33 a head for Qwen3-30B-A3B on 132 SMs), and the last partition of a head
-//! to finish merges (a counter per head in `barrier`, left at zero).
+//! to finish merges (a counter per head in `barrier`, left at zero); a partition longer than
+//! [`PLEN_MAX`] keys (contexts past ~33K on 132 SMs) goes in tiles with the online softmax.
 //!
 //! Results: `qkv` and the cache rows are the separate kernels' bits; `attn` (different
 //! partitions) equals theirs up to f32 rounding; `proj` is the staged GEMV's bits on this
@@ -45,14 +46,15 @@ const THREADS: u32 = 512;
 pub(crate) const HEAD_DIM: usize = 128;
 /// The most query heads per KV head (`AB1_GM`).
 pub(crate) const MAX_GROUP: usize = 8;
-/// The most keys of one CTA's partition (`AB1_PLEN_MAX`).
+/// Keys of a partition's tile (`AB1_PLEN_MAX`): longer partitions take several, with the
+/// online softmax.
 pub(crate) const PLEN_MAX: usize = 1024;
 /// Weight rows per mbarrier (`AB1_GROUP_ROWS`) and mbarriers per matrix (`AB1_MAX_GROUPS`).
 const GROUP_ROWS: usize = 16;
 const MAX_GROUPS: usize = 8;
 /// The dynamic shared memory a CTA may have on compute capability 9.0 (227 KiB less the
-/// kernel's ~1.2 KiB of static shared memory, rounded down).
-const SMEM_MAX: usize = 225 * 1024;
+/// kernel's ~4.9 KiB of static shared memory, rounded down).
+const SMEM_MAX: usize = 222 * 1024;
 /// Per-CTA timestamps a stamped launch records (`AB1_STAMPS`).
 #[cfg(test)]
 pub(crate) const STAMPS: usize = 8;
@@ -224,8 +226,7 @@ struct Ab1Args {
 impl CudaContext {
     /// Whether [`CudaContext::attn_block1`] takes `shape` on this device (compute capability
     /// 9.0, head_dim [`HEAD_DIM`], at most [`MAX_GROUP`] query heads per KV head, the weight
-    /// shares within the mbarriers and shared memory of one CTA per SM, and contexts up to the
-    /// block table's within the partitions' [`PLEN_MAX`] keys).
+    /// shares within the mbarriers and shared memory of one CTA per SM).
     pub fn attn_block1_fits(&self, shape: &AttnBlock1Shape) -> bool {
         self.check_attn_block1(shape).is_ok()
     }
@@ -294,14 +295,6 @@ impl CudaContext {
                 "one-launch attention shared bytes",
                 SMEM_MAX,
                 p.smem,
-            ));
-        }
-        let context = s.max_blocks_per_seq * s.block_size;
-        if context > p.parts * PLEN_MAX {
-            return Err(shape_err(
-                "one-launch attention context",
-                p.parts * PLEN_MAX,
-                context,
             ));
         }
         Ok(p)
@@ -517,9 +510,8 @@ impl CudaContext {
         // the launch bound and `p.smem` bytes of dynamic shared memory, within the limit just
         // set); CTA c's QKV rows c * rows_qkv .. and o rows c * rows_o .. are clipped to nq and
         // h, at most 128 each (the kernel's mbarriers, checked), and CTAs c < nkv * parts take
-        // one (KV head, partition) each; partitions hold at most PLEN_MAX keys because the
-        // context is at most mbps * bs <= parts * PLEN_MAX (checked; the kernel traps
-        // otherwise). The grid barriers need every CTA resident: the kernel triggers its
+        // one (KV head, partition) each, in tiles of at most PLEN_MAX keys (its shared
+        // scores and slots). The grid barriers need every CTA resident: the kernel triggers its
         // dependents only after the first, and a barrier that waits for seconds traps.
         unsafe { self.launch_programmatic(&f, (grid, THREADS, smem), &mut params) }
     }

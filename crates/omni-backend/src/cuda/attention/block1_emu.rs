@@ -91,33 +91,47 @@ fn partition_ctas(
         .collect()
 }
 
-/// Every key of a context in exactly one partition, at most PLEN_MAX keys each, the number of
-/// partitions equal to the merge ticket count `np`, the new key (seq_len - 1) in the last.
-fn check_partitions(seq_len: usize, parts: usize, rule: fn(usize, usize) -> (usize, usize)) {
+/// Every key of a context in exactly one partition, the number of partitions equal to the
+/// merge ticket count `np`, the new key (seq_len - 1) in the last; in each partition's tiles of
+/// `tile` keys every key scored and summed once.
+fn check_partitions(
+    seq_len: usize,
+    parts: usize,
+    rule: fn(usize, usize) -> (usize, usize),
+    tile: usize,
+) {
     let ps = partition_ctas(seq_len, parts, rule);
-    let (plen, np) = rule(seq_len, parts);
+    let (_, np) = rule(seq_len, parts);
     assert_eq!(
         ps.len(),
         np,
         "seq_len {seq_len}: CTAs with work != merge count"
     );
-    assert!(
-        plen <= PLEN_MAX,
-        "seq_len {seq_len}: {plen} keys in a partition"
-    );
     let mut seen = vec![0u8; seq_len];
     for &(start, n) in &ps {
         assert!(n >= 1);
-        // Scores loop: warp w, token group tg, round it, load u.
-        let mut scored = vec![0u8; n];
-        for w in 0..WARPS {
-            for tg in 0..2 {
-                for it in (w * 2..n).step_by(TPS * U) {
-                    for u in 0..U {
-                        let i = it + u * TPS + tg;
-                        if i < n {
-                            scored[i] += 1;
+        let (mut scored, mut summed) = (vec![0u8; n], vec![0u16; n]);
+        for t0 in (0..n).step_by(tile) {
+            let tn = tile.min(n - t0);
+            // Scores loop: warp w, token group tg, round it, load u.
+            for w in 0..WARPS {
+                for tg in 0..2 {
+                    for it in (w * 2..tn).step_by(TPS * U) {
+                        for u in 0..U {
+                            let i = it + u * TPS + tg;
+                            if i < tn {
+                                scored[t0 + i] += 1;
+                            }
                         }
+                    }
+                }
+            }
+            // P V: thread (sub, g, ch) takes keys sub, sub + 4, ..
+            for tid in 0..THREADS {
+                let (sub, g, ch) = (tid >> 7, (tid & 127) >> 4, tid & 15);
+                if g == 0 && ch == 0 {
+                    for i in (sub..tn).step_by(4) {
+                        summed[t0 + i] += 1;
                     }
                 }
             }
@@ -126,16 +140,6 @@ fn check_partitions(seq_len: usize, parts: usize, rule: fn(usize, usize) -> (usi
             scored.iter().all(|&s| s == 1),
             "a key scored other than once"
         );
-        // P V: thread (sub, g, ch) takes keys sub, sub + 4, ..
-        let mut summed = vec![0u16; n];
-        for tid in 0..THREADS {
-            let (sub, g, ch) = (tid >> 7, (tid & 127) >> 4, tid & 15);
-            if g == 0 && ch == 0 {
-                for i in (sub..n).step_by(4) {
-                    summed[i] += 1;
-                }
-            }
-        }
         assert!(
             summed.iter().all(|&s| s == 1),
             "a key summed other than once"
@@ -165,6 +169,8 @@ fn every_row_and_key_is_taken_once() {
         (114, (2048, 32, 4, 128)),
         (132, (1024, 16, 2, 64)),
         (8, (64, 2, 1, 4)),
+        // Max-model-len 40960: partitions of ~1242 keys, two tiles.
+        (132, (2048, 32, 4, 2560)),
     ] {
         let s = shape(h, nh, nkv, mbps);
         let p = block1_plan(&s, sms);
@@ -183,9 +189,10 @@ fn every_row_and_key_is_taken_once() {
             }
         }
         assert!(rows.iter().all(|&r| r == 1));
-        let most = (mbps * 16).min(p.parts * PLEN_MAX);
+        let most = mbps * 16;
         for seq_len in (1..=most).filter(|l| *l < 300 || l % 37 == 0 || *l == most) {
-            check_partitions(seq_len, p.parts, partitions);
+            check_partitions(seq_len, p.parts, partitions, PLEN_MAX);
+            check_partitions(seq_len, p.parts, partitions, 7);
         }
     }
 }
@@ -205,17 +212,18 @@ fn the_partition_check_fails_wrong_rules() {
     for rule in [floored as fn(usize, usize) -> (usize, usize), short] {
         let failed = std::panic::catch_unwind(|| {
             for seq_len in [1000, 1088, 4096] {
-                check_partitions(seq_len, 33, rule);
+                check_partitions(seq_len, 33, rule, PLEN_MAX);
             }
         });
         assert!(failed.is_err(), "a wrong partition rule passed");
     }
 }
 
-/// The attention of one KV head's query heads as the kernel computes it: per partition the
-/// scores in the log2 domain, the max, the numerators and their sum, P V over the four key
-/// subsets and normalised; then the merge with weights sum_p * 2^(max_p - max). Against f64
-/// softmax attention: within 1e-5 relative.
+/// The attention of one KV head's query heads as the kernel computes it: per partition, tile
+/// by tile, the scores in the log2 domain, the running max, the numerators and the running sum
+/// (what came before scaled by 2^(old max - new max)), P V over the four key subsets; the
+/// partial normalised; then the merge with weights sum_p * 2^(max_p - max). Against f64
+/// softmax attention: within 1e-5 relative, with one tile a partition and with several.
 #[test]
 fn partials_merge_to_softmax_attention() {
     let hd = HEAD_DIM;
@@ -227,7 +235,15 @@ fn partials_merge_to_softmax_attention() {
         seed ^= seed << 17;
         (seed >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
     };
-    for seq_len in [1usize, 5, 33, 1088, 4000] {
+    for (seq_len, tile) in [
+        (1usize, PLEN_MAX),
+        (5, PLEN_MAX),
+        (33, PLEN_MAX),
+        (1088, PLEN_MAX),
+        (4000, PLEN_MAX),
+        (4000, 48),
+        (40000, PLEN_MAX),
+    ] {
         let q: Vec<Vec<f32>> = (0..group)
             .map(|_| (0..hd).map(|_| (rnd() * 3.0) as f32).collect())
             .collect();
@@ -246,25 +262,32 @@ fn partials_merge_to_softmax_attention() {
             // Partials.
             let mut partials = Vec::new();
             for &(start, n) in &ps {
-                let sc: Vec<f32> = (0..n)
-                    .map(|i| qs.iter().zip(&k[start + i]).map(|(a, b)| a * b).sum())
-                    .collect();
-                let m = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let e: Vec<f32> = sc.iter().map(|s| (s - m).exp2()).collect();
-                let l: f32 = e.iter().sum();
-                let mut o = vec![0f32; hd];
-                for sub in 0..4 {
-                    let mut acc = vec![0f32; hd];
-                    for i in (sub..n).step_by(4) {
-                        for d in 0..hd {
-                            acc[d] = e[i].mul_add(v[start + i][d], acc[d]);
+                let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+                let mut acc = vec![vec![0f32; hd]; 4];
+                for t0 in (0..n).step_by(tile) {
+                    let tn = tile.min(n - t0);
+                    let sc: Vec<f32> = (0..tn)
+                        .map(|i| qs.iter().zip(&k[start + t0 + i]).map(|(a, b)| a * b).sum())
+                        .collect();
+                    let mt = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let m_new = m.max(mt);
+                    let alpha = (m - m_new).exp2();
+                    let e: Vec<f32> = sc.iter().map(|s| (s - m_new).exp2()).collect();
+                    l = l * alpha + e.iter().sum::<f32>();
+                    m = m_new;
+                    for (sub, a) in acc.iter_mut().enumerate() {
+                        a.iter_mut().for_each(|x| *x *= alpha);
+                        for i in (sub..tn).step_by(4) {
+                            for d in 0..hd {
+                                a[d] = e[i].mul_add(v[start + t0 + i][d], a[d]);
+                            }
                         }
                     }
-                    for d in 0..hd {
-                        o[d] += acc[d];
-                    }
                 }
-                partials.push((o.iter().map(|x| x / l).collect::<Vec<f32>>(), m, l));
+                let o: Vec<f32> = (0..hd)
+                    .map(|d| acc.iter().map(|a| a[d]).sum::<f32>() / l)
+                    .collect();
+                partials.push((o, m, l));
             }
             // Merge (one partition: written directly).
             let out: Vec<f32> = if partials.len() == 1 {
