@@ -304,8 +304,8 @@ fn bits32(cx: &CudaContext, v: &CudaSlice<f32>) -> Vec<u32> {
 
 /// Against the four launches on the same inputs, over Qwen3-30B-A3B's heads (32 / 4), a
 /// group of 8 on 2 KV heads, groups of 2 and of 8 on one KV head with more CTAs than o_proj
-/// rows, contexts from 1 to 4000 keys, with and without q/k norms, M-RoPE and the embedding
-/// set: QKV, residual and both caches bit for bit (the new slot written, nothing else), the
+/// rows, contexts from 1 to 40000 keys (partitions past one tile), with and without q/k
+/// norms, M-RoPE and the embedding set: QKV, residual and both caches bit for bit (the new slot written, nothing else), the
 /// attention within bf16 rounding, proj bit for bit the staged GEMV of the block's own
 /// attention, three launches in a row equal and the barrier words back at zero.
 #[test]
@@ -318,6 +318,8 @@ fn attn_block1_matches_the_separate_kernels() {
         ((2048, 32, 4), 1088, (true, false, false)),
         ((2048, 32, 4), 1, (true, false, true)),
         ((2048, 32, 4), 4000, (true, false, false)),
+        // Partitions of 1213 keys: two tiles with the online softmax.
+        ((2048, 32, 4), 40000, (true, false, false)),
         ((1024, 16, 2), 33, (true, true, false)),
         ((512, 8, 4), 300, (false, false, true)),
         ((256, 8, 1), 77, (true, false, false)),
