@@ -29,7 +29,9 @@
 // weights land under the attention. Needs every CTA resident at once (the grid is the SM count,
 // one CTA per SM by its shared memory; dependents are triggered only after barrier 1, when all are
 // resident). The attention partials differ from the decode kernel's partitions, so `attn` is
-// equal to the separate kernels' up to f32 rounding, not bit for bit. `stamps` (null but in a
+// equal to the separate kernels' up to f32 rounding, not bit for bit, and the new key to
+// qkv_rope_cache_bf16's up to a bf16 rounding (decode_rope_row adds the q/k norm's sum of
+// squares in another order). `stamps` (null but in a
 // test) takes each CTA's %globaltimer at AB1_STAMPS points.
 // Prepended by the Rust side: bf16.cuh, grid_sync.cuh, gemv_common.cuh, rope.cuh,
 // attention/common.cuh, attention/decode_rope.cuh.

@@ -15,9 +15,10 @@
 //! to finish merges (a counter per head in `barrier`, left at zero); a partition longer than
 //! [`PLEN_MAX`] keys (contexts past ~33K on 132 SMs) goes in tiles with the online softmax.
 //!
-//! Results: `qkv` and the cache rows are the separate kernels' bits; `attn` (different
-//! partitions) equals theirs up to f32 rounding; `proj` is the staged GEMV's bits on this
-//! `attn`. Opt-in ([`ATTN_ONE_LAUNCH_ENV`]) until measured on a GPU.
+//! Results: `qkv` and the values written to the cache are the separate kernels' bits, the new
+//! key theirs up to a bf16 rounding (the q/k norm's sum of squares in another order, as in the
+//! decode attention with the RoPE inside); `attn` (different partitions) equals theirs up to
+//! f32 rounding; `proj` is the staged GEMV's bits on this `attn`. Opt-in ([`ATTN_ONE_LAUNCH_ENV`]) until measured on a GPU.
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
@@ -305,8 +306,8 @@ impl CudaContext {
     /// `qkv` = the QKV projection, the q/k norm + RoPE of the token's heads, its key and value
     /// written to the caches at its slot, the attention over the sequence's `seq_lens[0]` keys
     /// into `attn`, and `proj` = o_proj(attn) in f32 (before any all-reduce). `qkv` and the
-    /// cache rows are bit for bit what the separate kernels write, `attn` up to f32 rounding,
-    /// `proj` bit for bit the staged o_proj GEMV of this `attn`. The positions, slot, M-RoPE
+    /// value are bit for bit what the separate kernels write, the key up to a bf16 rounding,
+    /// `attn` up to f32 rounding, `proj` bit for bit the staged o_proj GEMV of this `attn`. The positions, slot, M-RoPE
     /// axes and block table are read before the dependency wait (host-written, as for
     /// [`CudaContext::qkv_rope_cache_bf16`]). Errors: a shape [`CudaContext::attn_block1_fits`]
     /// refuses, short buffers.
