@@ -69,6 +69,10 @@ struct Ab1Args {
     float scale_log2;
 };
 
+// The layout `Ab1Args` in block1.rs repeats (its test checks the same offsets on the host).
+static_assert(sizeof(DecodeRope) == 88, "DecodeRope: 88 bytes");
+static_assert(sizeof(Ab1Args) == 240, "Ab1Args: 240 bytes");
+
 extern __shared__ __align__(128) unsigned char ab1_smem[];
 
 __device__ __forceinline__ void ab1_wait(unsigned bar) {

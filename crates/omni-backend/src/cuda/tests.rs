@@ -116,6 +116,26 @@ pub(crate) fn graph_us(cx: &CudaContext, f: &mut dyn FnMut()) -> f64 {
     best
 }
 
+/// Prints where a one-launch kernel's time goes: `stamps` holds each CTA's `names.len()`
+/// %globaltimer readings (ns); per point the minimum, median and maximum µs after the first
+/// CTA's entry.
+pub(crate) fn print_stamps(what: &str, names: &[&str], stamps: &[u64]) {
+    let n = names.len();
+    let Some(t0) = stamps.chunks(n).map(|c| c[0]).min() else {
+        return;
+    };
+    for (i, name) in names.iter().enumerate() {
+        let mut v: Vec<f64> = stamps.chunks(n).map(|c| (c[i] - t0) as f64 / 1e3).collect();
+        v.sort_by(f64::total_cmp);
+        println!(
+            "{what} stamps {name:>10}: min {:6.2} median {:6.2} max {:6.2} µs",
+            v[0],
+            v[v.len() / 2],
+            v[v.len() - 1]
+        );
+    }
+}
+
 #[test]
 fn driver_status_never_panics() {
     match driver_status() {

@@ -22,6 +22,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut};
 
+use super::rope::DecodeRopeArgs;
 use super::source::{ATTN_COMMON, DECODE_ROPE};
 use crate::cuda::gemv::GEMV_COMMON;
 use crate::cuda::kernels::{BF16_HELPERS, GRID_SYNC, ROPE_HELPERS, kernel_file};
@@ -179,24 +180,12 @@ pub(crate) fn partitions(seq_len: usize, parts: usize) -> (usize, usize) {
     (plen, seq_len.div_ceil(plen))
 }
 
-/// `struct Ab1Args` of `block1.cu`, field for field (a kernel argument by value): the first 11
-/// fields are its `DecodeRope`, whose `float eps` is followed by 4 bytes of padding before the
-/// next pointer, as #[repr(C)] lays them out here.
+/// `struct Ab1Args` of `block1.cu`, field for field (a kernel argument by value): its
+/// `DecodeRope` first (#[repr(C)] nests it with the same size, 88 bytes, and alignment).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct Ab1Args {
-    // DecodeRope
-    rope_qkv: u64,
-    kc_w: u64,
-    vc_w: u64,
-    positions: u64,
-    slots: u64,
-    inv_freq: u64,
-    q_norm: u64,
-    k_norm: u64,
-    mrope_axes: u64,
-    pos_stride: i64,
-    eps: f32,
+    rope: DecodeRopeArgs,
     // the block
     residual: u64,
     init: u64,
@@ -459,17 +448,19 @@ impl CudaContext {
             aligned16(what, ptr)?;
         }
         let mut args = Ab1Args {
-            rope_qkv: qkv,
-            kc_w: kc,
-            vc_w: vc,
-            positions: pos,
-            slots,
-            inv_freq: inv,
-            q_norm,
-            k_norm,
-            mrope_axes,
-            pos_stride,
-            eps: shape.eps,
+            rope: DecodeRopeArgs {
+                qkv,
+                kc_w: kc,
+                vc_w: vc,
+                positions: pos,
+                slots,
+                inv_freq: inv,
+                q_norm,
+                k_norm,
+                mrope_axes,
+                pos_stride,
+                eps: shape.eps,
+            },
             residual: res,
             init,
             norm_w: nw,
@@ -533,6 +524,19 @@ mod tests {
             eps: 1e-6,
             scale: 128f32.powf(-0.5),
         }
+    }
+
+    /// The C layout of the kernel's `Ab1Args`: `DecodeRope` (nine pointers, a 64-bit stride and
+    /// a float, padded to 88 bytes), then 13 pointers from byte 88, then 10 ints and a float
+    /// from byte 192, padded to the 8-byte alignment.
+    #[test]
+    fn argument_layout_is_the_kernels() {
+        assert_eq!(std::mem::size_of::<DecodeRopeArgs>(), 88);
+        assert_eq!(std::mem::offset_of!(Ab1Args, residual), 88);
+        assert_eq!(std::mem::offset_of!(Ab1Args, stamps), 88 + 12 * 8);
+        assert_eq!(std::mem::offset_of!(Ab1Args, hidden), 192);
+        assert_eq!(std::mem::offset_of!(Ab1Args, scale_log2), 192 + 10 * 4);
+        assert_eq!(std::mem::size_of::<Ab1Args>(), 240);
     }
 
     /// Qwen3-30B-A3B on 132 SMs: 39 QKV rows and 16 o_proj rows a CTA, 33 partitions a KV head,

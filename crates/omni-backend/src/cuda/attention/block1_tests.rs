@@ -12,7 +12,7 @@ use super::block1::STAMPS;
 use super::emu::{ShuffledTables, shuffled_tables};
 use super::tests::Lcg;
 use super::*;
-use crate::cuda::tests::{ctx_or_skip, graph_us, rand_bf16_f32, rel_err};
+use crate::cuda::tests::{ctx_or_skip, graph_us, print_stamps, rand_bf16_f32, rel_err};
 use crate::cuda::{CudaContext, GemvIn, L2Prefetch, MropeAxes, QkvBuffers, QkvShape, bf16};
 
 const BS: usize = 16;
@@ -434,7 +434,6 @@ fn attn_block1_timing() {
         case.block(&cx, &mut o, (&mut ws, &mut bar), Some(&mut stamps));
     }
     let host = st.clone_dtoh(&stamps).unwrap();
-    let t0 = host.chunks(STAMPS).map(|c| c[0]).min().unwrap();
     let names = [
         "entry",
         "waited",
@@ -445,17 +444,5 @@ fn attn_block1_timing() {
         "attn read",
         "end",
     ];
-    for (i, name) in names.iter().enumerate() {
-        let mut v: Vec<f64> = host
-            .chunks(STAMPS)
-            .map(|c| (c[i] - t0) as f64 / 1e3)
-            .collect();
-        v.sort_by(f64::total_cmp);
-        println!(
-            "attn_block1 stamps {name:>10}: min {:6.2} median {:6.2} max {:6.2} µs",
-            v[0],
-            v[v.len() / 2],
-            v[v.len() - 1]
-        );
-    }
+    print_stamps("attn_block1", &names, &host);
 }

@@ -25,21 +25,22 @@ fn decode_rope_enabled() -> bool {
     *ON.get_or_init(|| crate::cuda::switch_opt_in(DECODE_ROPE_ENV))
 }
 
-/// `struct DecodeRope` of `decode.cu`, field for field (a kernel argument by value).
+/// `struct DecodeRope` of `decode_rope.cuh`, field for field (a kernel argument by value, or a
+/// member of the one-launch attention block's arguments).
 #[repr(C)]
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub(super) struct DecodeRopeArgs {
-    qkv: u64,
-    kc_w: u64,
-    vc_w: u64,
-    positions: u64,
-    slots: u64,
-    inv_freq: u64,
-    q_norm: u64,
-    k_norm: u64,
-    mrope_axes: u64,
-    pos_stride: i64,
-    eps: f32,
+    pub(super) qkv: u64,
+    pub(super) kc_w: u64,
+    pub(super) vc_w: u64,
+    pub(super) positions: u64,
+    pub(super) slots: u64,
+    pub(super) inv_freq: u64,
+    pub(super) q_norm: u64,
+    pub(super) k_norm: u64,
+    pub(super) mrope_axes: u64,
+    pub(super) pos_stride: i64,
+    pub(super) eps: f32,
 }
 
 impl CudaContext {

@@ -12,7 +12,7 @@ use super::small_emu::{rms_ref, shape, test_residual};
 use super::small_tests::{DevLayer, DevOut, bits16, dev_layer};
 use super::{MoeBlock1Buffers, MoeShape};
 use crate::cuda::CudaContext;
-use crate::cuda::tests::{ctx_or_skip, graph_us};
+use crate::cuda::tests::{ctx_or_skip, graph_us, print_stamps};
 
 /// The one-launch block's outputs.
 struct Block1Out {
@@ -228,7 +228,6 @@ fn moe_block1_timing() {
         cx.moe_block1_stamped(s, bufs, &mut stamps).unwrap();
     }
     let host = st.clone_dtoh(&stamps).unwrap();
-    let t0 = host.chunks(STAMPS).map(|c| c[0]).min().unwrap();
     let names = [
         "entry",
         "waited",
@@ -240,17 +239,5 @@ fn moe_block1_timing() {
         "barrier 2",
         "end",
     ];
-    for (i, name) in names.iter().enumerate() {
-        let mut v: Vec<f64> = host
-            .chunks(STAMPS)
-            .map(|c| (c[i] - t0) as f64 / 1e3)
-            .collect();
-        v.sort_by(f64::total_cmp);
-        println!(
-            "moe_block1 stamps {name:>10}: min {:6.2} median {:6.2} max {:6.2} µs",
-            v[0],
-            v[v.len() / 2],
-            v[v.len() - 1]
-        );
-    }
+    print_stamps("moe_block1", &names, &host);
 }
