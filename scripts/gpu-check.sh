@@ -96,7 +96,8 @@
 #           on, bench latency with it off / on (STAGED_MODES, STAGED_MODELS, STAGED_BATCHES)
 #   ab-optin the default kernels against their switches (OPTINS, default "attn1 route topk0
 #           norm0 count wide0 first": the one-launch attention block of one-token steps
-#           OMNI_CUDA_ATTN_ONE_LAUNCH=1 and the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1
+#           OMNI_CUDA_ATTN_ONE_LAUNCH=1 (attn1kN: with partitions of at least N keys,
+#           OMNI_CUDA_ATTN_ONE_LAUNCH_KEYS) and the one-launch router + top-k OMNI_CUDA_MOE_ROUTE_MMA=1
 #           (both off by default), and the first forms of the kernels made default on 2026-12-07: the
 #           shared-memory top-k OMNI_CUDA_MOE_TOPK_REGS=0, the shared-memory RMSNorm
 #           OMNI_CUDA_NORM_REGS=0, the count barrier OMNI_CUDA_MOE_BLOCK1_BARRIER=count, the
@@ -593,6 +594,7 @@ if want ab-optin; then
   optin_env() { # mode -> VAR=value words
     case $1 in
       attn1) echo OMNI_CUDA_ATTN_ONE_LAUNCH=1 ;;
+      attn1k*) echo OMNI_CUDA_ATTN_ONE_LAUNCH=1 "OMNI_CUDA_ATTN_ONE_LAUNCH_KEYS=${1#attn1k}" ;;
       route) echo OMNI_CUDA_MOE_ROUTE_MMA=1 ;; topk0) echo OMNI_CUDA_MOE_TOPK_REGS=0 ;;
       norm0) echo OMNI_CUDA_NORM_REGS=0 ;; count) echo OMNI_CUDA_MOE_BLOCK1_BARRIER=count ;;
       wide0) echo OMNI_CUDA_QKV_ROPE_WIDE=0 ;;

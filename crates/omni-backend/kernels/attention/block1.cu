@@ -14,8 +14,8 @@
 //            its share copied over the QKV rows (they stream during the barrier and the
 //            attention); barrier 1;
 //   phase 2  CTA c = kvh * parts + part takes KV head kvh's partition `part` of the context
-//            (plen = ceil(seq_len / parts) keys): it norms and rotates its query heads' rows
-//            (decode_rope_row), the partition that ends the sequence also the new key, which it
+//            (ab1_plen: ceil(seq_len / parts) keys, at least min_keys): it norms and rotates
+//            its query heads' rows (decode_rope_row), the partition that ends the sequence also the new key, which it
 //            writes into the caches with the value; scores, softmax and P V of up to AB1_GM query
 //            heads; the partial (normalised output, max, sum) goes to `ws`, and the last
 //            partition of the KV head to finish (a counter per KV head, left at 0) merges them
@@ -65,7 +65,7 @@ struct Ab1Args {
     const u16* w_o;              // [hidden, nh * HD]
     float* proj;                 // out [hidden]
     unsigned long long* stamps;  // null, or gridDim.x * AB1_STAMPS
-    int hidden, num_heads, nkv, bs, num_blocks, mbps, rows_qkv, rows_o, parts, set;
+    int hidden, num_heads, nkv, bs, num_blocks, mbps, rows_qkv, rows_o, parts, min_keys, set;
     float scale_log2;
 };
 
@@ -74,6 +74,13 @@ static_assert(sizeof(DecodeRope) == 88, "DecodeRope: 88 bytes");
 static_assert(sizeof(Ab1Args) == 240, "Ab1Args: 240 bytes");
 
 extern __shared__ __align__(128) unsigned char ab1_smem[];
+
+// Keys of a partition of a `seq_len`-key context split over `parts` (a KV head's CTAs): the
+// context in equal parts, but at least `min_keys` (>= 1) keys each, so a short context takes
+// fewer CTAs and the merge fewer partials (block1.rs `partitions` is the same rule).
+__device__ __forceinline__ int ab1_plen(int seq_len, int parts, int min_keys) {
+    return max((seq_len + parts - 1) / parts, min_keys);
+}
 
 __device__ __forceinline__ void ab1_wait(unsigned bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -157,7 +164,7 @@ __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int par
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int tg = lane / L, lig = lane - tg * L;
     const int P = a.parts, Gq = a.num_heads / a.nkv, nh = a.num_heads, nkv = a.nkv;
-    const int plen = (seq_len + P - 1) / P;
+    const int plen = ab1_plen(seq_len, P, a.min_keys);
     const int np = (seq_len + plen - 1) / plen;
     const int start = part * plen, n = min(plen, seq_len - start);
     const int hbase = kvh * Gq;
@@ -356,12 +363,19 @@ __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int par
         if (lane == 0) s_den[wid] = den;
     }
     __syncthreads();
-    for (int idx = tid; idx < Gq * (HD / 4); idx += AB1_THREADS) {
-        const int gg = idx / (HD / 4), d4 = idx - gg * (HD / 4);
+    // Thread (half, head, 4 dims) (2 * Gq * HD / 4 <= AB1_THREADS of them): half 0 sums
+    // partials 0 .. ceil(np / 2), half 1 the rest, whose sums reach half 0 through shared
+    // memory past the weights.
+    const int units = Gq * (HD / 4), hp = (np + 1) / 2;
+    float4* sums = reinterpret_cast<float4*>(sw + AB1_GM * P);
+    const int half = tid / units, u = tid - half * units;
+    const int gg = u / (HD / 4), d4 = u - gg * (HD / 4);
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (half < 2) {
         const size_t row0 = (size_t)(hbase + gg) * P;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        const int p0 = half * hp, p1 = half ? np : hp;
 #pragma unroll 8
-        for (int p = 0; p < np; ++p) {
+        for (int p = p0; p < p1; ++p) {
             const float w = sw[gg * P + p];
             const float4 v = __ldcg(reinterpret_cast<const float4*>(a.ws + (row0 + p) * HD) + d4);
             o.x += w * v.x;
@@ -369,10 +383,15 @@ __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int par
             o.z += w * v.z;
             o.w += w * v.w;
         }
+        if (half == 1) sums[u] = o;
+    }
+    __syncthreads();
+    if (half == 0) {
+        const float4 r = sums[u];
         const float inv = s_den[gg] > 0.f ? 1.f / s_den[gg] : 0.f;
         uint2 packed;
-        packed.x = pack_bf16x2(o.x * inv, o.y * inv);
-        packed.y = pack_bf16x2(o.z * inv, o.w * inv);
+        packed.x = pack_bf16x2((o.x + r.x) * inv, (o.y + r.y) * inv);
+        packed.y = pack_bf16x2((o.z + r.z) * inv, (o.w + r.w) * inv);
         *reinterpret_cast<uint2*>(a.attn + (size_t)(hbase + gg) * HD + d4 * 4) = packed;
     }
 }
@@ -416,7 +435,7 @@ extern "C" __global__ void __launch_bounds__(AB1_THREADS, 1) attn_block1(const A
         const int seq_len = a.seq_lens[0];
         const int kvh = c / a.parts, part = c - kvh * a.parts;
         if (kvh < a.nkv && seq_len > 0) {
-            const int plen = (seq_len + a.parts - 1) / a.parts;
+            const int plen = ab1_plen(seq_len, a.parts, a.min_keys);
             const int start = part * plen, n = min(plen, seq_len - start);
             const size_t head = (size_t)kvh * AB1_HD;
             for (int j = tid; j < 4 * min(n, AB1_PLEN_MAX); j += AB1_THREADS) {
@@ -457,8 +476,8 @@ extern "C" __global__ void __launch_bounds__(AB1_THREADS, 1) attn_block1(const A
     const int seq_len = a.seq_lens[0];
     const int kvh = c / a.parts, part = c - kvh * a.parts;
     if (kvh < a.nkv && seq_len > 0) {
-        const int plen = (seq_len + a.parts - 1) / a.parts;
-        if (part * plen < seq_len) ab1_attention(a, kvh, part, seq_len, sc, sslot);
+        if (part * ab1_plen(seq_len, a.parts, a.min_keys) < seq_len)
+            ab1_attention(a, kvh, part, seq_len, sc, sslot);
     }
     AB1_STAMP(4);
     grid_sync(a.bar, (unsigned)G);

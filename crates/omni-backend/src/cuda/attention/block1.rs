@@ -10,9 +10,9 @@
 //! every CTA has the copy engine bring its share of the QKV rows into shared memory as the
 //! launch starts (before the dependency wait: weights are never written by a step), and its
 //! share of the o_proj rows right after the QKV GEMV, so they land under the grid barrier and
-//! the attention. The attention splits the context over `sms / kv_heads` partitions of each KV
-//! head (one CTA each: 33 a head for Qwen3-30B-A3B on 132 SMs), and the last partition of a head
-//! to finish merges (a counter per head in `barrier`, left at zero); a partition longer than
+//! the attention. The attention splits the context over up to `sms / kv_heads` partitions of
+//! each KV head (one CTA each: 33 a head for Qwen3-30B-A3B on 132 SMs) of at least
+//! [`ATTN_ONE_LAUNCH_KEYS_ENV`] keys, and the last partition of a head to finish merges (a counter per head in `barrier`, left at zero); a partition longer than
 //! [`PLEN_MAX`] keys (contexts past ~33K on 132 SMs) goes in tiles with the online softmax.
 //!
 //! Results: `qkv` and the values written to the cache are the separate kernels' bits, the new
@@ -33,6 +33,25 @@ use crate::cuda::{CudaContext, CudaResult, MropeAxes, bf16};
 /// [`CudaContext::attn_block1_fits`] (`omni_models::cuda_decoder`). Off by default until
 /// measured on a GPU. Read once per process.
 pub const ATTN_ONE_LAUNCH_ENV: &str = "OMNI_CUDA_ATTN_ONE_LAUNCH";
+
+/// The fewest keys of a partition of the one-launch block's attention (default
+/// [`DEFAULT_MIN_KEYS`]): short contexts then take fewer CTAs and the merge fewer partials.
+/// Read once per process.
+pub const ATTN_ONE_LAUNCH_KEYS_ENV: &str = "OMNI_CUDA_ATTN_ONE_LAUNCH_KEYS";
+
+/// [`ATTN_ONE_LAUNCH_KEYS_ENV`]'s default (not measured yet: 1088 keys of 4 KV heads make 17
+/// partitions a head).
+pub const DEFAULT_MIN_KEYS: usize = 64;
+
+fn min_keys() -> usize {
+    static KEYS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KEYS.get_or_init(|| {
+        std::env::var(ATTN_ONE_LAUNCH_KEYS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .map_or(DEFAULT_MIN_KEYS, |k: usize| k.clamp(1, 1 << 20))
+    })
+}
 
 /// Whether [`ATTN_ONE_LAUNCH_ENV`] asks for the one-launch attention block.
 pub fn attn_one_launch_enabled() -> bool {
@@ -169,14 +188,14 @@ pub(crate) fn block1_plan(s: &AttnBlock1Shape, sms: usize) -> Block1Plan {
     }
 }
 
-/// Partition length and count of a context of `seq_len` keys split over `parts` (the kernel's
-/// `plen` and `np`); `(0, 0)` for an empty context.
+/// Partition length and count of a context of `seq_len` keys split over `parts`, at least
+/// `min_keys` keys each (the kernel's `ab1_plen` and `np`); `(0, 0)` for an empty context.
 #[cfg(test)]
-pub(crate) fn partitions(seq_len: usize, parts: usize) -> (usize, usize) {
+pub(crate) fn partitions(seq_len: usize, parts: usize, min_keys: usize) -> (usize, usize) {
     if seq_len == 0 || parts == 0 {
         return (0, 0);
     }
-    let plen = seq_len.div_ceil(parts);
+    let plen = seq_len.div_ceil(parts).max(min_keys.max(1));
     (plen, seq_len.div_ceil(plen))
 }
 
@@ -209,6 +228,7 @@ struct Ab1Args {
     rows_qkv: i32,
     rows_o: i32,
     parts: i32,
+    min_keys: i32,
     set: i32,
     scale_log2: f32,
 }
@@ -483,6 +503,7 @@ impl CudaContext {
             rows_qkv: narrow("attention block qkv rows", p.rows_qkv)?,
             rows_o: narrow("attention block o rows", p.rows_o)?,
             parts: narrow("attention block partitions", p.parts)?,
+            min_keys: narrow("attention block partition keys", min_keys())?,
             set: i32::from(init != 0),
             scale_log2: shape.scale * std::f32::consts::LOG2_E,
         };
@@ -527,30 +548,32 @@ mod tests {
     }
 
     /// The C layout of the kernel's `Ab1Args`: `DecodeRope` (nine pointers, a 64-bit stride and
-    /// a float, padded to 88 bytes), then 13 pointers from byte 88, then 10 ints and a float
-    /// from byte 192, padded to the 8-byte alignment.
+    /// a float, padded to 88 bytes), then 13 pointers from byte 88, then 11 ints and a float
+    /// from byte 192 (240 bytes).
     #[test]
     fn argument_layout_is_the_kernels() {
         assert_eq!(std::mem::size_of::<DecodeRopeArgs>(), 88);
         assert_eq!(std::mem::offset_of!(Ab1Args, residual), 88);
         assert_eq!(std::mem::offset_of!(Ab1Args, stamps), 88 + 12 * 8);
         assert_eq!(std::mem::offset_of!(Ab1Args, hidden), 192);
-        assert_eq!(std::mem::offset_of!(Ab1Args, scale_log2), 192 + 10 * 4);
+        assert_eq!(std::mem::offset_of!(Ab1Args, scale_log2), 192 + 11 * 4);
         assert_eq!(std::mem::size_of::<Ab1Args>(), 240);
     }
 
     /// Qwen3-30B-A3B on 132 SMs: 39 QKV rows and 16 o_proj rows a CTA, 33 partitions a KV head,
     /// ~196 KiB of shared memory (the QKV share), within the limit; a 4096-token context is
-    /// ~125 keys a partition.
+    /// ~125 keys a partition, 1088 keys 17 partitions of 64 at the default fewest keys.
     #[test]
     fn plan_of_the_30b_attention_block() {
         let p = block1_plan(&qwen3_30b(), 132);
         assert_eq!((p.rows_qkv, p.rows_o, p.parts), (39, 16, 33));
         assert_eq!(p.smem, 128 + 8192 + 32768 + 4096 + 39 * 2048 * 2);
         assert!(p.smem <= SMEM_MAX);
-        assert_eq!(partitions(4096, 33), (125, 33));
-        assert_eq!(partitions(1088, 33), (33, 33));
-        assert_eq!(partitions(5, 33), (1, 5));
-        assert_eq!(partitions(0, 33), (0, 0));
+        assert_eq!(partitions(4096, 33, 64), (125, 33));
+        assert_eq!(partitions(1088, 33, 1), (33, 33));
+        assert_eq!(partitions(1088, 33, 64), (64, 17));
+        assert_eq!(partitions(5, 33, 1), (1, 5));
+        assert_eq!(partitions(5, 33, 64), (64, 1));
+        assert_eq!(partitions(0, 33, 64), (0, 0));
     }
 }

@@ -79,11 +79,9 @@ fn check_smem(s: &AttnBlock1Shape, p: &Block1Plan) {
 
 /// Per (CTA, KV head) the kernel's partition of `seq_len` keys: `(start, n)` for the CTAs that
 /// take one. `rule` is the partition rule (the kernel's, or a mutation).
-fn partition_ctas(
-    seq_len: usize,
-    parts: usize,
-    rule: fn(usize, usize) -> (usize, usize),
-) -> Vec<(usize, usize)> {
+type Rule<'a> = &'a dyn Fn(usize, usize) -> (usize, usize);
+
+fn partition_ctas(seq_len: usize, parts: usize, rule: Rule<'_>) -> Vec<(usize, usize)> {
     let (plen, _) = rule(seq_len, parts);
     (0..parts)
         .filter(|&part| seq_len > 0 && part * plen < seq_len)
@@ -94,12 +92,7 @@ fn partition_ctas(
 /// Every key of a context in exactly one partition, the number of partitions equal to the
 /// merge ticket count `np`, the new key (seq_len - 1) in the last; in each partition's tiles of
 /// `tile` keys every key scored and summed once.
-fn check_partitions(
-    seq_len: usize,
-    parts: usize,
-    rule: fn(usize, usize) -> (usize, usize),
-    tile: usize,
-) {
+fn check_partitions(seq_len: usize, parts: usize, rule: Rule<'_>, tile: usize) {
     let ps = partition_ctas(seq_len, parts, rule);
     let (_, np) = rule(seq_len, parts);
     assert_eq!(
@@ -191,8 +184,11 @@ fn every_row_and_key_is_taken_once() {
         assert!(rows.iter().all(|&r| r == 1));
         let most = mbps * 16;
         for seq_len in (1..=most).filter(|l| *l < 300 || l % 37 == 0 || *l == most) {
-            check_partitions(seq_len, p.parts, partitions, PLEN_MAX);
-            check_partitions(seq_len, p.parts, partitions, 7);
+            for min_keys in [1, 64, 200] {
+                let rule = |l, parts| partitions(l, parts, min_keys);
+                check_partitions(seq_len, p.parts, &rule, PLEN_MAX);
+                check_partitions(seq_len, p.parts, &rule, 7);
+            }
         }
     }
 }
@@ -206,13 +202,13 @@ fn the_partition_check_fails_wrong_rules() {
         (plen, seq_len.div_ceil(plen))
     }
     fn short(seq_len: usize, parts: usize) -> (usize, usize) {
-        let (plen, np) = partitions(seq_len, parts);
+        let (plen, np) = partitions(seq_len, parts, 1);
         (plen, np.saturating_sub(1))
     }
     for rule in [floored as fn(usize, usize) -> (usize, usize), short] {
         let failed = std::panic::catch_unwind(|| {
             for seq_len in [1000, 1088, 4096] {
-                check_partitions(seq_len, 33, rule, PLEN_MAX);
+                check_partitions(seq_len, 33, &rule, PLEN_MAX);
             }
         });
         assert!(failed.is_err(), "a wrong partition rule passed");
@@ -222,7 +218,8 @@ fn the_partition_check_fails_wrong_rules() {
 /// The attention of one KV head's query heads as the kernel computes it: per partition, tile
 /// by tile, the scores in the log2 domain, the running max, the numerators and the running sum
 /// (what came before scaled by 2^(old max - new max)), P V over the four key subsets; the
-/// partial normalised; then the merge with weights sum_p * 2^(max_p - max). Against f64
+/// partial normalised; then the merge with weights sum_p * 2^(max_p - max), two halves of the
+/// partials summed apart. Against f64
 /// softmax attention: within 1e-5 relative, with one tile a partition and with several.
 #[test]
 fn partials_merge_to_softmax_attention() {
@@ -256,7 +253,7 @@ fn partials_merge_to_softmax_attention() {
         let scale = (hd as f32).powf(-0.5);
         let scale_log2 = scale * std::f32::consts::LOG2_E;
         let parts = 33;
-        let ps = partition_ctas(seq_len, parts, partitions);
+        let ps = partition_ctas(seq_len, parts, &|l, p| partitions(l, p, 64));
         for (g, qg) in q.iter().enumerate() {
             let qs: Vec<f32> = qg.iter().map(|x| x * scale_log2).collect();
             // Partials.
@@ -299,15 +296,13 @@ fn partials_merge_to_softmax_attention() {
                     .fold(f32::NEG_INFINITY, f32::max);
                 let w: Vec<f32> = partials.iter().map(|p| p.2 * (p.1 - mx).exp2()).collect();
                 let den: f32 = w.iter().sum();
+                // Two halves of the partials summed apart, then added (the kernel's threads).
+                let hp = partials.len().div_ceil(2);
+                let half = |r: std::ops::Range<usize>, d: usize| -> f32 {
+                    r.map(|p| w[p] * partials[p].0[d]).sum()
+                };
                 (0..hd)
-                    .map(|d| {
-                        partials
-                            .iter()
-                            .zip(&w)
-                            .map(|(p, w)| w * p.0[d])
-                            .sum::<f32>()
-                            / den
-                    })
+                    .map(|d| (half(0..hp, d) + half(hp..partials.len(), d)) * (1.0 / den))
                     .collect()
             };
             // f64 reference.

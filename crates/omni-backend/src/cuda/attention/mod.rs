@@ -65,8 +65,8 @@ mod timing;
 #[cfg(doc)]
 use super::CudaContext;
 pub use block1::{
-    ATTN_ONE_LAUNCH_ENV, AttnBlock1Buffers, AttnBlock1Shape, AttnBlock1Weights,
-    attn_one_launch_enabled,
+    ATTN_ONE_LAUNCH_ENV, ATTN_ONE_LAUNCH_KEYS_ENV, AttnBlock1Buffers, AttnBlock1Shape,
+    AttnBlock1Weights, DEFAULT_MIN_KEYS, attn_one_launch_enabled,
 };
 pub use rope::DECODE_ROPE_ENV;
 
