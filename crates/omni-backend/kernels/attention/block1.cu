@@ -15,12 +15,12 @@
 //            attention); barrier 1;
 //   phase 2  CTA c = kvh * parts + part takes KV head kvh's partition `part` of the context
 //            (ab1_plen: ceil(seq_len / parts) keys, at least min_keys): it norms and rotates
-//            its query heads' rows (decode_rope_row), the partition that ends the sequence also the new key, which it
-//            writes into the caches with the value; scores, softmax and P V of up to AB1_GM query
-//            heads; the partial (normalised output, max, sum) goes to `ws`, and the last
-//            partition of the KV head to finish (a counter per KV head, left at 0) merges them
-//            into `attn` (bf16, the decode kernel's merge weights sum_p * 2^(max_p - max));
-//            barrier 2;
+//            its query heads' rows (decode_rope_row), the partition that ends the sequence also
+//            the new key, which it writes into the caches with the value; scores, softmax and
+//            P V of up to AB1_GM query heads in tiles of AB1_PLEN_MAX keys (online softmax);
+//            the partial (normalised output, max, sum) goes to `ws`, and the last partition of
+//            the KV head to finish (a counter per KV head, left at 0) merges them into `attn`
+//            (bf16, the decode kernel's merge weights sum_p * 2^(max_p - max)); barrier 2;
 //   phase 3  every CTA copies `attn` into shared memory and warp w computes o_proj rows w,
 //            w + 16, .. of its share from the staged rows into the f32 `proj` (the staged GEMV's
 //            sum order: the same bits as `gemv_staged_r1` on the same `attn`).
@@ -31,8 +31,8 @@
 // resident). The attention partials differ from the decode kernel's partitions, so `attn` is
 // equal to the separate kernels' up to f32 rounding, not bit for bit, and the new key to
 // qkv_rope_cache_bf16's up to a bf16 rounding (decode_rope_row adds the q/k norm's sum of
-// squares in another order). `stamps` (null but in a
-// test) takes each CTA's %globaltimer at AB1_STAMPS points.
+// squares in another order). `stamps` (null but in a test) takes each CTA's %globaltimer at
+// AB1_STAMPS points.
 // Prepended by the Rust side: bf16.cuh, grid_sync.cuh, gemv_common.cuh, rope.cuh,
 // attention/common.cuh, attention/decode_rope.cuh.
 
@@ -396,7 +396,7 @@ __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int par
     }
 }
 
-// Dynamic shared memory (block1.rs `block1_smem` computes the same): 2 * AB1_MAX_GROUPS
+// Dynamic shared memory (block1.rs `block1_plan` computes the same): 2 * AB1_MAX_GROUPS
 // mbarriers (128 bytes), the input row (max(hidden, nh * HD) bf16, rounded up to 128 bytes),
 // the scores (AB1_GM * AB1_PLEN_MAX f32), the slots (AB1_PLEN_MAX i32), then the weight rows
 // (max(rows_qkv * hidden, rows_o * nh * HD) bf16).
