@@ -40,7 +40,7 @@
 #define AB1_WARPS 16
 #define AB1_HD 128
 #define AB1_GM 8
-#define AB1_PLEN_MAX 1024
+#define AB1_PLEN_MAX 512
 #define AB1_GROUP_ROWS 16
 #define AB1_MAX_GROUPS 8
 #define AB1_COPY_BYTES 32768u

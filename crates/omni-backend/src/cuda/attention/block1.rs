@@ -13,7 +13,7 @@
 //! the attention. The attention splits the context over up to `sms / kv_heads` partitions of
 //! each KV head (one CTA each: 33 a head for Qwen3-30B-A3B on 132 SMs) of at least
 //! [`ATTN_ONE_LAUNCH_KEYS_ENV`] keys, and the last partition of a head to finish merges (a counter per head in `barrier`, left at zero); a partition longer than
-//! [`PLEN_MAX`] keys (contexts past ~33K on 132 SMs) goes in tiles with the online softmax.
+//! [`PLEN_MAX`] keys (contexts past ~17K on 132 SMs) goes in tiles with the online softmax.
 //!
 //! Results: `qkv` and the values written to the cache are the separate kernels' bits, the new
 //! key theirs up to a bf16 rounding (the q/k norm's sum of squares in another order, as in the
@@ -69,7 +69,7 @@ pub(crate) const HEAD_DIM: usize = 128;
 pub(crate) const MAX_GROUP: usize = 8;
 /// Keys of a partition's tile (`AB1_PLEN_MAX`): longer partitions take several, with the
 /// online softmax.
-pub(crate) const PLEN_MAX: usize = 1024;
+pub(crate) const PLEN_MAX: usize = 512;
 /// Weight rows per mbarrier (`AB1_GROUP_ROWS`) and mbarriers per matrix (`AB1_MAX_GROUPS`).
 const GROUP_ROWS: usize = 16;
 const MAX_GROUPS: usize = 8;
@@ -561,13 +561,17 @@ mod tests {
     }
 
     /// Qwen3-30B-A3B on 132 SMs: 39 QKV rows and 16 o_proj rows a CTA, 33 partitions a KV head,
-    /// ~196 KiB of shared memory (the QKV share), within the limit; a 4096-token context is
-    /// ~125 keys a partition, 1088 keys 17 partitions of 64 at the default fewest keys.
+    /// ~182 KiB of shared memory (the QKV share), within the limit, and on the 114 SMs of an
+    /// H100 PCIe 45 rows, ~206 KiB, still within it; a 4096-token context is ~125 keys a
+    /// partition, 1088 keys 17 partitions of 64 at the default fewest keys.
     #[test]
     fn plan_of_the_30b_attention_block() {
         let p = block1_plan(&qwen3_30b(), 132);
         assert_eq!((p.rows_qkv, p.rows_o, p.parts), (39, 16, 33));
-        assert_eq!(p.smem, 128 + 8192 + 32768 + 4096 + 39 * 2048 * 2);
+        assert_eq!(p.smem, 128 + 8192 + 16384 + 2048 + 39 * 2048 * 2);
+        assert!(p.smem <= SMEM_MAX);
+        let p = block1_plan(&qwen3_30b(), 114);
+        assert_eq!((p.rows_qkv, p.rows_o, p.parts), (45, 18, 28));
         assert!(p.smem <= SMEM_MAX);
         assert_eq!(partitions(4096, 33, 64), (125, 33));
         assert_eq!(partitions(1088, 33, 1), (33, 33));

@@ -74,7 +74,8 @@ fn check_smem(s: &AttnBlock1Shape, p: &Block1Plan) {
     );
     // The P V sums (4 x GM x HD f32) and the merge weights (GM x parts) reuse the scores.
     assert!(4 * MAX_GROUP * s.head_dim <= MAX_GROUP * PLEN_MAX);
-    assert!(MAX_GROUP * p.parts <= MAX_GROUP * PLEN_MAX);
+    // The merge: GM x parts weights, then the second half's sums (GM x HD / 4 float4).
+    assert!(MAX_GROUP * p.parts * 4 + MAX_GROUP * s.head_dim * 4 <= MAX_GROUP * PLEN_MAX * 4);
 }
 
 /// Per (CTA, KV head) the kernel's partition of `seq_len` keys: `(start, n)` for the CTAs that
