@@ -163,7 +163,7 @@ fn every_row_and_key_is_taken_once() {
         (114, (2048, 32, 4, 128)),
         (132, (1024, 16, 2, 64)),
         (8, (64, 2, 1, 4)),
-        // Max-model-len 40960: partitions of ~1242 keys, two tiles.
+        // Max-model-len 40960: partitions of ~1242 keys, three tiles.
         (132, (2048, 32, 4, 2560)),
     ] {
         let s = shape(h, nh, nkv, mbps);

@@ -320,7 +320,7 @@ fn attn_block1_matches_the_separate_kernels() {
         ((2048, 32, 4), 1088, (true, false, false)),
         ((2048, 32, 4), 1, (true, false, true)),
         ((2048, 32, 4), 4000, (true, false, false)),
-        // Partitions of 1213 keys: two tiles with the online softmax.
+        // Partitions of 1213 keys: three tiles with the online softmax.
         ((2048, 32, 4), 40000, (true, false, false)),
         ((1024, 16, 2), 33, (true, true, false)),
         ((512, 8, 4), 300, (false, false, true)),
