@@ -193,6 +193,9 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(bar0 + 8u * g) : "memory");
         // The initialised barriers visible to the copy engine before a copy names them.
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        // gv_stage_rows (gemv_common.cuh) with GS_WARPS-row groups, written out: calling it
+        // changed this measured kernel's sm_90 code (CUBINs compared on the CPU), so the switch
+        // waits for a GPU to measure it.
         const char* src = reinterpret_cast<const char*>(w + (size_t)o0 * k);
         const unsigned dst0 = bar0 + GS_BAR_BYTES + (unsigned)xs_bytes;
         for (int g = 0; g < groups; ++g) {
@@ -231,14 +234,7 @@ __device__ __forceinline__ void gemv_staged_body(const unsigned short* __restric
     for (int j = warp; j < nr; j += GS_WARPS) {
         const uint4* wr;
         if (j < ns) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-            const unsigned bar = bar0 + 8u * (unsigned)(j / GS_WARPS);
-            unsigned done = 0;
-            while (!done) {
-                asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
-                             "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar) : "memory");
-            }
-#endif
+            gv_stage_wait(bar0 + 8u * (unsigned)(j / GS_WARPS));
             wr = reinterpret_cast<const uint4*>(ws + (size_t)j * row_bytes);
         } else {
             wr = reinterpret_cast<const uint4*>(w + (size_t)(o0 + j) * k);

@@ -84,3 +84,41 @@ __device__ __forceinline__ void gv_norm_row(const float* __restrict__ x,
         xs[i] = f2bf(bf2f(w[i]) * (xi * inv));
     }
 }
+
+// Weight rows into shared memory by the copy engine (sm_90; nothing below it), for the staged
+// GEMV (gemv.cu) and the one-launch attention block (attention/block1.cu). Thread 0 of a block:
+// `rows` rows of `row_bytes` from `src` to the shared address `dst`, in groups of `group_rows`
+// rows; group g completes the mbarrier at `bar + 8 g` (initialised with count 1) when its bytes
+// have landed, in copies of at most `chunk` bytes (row bytes multiples of 16).
+__device__ __forceinline__ void gv_stage_rows(unsigned dst, const char* src, int rows,
+                                              size_t row_bytes, unsigned bar, int group_rows,
+                                              unsigned chunk) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int groups = (rows + group_rows - 1) / group_rows;
+    for (int g = 0; g < groups; ++g) {
+        const unsigned b = bar + 8u * g;
+        const size_t begin = (size_t)g * group_rows * row_bytes;
+        const size_t end = (size_t)min(rows, (g + 1) * group_rows) * row_bytes;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                     :: "r"(b), "r"((unsigned)(end - begin)) : "memory");
+        for (size_t off = begin; off < end; off += chunk) {
+            const unsigned sz = (unsigned)min((size_t)chunk, end - off);
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                :: "r"(dst + (unsigned)off), "l"(src + off), "r"(sz), "r"(b) : "memory");
+        }
+    }
+#endif
+}
+
+// Waits for the first phase of the mbarrier at shared address `bar` (a group of
+// gv_stage_rows landed).
+__device__ __forceinline__ void gv_stage_wait(unsigned bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar) : "memory");
+    }
+#endif
+}

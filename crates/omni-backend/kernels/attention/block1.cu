@@ -82,38 +82,6 @@ __device__ __forceinline__ int ab1_plen(int seq_len, int parts, int min_keys) {
     return max((seq_len + parts - 1) / parts, min_keys);
 }
 
-__device__ __forceinline__ void ab1_wait(unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned done = 0;
-    while (!done) {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar) : "memory");
-    }
-#endif
-}
-
-// Thread 0: `rows` weight rows of `row_bytes` from `src` into shared memory at `dst`, by the
-// copy engine, groups of AB1_GROUP_ROWS rows completing mbarriers bar, bar + 8, ...
-__device__ __forceinline__ void ab1_stage(unsigned dst, const char* src, int rows,
-                                          size_t row_bytes, unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const int groups = (rows + AB1_GROUP_ROWS - 1) / AB1_GROUP_ROWS;
-    for (int g = 0; g < groups; ++g) {
-        const unsigned b = bar + 8u * g;
-        const size_t begin = (size_t)g * AB1_GROUP_ROWS * row_bytes;
-        const size_t end = (size_t)min(rows, (g + 1) * AB1_GROUP_ROWS) * row_bytes;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                     :: "r"(b), "r"((unsigned)(end - begin)) : "memory");
-        for (size_t off = begin; off < end; off += AB1_COPY_BYTES) {
-            const unsigned sz = (unsigned)min((size_t)AB1_COPY_BYTES, end - off);
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                :: "r"(dst + (unsigned)off), "l"(src + off), "r"(sz), "r"(b) : "memory");
-        }
-    }
-#endif
-}
-
 // Warp `wid`'s rows of a staged GEMV: y[j] = sum_k x[k] * w_j[k] for j = wid, wid + 16, .. <
 // rows, row j waiting for its group's mbarrier; gemv_staged_body's loop and reduction for one
 // input row (the same bits). `k` a multiple of 8.
@@ -123,7 +91,7 @@ __device__ __forceinline__ void ab1_gemv(const uint4* xin, const unsigned char* 
     const int chunks = k >> 3;
     const size_t row_bytes = (size_t)k * 2;
     for (int j = wid; j < rows; j += AB1_WARPS) {
-        ab1_wait(bar0 + 8u * (unsigned)(j / AB1_GROUP_ROWS));
+        gv_stage_wait(bar0 + 8u * (unsigned)(j / AB1_GROUP_ROWS));
         const uint4* wr = reinterpret_cast<const uint4*>(ws + (size_t)j * row_bytes);
         float acc = 0.f;
         for (int base = 0; base < chunks; base += 32 * GV_UNROLL) {
@@ -423,8 +391,8 @@ extern "C" __global__ void __launch_bounds__(AB1_THREADS, 1) attn_block1(const A
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(bars + 8u * g) : "memory");
         // The initialised barriers visible to the copy engine before a copy names them.
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-        ab1_stage(wdst, reinterpret_cast<const char*>(a.w_qkv + (size_t)q0 * H), nrq,
-                  (size_t)H * 2, bar_q);
+        gv_stage_rows(wdst, reinterpret_cast<const char*>(a.w_qkv + (size_t)q0 * H), nrq,
+                      (size_t)H * 2, bar_q, AB1_GROUP_ROWS, AB1_COPY_BYTES);
     }
 #endif
     // The K and V rows of this CTA's partition into L2 (phase 2 then reads them from there): the
@@ -462,8 +430,8 @@ extern "C" __global__ void __launch_bounds__(AB1_THREADS, 1) attn_block1(const A
     if (tid == 0) {
         // The generic-proxy reads of those rows ordered before the copy engine's writes.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        ab1_stage(wdst, reinterpret_cast<const char*>(a.w_o + (size_t)o0 * ko), nro,
-                  (size_t)ko * 2, bar_o);
+        gv_stage_rows(wdst, reinterpret_cast<const char*>(a.w_o + (size_t)o0 * ko), nro,
+                      (size_t)ko * 2, bar_o, AB1_GROUP_ROWS, AB1_COPY_BYTES);
     }
 #endif
     AB1_STAMP(2);
