@@ -119,10 +119,11 @@ __device__ __forceinline__ void ab1_gemv(const uint4* xin, const unsigned char* 
     }
 }
 
-// Phase 2 of CTA (kvh, part): the partition's partial, and the merge when it is the KV head's
-// last to finish. `sc`: AB1_GM * AB1_PLEN_MAX floats, `sslot`: AB1_PLEN_MAX ints (one tile).
+// Phase 2 of CTA (kvh, part) of a `seq_len`-key context in partitions of `plen` keys
+// (ab1_plen): the partition's partial, and the merge when it is the KV head's last to finish.
+// `sc`: AB1_GM * AB1_PLEN_MAX floats, `sslot`: AB1_PLEN_MAX ints (one tile).
 __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int part, int seq_len,
-                                              float* sc, int* sslot) {
+                                              int plen, float* sc, int* sslot) {
     constexpr int HD = AB1_HD, L = HD / 8, TPS = AB1_WARPS * (32 / L), U = 2;
     __shared__ float s_m[AB1_GM], s_l[AB1_GM], s_alpha[AB1_GM];
     __shared__ __align__(16) float s_q[AB1_GM][HD];
@@ -132,7 +133,6 @@ __device__ __forceinline__ void ab1_attention(const Ab1Args& a, int kvh, int par
     const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
     const int tg = lane / L, lig = lane - tg * L;
     const int P = a.parts, Gq = a.num_heads / a.nkv, nh = a.num_heads, nkv = a.nkv;
-    const int plen = ab1_plen(seq_len, P, a.min_keys);
     const int np = (seq_len + plen - 1) / plen;
     const int start = part * plen, n = min(plen, seq_len - start);
     const int hbase = kvh * Gq;
@@ -395,25 +395,25 @@ extern "C" __global__ void __launch_bounds__(AB1_THREADS, 1) attn_block1(const A
                       (size_t)H * 2, bar_q, AB1_GROUP_ROWS, AB1_COPY_BYTES);
     }
 #endif
-    // The K and V rows of this CTA's partition into L2 (phase 2 then reads them from there): the
-    // context length and block table are host-written and the rows were written by earlier
-    // steps, so they are readable before the wait; the new token's slot is skipped (this
-    // launch writes it).
-    {
-        const int seq_len = a.seq_lens[0];
-        const int kvh = c / a.parts, part = c - kvh * a.parts;
-        if (kvh < a.nkv && seq_len > 0) {
-            const int plen = ab1_plen(seq_len, a.parts, a.min_keys);
-            const int start = part * plen, n = min(plen, seq_len - start);
-            const size_t head = (size_t)kvh * AB1_HD;
-            for (int j = tid; j < 4 * min(n, AB1_PLEN_MAX); j += AB1_THREADS) {
-                const int i = j >> 2;
-                if (start + i == seq_len - 1) continue;
-                const int slot = kv_slot(a.block_table, start + i, a.bs, a.mbps, a.num_blocks);
-                const u16* cache = (j & 2) ? a.rope.vc_w : a.rope.kc_w;
-                const u16* p = cache + (size_t)slot * a.nkv * AB1_HD + head + (j & 1) * 64;
-                asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-            }
+    // This CTA's phase-2 partition (the context length is host-written: readable before the
+    // wait), if it has one.
+    const int seq_len = a.seq_lens[0];
+    const int kvh = c / a.parts, part = c - kvh * a.parts;
+    const int plen = seq_len > 0 ? ab1_plen(seq_len, a.parts, a.min_keys) : 0;
+    const bool attends = kvh < a.nkv && seq_len > 0 && part * plen < seq_len;
+    // Its K and V rows into L2 (phase 2 then reads them from there): the block table is
+    // host-written and the rows were written by earlier steps, so they are readable before the
+    // wait; the new token's slot is skipped (this launch writes it).
+    if (attends) {
+        const int start = part * plen, n = min(plen, seq_len - start);
+        const size_t head = (size_t)kvh * AB1_HD;
+        for (int j = tid; j < 4 * min(n, AB1_PLEN_MAX); j += AB1_THREADS) {
+            const int i = j >> 2;
+            if (start + i == seq_len - 1) continue;
+            const int slot = kv_slot(a.block_table, start + i, a.bs, a.mbps, a.num_blocks);
+            const u16* cache = (j & 2) ? a.rope.vc_w : a.rope.kc_w;
+            const u16* p = cache + (size_t)slot * a.nkv * AB1_HD + head + (j & 1) * 64;
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
         }
     }
     __syncthreads();  // the barriers are initialised before any thread waits on them
@@ -441,12 +441,7 @@ extern "C" __global__ void __launch_bounds__(AB1_THREADS, 1) attn_block1(const A
     pdl_launch_dependents();
 
     // Phase 2: attention of this CTA's (KV head, partition), if it has one.
-    const int seq_len = a.seq_lens[0];
-    const int kvh = c / a.parts, part = c - kvh * a.parts;
-    if (kvh < a.nkv && seq_len > 0) {
-        if (part * ab1_plen(seq_len, a.parts, a.min_keys) < seq_len)
-            ab1_attention(a, kvh, part, seq_len, sc, sslot);
-    }
+    if (attends) ab1_attention(a, kvh, part, seq_len, plen, sc, sslot);
     AB1_STAMP(4);
     grid_sync(a.bar, (unsigned)G);
     AB1_STAMP(5);
