@@ -116,6 +116,18 @@ pub(crate) fn graph_us(cx: &CudaContext, f: &mut dyn FnMut()) -> f64 {
     best
 }
 
+/// The bit patterns of a device f32 buffer (for bit-for-bit comparisons).
+pub(crate) fn bits32(cx: &CudaContext, v: &CudaSlice<f32>) -> Vec<u32> {
+    let host = cx.stream().clone_dtoh(v).unwrap();
+    host.iter().map(|f| f.to_bits()).collect()
+}
+
+/// The bit patterns of a device bf16 buffer.
+pub(crate) fn bits16(cx: &CudaContext, v: &CudaSlice<bf16>) -> Vec<u16> {
+    let host = cx.stream().clone_dtoh(v).unwrap();
+    host.iter().map(|b| b.to_bits()).collect()
+}
+
 /// Prints where a one-launch kernel's time goes: `stamps` holds each CTA's `names.len()`
 /// %globaltimer readings (ns); per point the minimum, median and maximum µs after the first
 /// CTA's entry.

@@ -12,7 +12,9 @@ use super::block1::STAMPS;
 use super::emu::{ShuffledTables, shuffled_tables};
 use super::tests::Lcg;
 use super::*;
-use crate::cuda::tests::{ctx_or_skip, graph_us, print_stamps, rand_bf16_f32, rel_err};
+use crate::cuda::tests::{
+    bits16, bits32, ctx_or_skip, graph_us, print_stamps, rand_bf16_f32, rel_err,
+};
 use crate::cuda::{CudaContext, GemvIn, L2Prefetch, MropeAxes, QkvBuffers, QkvShape, bf16};
 
 const BS: usize = 16;
@@ -284,24 +286,6 @@ impl Case {
             None => cx.attn_block1(self.s, w, b).unwrap(),
         }
     }
-}
-
-fn bits16(cx: &CudaContext, v: &CudaSlice<bf16>) -> Vec<u16> {
-    cx.stream()
-        .clone_dtoh(v)
-        .unwrap()
-        .iter()
-        .map(|b| b.to_bits())
-        .collect()
-}
-
-fn bits32(cx: &CudaContext, v: &CudaSlice<f32>) -> Vec<u32> {
-    cx.stream()
-        .clone_dtoh(v)
-        .unwrap()
-        .iter()
-        .map(|f| f.to_bits())
-        .collect()
 }
 
 /// Against the four launches on the same inputs, over Qwen3-30B-A3B's heads (32 / 4), a

@@ -12,7 +12,7 @@ use super::small_emu::{rms_ref, shape, test_residual};
 use super::small_tests::{DevLayer, DevOut, bits16, dev_layer};
 use super::{MoeBlock1Buffers, MoeShape};
 use crate::cuda::CudaContext;
-use crate::cuda::tests::{ctx_or_skip, graph_us, print_stamps};
+use crate::cuda::tests::{bits32, ctx_or_skip, graph_us, print_stamps};
 
 /// The one-launch block's outputs.
 struct Block1Out {
@@ -83,11 +83,6 @@ fn three_kernels(
         .unwrap();
     cx.moe_small_down(s, &o.act, &l.w2, &o.ids, &o.ws, residual)
         .unwrap();
-}
-
-fn bits32(cx: &CudaContext, v: &CudaSlice<f32>) -> Vec<u32> {
-    let host = cx.stream().clone_dtoh(v).unwrap();
-    host.iter().map(|f| f.to_bits()).collect()
 }
 
 /// The layer, the residual split into a base and the attention output (when `with_delta`).
